@@ -1,0 +1,242 @@
+"""credit.py against a hand-worked example, a float64 loop reference, TRL's own normalisation, and invariants."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_mrtpo.credit import (
+    batch_rescale,
+    cap_redistribution,
+    combine,
+    group_advantages,
+    shuffle_relevance,
+    token_advantages,
+    token_weights,
+    warmup_beta,
+)
+
+# ---------------------------------------------------------------- hand-worked example
+# One group of G=2, K=2 rewards: r1 = [1, 0] varies, r2 = [0, 0] is constant. Response 0 has 3 tokens with
+# q1 = [0.6, 0.2, 0.1] (qbar 0.3); response 1 has 2 tokens. beta = 0.5, c = [1, 1], rho = 2.
+#   A1 = +-a with a = 0.5 / (std + 1e-4), std = sqrt(0.5) (Bessel); A2 = 0.
+#   w1 of response 0 = 0.5 + 0.5 * q / 0.3 = [1.5, 5/6, 2/3]  (mean 1, floor 0.5).
+#   S = a * [1.5, 5/6, 2/3 | -1, -1]; R = a * [0.5, -1/6, -1/3 | 0, 0]; the cap s = min(1, sqrt(5 / (7/18))) = 1.
+#   Tokens' mean = 0.2a, Bessel variance = a^2 * (1.3^2 + (19/30)^2 + (7/15)^2 + 2 * 1.2^2) / 4, so the final
+#   advantages are S / std and a cancels out.
+REWARDS = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+Q = torch.zeros(2, 2, 3)
+Q[0, 0] = torch.tensor([0.6, 0.2, 0.1])
+HAND_STD = math.sqrt((1.3**2 + (19 / 30) ** 2 + (7 / 15) ** 2 + 2 * 1.2**2) / 4)
+HAND_EXPECTED = torch.tensor([[1.5, 5 / 6, 2 / 3], [-1.0, -1.0, 0.0]]) / HAND_STD
+
+
+def test_hand_worked_example():
+    adv, varying = group_advantages(REWARDS, num_generations=2)
+    a = 0.5 / (math.sqrt(0.5) + 1e-4)
+    torch.testing.assert_close(adv, torch.tensor([[a, 0.0], [-a, 0.0]]))
+    assert varying.tolist() == [[True, False], [True, False]]
+    w = token_weights(Q[:, 0], MASK, beta=0.5)
+    torch.testing.assert_close(w[0], torch.tensor([1.5, 5 / 6, 2 / 3]))
+    torch.testing.assert_close(w[1], torch.ones(3))  # qbar = 0: uniform
+    credit = token_advantages(adv, Q, varying, MASK, torch.ones(2), beta=0.5, max_second_moment_ratio=2.0)
+    assert credit.cap_factor == 1.0
+    torch.testing.assert_close(credit.advantages, HAND_EXPECTED)
+
+
+def test_hand_worked_cap_is_active_for_small_rho():
+    # Same example with rho = 1.01: s = sqrt(0.01 * 5 / (7/18)) = sqrt(9/70).
+    adv, varying = group_advantages(REWARDS, num_generations=2)
+    credit = token_advantages(adv, Q, varying, MASK, torch.ones(2), beta=0.5, max_second_moment_ratio=1.01)
+    assert credit.cap_factor == pytest.approx(math.sqrt(9 / 70), rel=1e-5)
+
+
+# ---------------------------------------------------------------- independent float64 reference
+def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
+    """Plain loops in float64, written from DESIGN.md §1 without using credit.py."""
+    n, k_count = rewards.shape
+    rewards, q, c = rewards.double(), q.double(), c.double()
+    adv = torch.zeros(n, k_count, dtype=torch.float64)
+    varying = torch.zeros(n, k_count, dtype=torch.bool)
+    for g in range(n // G):
+        for k in range(k_count):
+            vals = [rewards[g * G + j, k].item() for j in range(G)]
+            valid = [v for v in vals if not math.isnan(v)]
+            if len(valid) < 2:
+                continue
+            mean = sum(valid) / len(valid)
+            std = math.sqrt(sum((v - mean) ** 2 for v in valid) / (len(valid) - 1))
+            for j in range(G):
+                if not math.isnan(vals[j]):
+                    adv[g * G + j, k] = (vals[j] - mean) / (std + eps)
+                varying[g * G + j, k] = std > 0
+    lengths = [int(m.sum()) for m in mask]
+    scores, uniforms = [], []
+    for j in range(n):
+        length = lengths[j]
+        u = sum(c[k] * adv[j, k] for k in range(k_count)).item()
+        s_row = [0.0] * length
+        for k in range(k_count):
+            qs = q[j, k, :length].tolist()
+            qbar = sum(qs) / length if length else 0.0
+            for t in range(length):
+                w = 1.0
+                if varying[j, k] and qbar >= 1e-8:
+                    w = (1 - beta) + beta * qs[t] / qbar
+                s_row[t] += c[k].item() * adv[j, k].item() * w
+        scores.append(s_row)
+        uniforms.append(u)
+    uni_moment = sum(lengths[j] * uniforms[j] ** 2 for j in range(n))
+    red_moment = sum((s - uniforms[j]) ** 2 for j in range(n) for s in scores[j])
+    # As in credit.py, a redistribution below float rounding of the uniform part (relative 1e-12) is none.
+    s_cap = 1.0 if red_moment <= 1e-12 * uni_moment else min(1.0, math.sqrt((rho - 1) * uni_moment / red_moment))
+    capped = [[uniforms[j] + s_cap * (s - uniforms[j]) for s in scores[j]] for j in range(n)]
+    flat = [v for row in capped for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for j in range(n):
+        for t, v in enumerate(capped[j]):
+            out[j, t] = v / std if std > 0 else v
+    return out, s_cap
+
+
+@st.composite
+def batches(draw):
+    groups = draw(st.integers(1, 3))
+    G = draw(st.integers(2, 4))
+    K = draw(st.integers(1, 4))
+    C = draw(st.integers(1, 6))
+    n = groups * G
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    rewards = torch.randint(0, 3, (n, K), generator=gen).float()
+    nan_mask = torch.rand(n, K, generator=gen) < draw(st.sampled_from([0.0, 0.2]))
+    rewards[nan_mask] = float("nan")
+    lengths = torch.randint(1, C + 1, (n,), generator=gen)
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    q = torch.rand(n, K, C, generator=gen) * (torch.rand(n, K, 1, generator=gen) < 0.8)  # some all-zero profiles
+    c = torch.rand(K, generator=gen) * 2
+    beta = draw(st.floats(0.0, 1.0))
+    rho = draw(st.floats(1.0, 4.0))
+    return rewards, q, mask, c, beta, rho, G
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_matches_float64_reference(batch):
+    rewards, q, mask, c, beta, rho, G = batch
+    adv, varying = group_advantages(rewards, G)
+    credit = token_advantages(adv, q, varying, mask, c, beta, rho)
+    expected, s_ref = reference_token_advantages(rewards, q, mask, c, beta, rho, G)
+    assert credit.cap_factor == pytest.approx(s_ref, rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(credit.advantages.double(), expected, rtol=1e-4, atol=1e-4)
+    assert torch.isfinite(credit.advantages).all()
+    assert (credit.advantages[mask == 0] == 0).all()  # padded positions exactly 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_weight_invariants(batch):
+    _, q, mask, _, beta, _, _ = batch
+    w = token_weights(q, mask[:, None, :], beta)
+    lengths = mask.sum(-1, keepdim=True).float()
+    informative = (q * mask[:, None]).sum(-1) / lengths >= 1e-8
+    means = (w * mask[:, None]).sum(-1) / lengths
+    torch.testing.assert_close(means[informative], torch.ones_like(means[informative]))  # average 1
+    assert (w[~informative] == 1).all()  # qbar = 0: uniform
+    assert (w[mask[:, None].expand_as(w).bool()] >= 1 - beta - 1e-6).all()  # floor 1 - beta
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_beta_zero_is_uniform_gdpo(batch):
+    rewards, q, mask, c, _, rho, G = batch
+    adv, varying = group_advantages(rewards, G)
+    credit = token_advantages(adv, q, varying, mask, c, beta=0.0, max_second_moment_ratio=rho)
+    uniform = (adv * c).sum(-1)
+    tokens = uniform[:, None].expand_as(mask)[mask.bool()]
+    std = tokens.std() if tokens.numel() > 1 else torch.tensor(0.0)
+    expected = uniform / std if std > 0 else uniform
+    torch.testing.assert_close(credit.advantages, (expected[:, None] * mask).float())
+
+
+@settings(max_examples=150, deadline=None)
+@given(batches())
+def test_cap_bound(batch):
+    rewards, q, mask, c, beta, rho, G = batch
+    adv, varying = group_advantages(rewards, G)
+    w = torch.where(varying[..., None], token_weights(q, mask[:, None], beta), torch.ones_like(q))
+    uniform, redistributed = combine(adv, w, c, mask)
+    torch.testing.assert_close(redistributed.sum(-1), torch.zeros(len(mask)), atol=1e-4, rtol=0)
+    capped, s = cap_redistribution(uniform, redistributed, mask, rho)
+    bound = rho * (mask.sum(-1) * uniform**2).sum()
+    assert (capped**2).sum() <= bound * (1 + 1e-5) + 1e-6
+    assert 0.0 <= s <= 1.0
+
+
+def test_group_advantages_match_trl_normalize_then_sum():
+    from trl.trainer.utils import nanstd
+
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randint(0, 4, (12, 3), generator=gen).float()
+    rewards[3, 1] = float("nan")
+    grouped = rewards.view(-1, 4, 3)
+    mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+    trl_adv = torch.nan_to_num((grouped - mean_k) / (nanstd(grouped, dim=1, keepdim=True) + 1e-4)).view(12, 3)
+    adv, _ = group_advantages(rewards, 4)
+    torch.testing.assert_close(adv, trl_adv)
+
+
+def test_reward_none_for_a_whole_group_gives_zero_advantage_and_no_replay():
+    rewards = torch.tensor([[1.0, float("nan")], [0.0, float("nan")], [1.0, 2.0], [0.0, 1.0]])
+    adv, varying = group_advantages(rewards, 2)
+    assert adv[:2, 1].tolist() == [0.0, 0.0]
+    assert not varying[:2, 1].any()
+    assert varying[2:, 1].all()
+
+
+def test_single_valid_value_in_group_is_not_varying():
+    rewards = torch.tensor([[1.0], [float("nan")]])
+    adv, varying = group_advantages(rewards, 2)
+    assert adv.tolist() == [[0.0], [0.0]] and not varying.any()
+
+
+def test_group_advantages_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="num_generations=3"):
+        group_advantages(torch.zeros(4, 2), 3)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        group_advantages(torch.zeros(4), 2)
+
+
+def test_warmup_schedule():
+    assert warmup_beta(0.5, 0, 10) == 0.0
+    assert warmup_beta(0.5, 5, 10) == pytest.approx(0.5 * (3 * 0.25 - 2 * 0.125))
+    assert warmup_beta(0.5, 10, 10) == 0.5
+    assert warmup_beta(0.5, 99, 10) == 0.5
+    assert warmup_beta(0.3, 0, 0) == 0.3
+    steps = [warmup_beta(1.0, n, 10) for n in range(12)]
+    assert steps == sorted(steps)
+
+
+def test_batch_rescale_leaves_zero_std_unscaled_and_pads_zero():
+    scores = torch.tensor([[2.0, 2.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert batch_rescale(scores, mask).tolist() == [[2.0, 2.0, 0.0]]
+    assert batch_rescale(torch.zeros(1, 2), torch.zeros(1, 2)).tolist() == [[0.0, 0.0]]
+
+
+def test_shuffle_keeps_values_and_pads():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.rand(3, 2, 5, generator=gen)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    q = q * mask[:, None]
+    shuffled = shuffle_relevance(q, mask, torch.Generator().manual_seed(1))
+    for b in range(3):
+        for k in range(2):
+            assert sorted(shuffled[b, k].tolist()) == sorted(q[b, k].tolist())
+    assert (shuffled[mask[:, None].expand_as(q) == 0] == 0).all()
+    assert not torch.equal(shuffled[0], q[0])

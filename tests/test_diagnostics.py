@@ -1,0 +1,13 @@
+import math
+
+import torch
+
+from trl_mrtpo.diagnostics import mass_share
+
+
+def test_mass_share_concentrated_spread_and_empty():
+    assert mass_share(torch.tensor([0.0, 0.0, 1.0, 0.0])) == 0.25  # one token holds all the mass
+    assert mass_share(torch.ones(10)) == 0.8  # evenly spread: 8 of 10 tokens hold 80 %
+    assert mass_share(torch.tensor([0.5, 0.3, 0.1, 0.1])) == 0.5  # 0.5 + 0.3 reaches 0.8
+    assert math.isnan(mass_share(torch.zeros(3)))
+    assert math.isnan(mass_share(torch.zeros(0)))

@@ -1,0 +1,82 @@
+"""The JS op against a float64 reference and its invariants."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_mrtpo.ops import js_divergence, replay_divergence
+
+
+def js_float64(logits_p, logits_q):
+    """Textbook JS / ln 2 in float64 probability space."""
+    p = torch.softmax(logits_p.double(), -1)
+    q = torch.softmax(logits_q.double(), -1)
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
+
+    return (0.5 * kl(p, m) + 0.5 * kl(q, m)) / math.log(2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(2, 300), st.floats(0.1, 8.0))
+def test_matches_float64_reference(seed, vocab, scale):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(5, vocab, generator=gen) * scale
+    b = torch.randn(5, vocab, generator=gen) * scale
+    got = js_divergence(a.log_softmax(-1), b.log_softmax(-1))
+    torch.testing.assert_close(got.double(), js_float64(a, b), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got, js_divergence(b.log_softmax(-1), a.log_softmax(-1)), atol=1e-7, rtol=0)
+    assert ((got >= 0) & (got <= 1)).all()
+
+
+def test_identical_inputs_give_exactly_zero():
+    logits = torch.randn(64, 49152) * 3
+    lp = logits.log_softmax(-1)
+    assert js_divergence(lp, lp.clone()).abs().max().item() == 0.0
+
+
+def test_disjoint_supports_give_one_bit():
+    lp = torch.tensor([[0.0, -math.inf, -math.inf]])
+    lq = torch.tensor([[-math.inf, 0.0, -math.inf]])
+    assert js_divergence(lp, lq).item() == pytest.approx(1.0, abs=1e-6)
+    assert js_divergence(lp, lp).item() == 0.0
+
+
+@pytest.mark.parametrize("chunk_size", [None, 1, 3, 64])
+def test_replay_divergence_equals_full_logits(chunk_size):
+    gen = torch.Generator().manual_seed(0)
+    hidden_all = torch.randn(7, 16, generator=gen)
+    hidden_removed = torch.randn(3, 7, 16, generator=gen)
+    hidden_removed[1] = hidden_all  # an identical context must give exactly 0
+    weight = torch.randn(50, 16, generator=gen)
+    bias = torch.randn(50, generator=gen)
+    q = replay_divergence(hidden_all, hidden_removed, weight, bias, temperature=0.7, chunk_size=chunk_size)
+    assert q.shape == (3, 7) and q.dtype == torch.float32
+    for m in range(3):
+        expected = js_float64((hidden_all @ weight.T + bias) / 0.7, (hidden_removed[m] @ weight.T + bias) / 0.7)
+        torch.testing.assert_close(q[m].double(), expected, atol=1e-6, rtol=0)
+    assert q[1].abs().max().item() == 0.0
+
+
+def test_replay_divergence_upcasts_half_precision_inputs():
+    gen = torch.Generator().manual_seed(0)
+    hidden_all = torch.randn(4, 8, generator=gen).bfloat16()
+    hidden_removed = torch.randn(2, 4, 8, generator=gen).bfloat16()
+    weight = torch.randn(20, 8, generator=gen).bfloat16()
+    q = replay_divergence(hidden_all, hidden_removed, weight)
+    expected = torch.stack(
+        [js_float64(hidden_all.double() @ weight.double().T, h.double() @ weight.double().T) for h in hidden_removed]
+    )
+    torch.testing.assert_close(q.double(), expected, atol=1e-6, rtol=0)
+
+
+def test_replay_divergence_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match="hidden_removed"):
+        replay_divergence(torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(10, 8))
+    with pytest.raises(ValueError, match="temperature"):
+        replay_divergence(torch.zeros(4, 8), torch.zeros(1, 4, 8), torch.zeros(10, 8), temperature=0.0)

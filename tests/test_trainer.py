@@ -1,0 +1,349 @@
+"""MRTPOTrainer end to end on a tiny random Llama built in the test (no hub)."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_mrtpo import InfoBlock, InfoBlockError, MRTPOConfig, MRTPOTrainer
+from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+
+LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"]
+MODES = ["mrtpo", "gdpo", "grpo", "joint", "shuffled"]
+
+
+class RecordingTrainer(MRTPOTrainer):
+    """Keeps what the loss receives and what the replay produced."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches, self.replays = [], []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.batches.append({k: v for k, v in output.items() if isinstance(v, torch.Tensor)})
+        return output
+
+    def _replay(self, inputs, prompts, completions, rewards, varying, output):
+        relevance, replayed = super()._replay(inputs, prompts, completions, rewards, varying, output)
+        self.replays.append({"prompts": prompts, "relevance": relevance, "replayed": replayed, "output": output})
+        return relevance, replayed
+
+
+def make_args(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=10,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        credit_warmup_steps=0,
+        replay_only_varying=False,
+        seed=0,
+    )
+    values.update(overrides)
+    return MRTPOConfig(**values)
+
+
+def train(
+    tiny_model, tiny_tokenizer, tmp_path, rewards=DEMO_REWARDS, blocks=DEMO_INFO_BLOCKS, dataset=None, **overrides
+):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=rewards,
+        info_blocks=blocks,
+        args=make_args(tmp_path, **overrides),
+        train_dataset=dataset if dataset is not None else make_demo_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    return trainer
+
+
+def assert_token_advantages(trainer):
+    assert trainer.batches
+    for batch in trainer.batches:
+        adv, mask = batch["advantages"], batch["completion_mask"]
+        assert adv.shape == batch["completion_ids"].shape
+        assert torch.isfinite(adv).all()
+        assert (adv[mask == 0] == 0).all()
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_two_steps_each_mode_and_loss_with_lora(tiny_model, tiny_tokenizer, tmp_path, mode, loss_type):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=DEMO_REWARDS,
+        info_blocks=DEMO_INFO_BLOCKS,
+        args=make_args(tmp_path, credit_assignment=mode, loss_type=loss_type, num_iterations=2),
+        train_dataset=make_demo_dataset(8),
+        processing_class=tiny_tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    )
+    trainer.train()
+    assert trainer.state.global_step == 2
+    history = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(history) == 2 and all(math.isfinite(h["loss"]) for h in history)
+    if mode == "grpo":  # plain GRPOTrainer behaviour: one advantage per sequence
+        assert all(b["advantages"].dim() == 1 for b in trainer.batches)
+        assert not trainer.replays
+        return
+    assert_token_advantages(trainer)
+    logged = trainer.state.log_history[0]
+    assert logged["mrtpo/beta"] == (0.0 if mode == "gdpo" else 0.5)
+    if mode == "gdpo":
+        assert not trainer.replays
+        for batch in trainer.batches:  # uniform within each response
+            adv, mask = batch["advantages"], batch["completion_mask"].bool()
+            for row, m in zip(adv, mask):
+                assert torch.allclose(row[m], row[m][0].expand(int(m.sum())))
+    else:
+        assert trainer.replays and logged["mrtpo/replayed_fraction"] > 0
+
+
+def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_tokenizer, tmp_path):
+    """q for one replayed pair, recomputed by hand from two full-logits forwards in float64."""
+
+    class CheckingTrainer(RecordingTrainer):
+        def _replay(self, inputs, prompts, completions, rewards, varying, output):
+            relevance, replayed = super()._replay(inputs, prompts, completions, rewards, varying, output)
+            # Right here the policy holds the sampling-time weights.
+            i, k = 0, 0  # sample 0, end_phrase reward (an in-prompt block)
+            length = int(output["completion_mask"][i].sum())
+            completion = output["completion_ids"][i, :length].tolist()
+            span = inputs[i]["constraints"]["end_phrase"]
+            user = prompts[i][-1]["content"]
+            p_all = [{"role": "user", "content": user}]
+            p_not = [{"role": "user", "content": user.replace(span, "", 1)}]
+            model = self.model
+            model.eval()
+            with torch.no_grad():
+                logprobs = []
+                for context in (p_all, p_not):
+                    ids = tiny_tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False)
+                    ids = tiny_tokenizer(ids, add_special_tokens=False)["input_ids"]
+                    logits = model(input_ids=torch.tensor([ids + completion])).logits[0].double()
+                    logits = logits[len(ids) - 1 : len(ids) - 1 + length] / self.temperature
+                    logprobs.append(logits.log_softmax(-1))
+            model.train()
+            p, q = logprobs[0].exp(), logprobs[1].exp()
+            m = 0.5 * (p + q)
+            js = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+            self.hand_q = js / math.log(2)
+            self.trainer_q = relevance[i, k, :length]
+            return relevance, replayed
+
+    trainer = CheckingTrainer(
+        model=tiny_model,
+        reward_funcs=DEMO_REWARDS,
+        info_blocks=DEMO_INFO_BLOCKS,
+        args=make_args(tmp_path, max_steps=1, temperature=0.8),
+        train_dataset=make_demo_dataset(8),
+        processing_class=tiny_tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    trainer.train()
+    assert trainer.hand_q.max() > 1e-4  # the removed span matters to this model
+    torch.testing.assert_close(trainer.trainer_q.double(), trainer.hand_q, atol=2e-6, rtol=1e-4)
+
+
+def test_appended_blocks_with_plain_prompts(tiny_model, tiny_tokenizer, tmp_path):
+    dataset = Dataset.from_list([{"prompt": f"Question {i}: name a colour.", "answer": "blue"} for i in range(4)])
+
+    def has_answer(completions, answer, **_):
+        return [float(a in c) for c, a in zip(completions, answer)]
+
+    def short(completions, **_):
+        return [float(len(c) < 20) for c in completions]
+
+    seen = []
+
+    def reference_block(*, prompt, completion, row, score):
+        seen.append((prompt, row["answer"], score))
+        return f"Reference answer: {row['answer']}"
+
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=[has_answer, short],
+        info_blocks=[reference_block, lambda **_: "Rule: fewer than 20 characters."],
+        args=make_args(tmp_path),
+        train_dataset=dataset,
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert_token_advantages(trainer)
+    assert seen and all(isinstance(p, str) and a == "blue" for p, a, _ in seen)
+    replay = trainer.replays[0]
+    assert replay["replayed"].all()  # replay_only_varying=False: every pair with a block
+    assert (
+        replay["relevance"][replay["output"]["completion_mask"].bool()[:, None].expand_as(replay["relevance"])] >= 0
+    ).all()
+
+
+def test_replay_only_varying_skips_constant_rewards(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    import trl_mrtpo.trainer
+
+    forwards = []
+    monkeypatch.setattr(trl_mrtpo.trainer, "replay_relevance", lambda *a, **k: forwards.append(a))
+
+    def constant(completions, **_):
+        return [1.0] * len(completions)
+
+    trainer = train(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[constant, DEMO_REWARDS[3]],
+        blocks=[lambda **_: "Constant rule.", None],
+        replay_only_varying=True,
+    )
+    assert not forwards  # nothing varies with a block: no replay forward at all
+    assert all(h.get("mrtpo/replayed_fraction", 0.0) == 0.0 for h in trainer.state.log_history)
+
+
+def test_reward_none_for_whole_group_is_ignored(tiny_model, tiny_tokenizer, tmp_path):
+    def not_applicable(completions, **_):
+        return [None] * len(completions)
+
+    trainer = train(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[not_applicable, *DEMO_REWARDS],
+        blocks=[lambda **_: "Never used.", *DEMO_INFO_BLOCKS],
+        replay_only_varying=True,
+    )
+    assert_token_advantages(trainer)
+    for replay in trainer.replays:
+        assert not replay["replayed"][:, 0].any()
+
+
+def test_gradient_accumulation_steps_per_generation_and_eval(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=DEMO_REWARDS,
+        info_blocks=DEMO_INFO_BLOCKS,
+        args=make_args(
+            tmp_path,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            steps_per_generation=4,
+            eval_strategy="steps",
+            eval_steps=2,
+            per_device_eval_batch_size=4,
+        ),
+        train_dataset=make_demo_dataset(8),
+        eval_dataset=make_demo_dataset(4, seed=1),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert_token_advantages(trainer)
+    assert any("eval_loss" in h for h in trainer.state.log_history)
+    assert any("eval_mrtpo/beta" in h for h in trainer.state.log_history)
+
+
+def test_logged_advantages_are_the_token_advantages(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = train(tiny_model, tiny_tokenizer, tmp_path, max_steps=1)
+    batch = trainer.batches[-1]
+    mask = batch["completion_mask"]
+    expected = ((batch["advantages"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)).tolist()
+    assert list(trainer._logs["advantages"])[-len(expected) :] == pytest.approx(expected)
+
+
+def test_model_card_names_mrtpo(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = train(tiny_model, tiny_tokenizer, tmp_path, max_steps=1)
+    trainer.create_model_card(model_name="tiny-mrtpo")
+    card = (tmp_path / "README.md").read_text()
+    assert "mrtpo" in card and "Each Reward to Its Relevant Tokens" in card
+    assert "credit assignment: `mrtpo`" in card and "credit_beta: 0.5" in card
+    assert "`end_phrase_reward` (weight 1, info block)" in card and "`length_reward` (weight 1, no info block)" in card
+
+
+# ---------------------------------------------------------------- bad input
+def test_reward_returning_wrong_length_names_the_reward(tiny_model, tiny_tokenizer, tmp_path):
+    def broken(completions, **_):
+        return [1.0]
+
+    with pytest.raises(ValueError, match="'broken' returned 1 rewards"):
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[broken, *DEMO_REWARDS[1:]])
+
+
+def test_builder_raising_names_reward_and_sample(tiny_model, tiny_tokenizer, tmp_path):
+    def fragile(*, prompt, completion, row, score):
+        raise KeyError("reference_query")
+
+    with pytest.raises(InfoBlockError, match=r"reward 'end_phrase_reward' on sample 0 .*KeyError"):
+        train(tiny_model, tiny_tokenizer, tmp_path, blocks=[fragile, *DEMO_INFO_BLOCKS[1:]])
+
+
+def test_builder_returning_non_string_names_reward_and_sample(tiny_model, tiny_tokenizer, tmp_path):
+    with pytest.raises(InfoBlockError, match=r"reward 'keyword_reward' on sample 0 .*returned list"):
+        train(tiny_model, tiny_tokenizer, tmp_path, blocks=[None, lambda **_: ["x"], None, None])
+
+
+def test_in_prompt_block_that_is_not_a_span(tiny_model, tiny_tokenizer, tmp_path):
+    def wrong_span(**_):
+        return InfoBlock("This sentence is not in the prompt.", placement="in_prompt")
+
+    with pytest.raises(InfoBlockError, match="reward 'end_phrase_reward' on sample 0 .*not a span"):
+        train(tiny_model, tiny_tokenizer, tmp_path, blocks=[wrong_span, None, None, None])
+
+
+def test_info_blocks_of_wrong_length(tiny_model, tiny_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="info_blocks has 2 entries but there are 4 reward functions"):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=DEMO_REWARDS,
+            info_blocks=DEMO_INFO_BLOCKS[:2],
+            args=make_args(tmp_path),
+            train_dataset=make_demo_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("credit_assignment", "token", "credit_assignment='token' is unknown"),
+        ("credit_beta", 1.5, "credit_beta must be in"),
+        ("credit_warmup_steps", -1, "credit_warmup_steps"),
+        ("max_second_moment_ratio", 0.5, "max_second_moment_ratio"),
+        ("replay_batch_size", 0, "replay_batch_size"),
+        ("replay_chunk_size", 0, "replay_chunk_size"),
+    ],
+)
+def test_config_rejects_bad_values(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        make_args(tmp_path, **{field: value})
+
+
+def test_trainer_requires_mrtpo_config(tiny_model, tiny_tokenizer, tmp_path):
+    from trl import GRPOConfig
+
+    with pytest.raises(TypeError, match="MRTPOConfig"):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=DEMO_REWARDS,
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
+        )
+
+
+def test_lora_on_lm_head_is_refused_at_init(tiny_model, tiny_tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="target_modules"):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=DEMO_REWARDS,
+            info_blocks=DEMO_INFO_BLOCKS,
+            args=make_args(tmp_path),
+            train_dataset=make_demo_dataset(8),
+            processing_class=tiny_tokenizer,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
+        )

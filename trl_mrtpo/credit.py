@@ -1,0 +1,199 @@
+"""Pure tensor maths of MRTPO credit assignment (DESIGN.md §1, steps 1 and 5-9).
+
+Nothing here knows about TRL or models: every function takes tensors and returns tensors, so each step can be
+checked against a hand-worked example or a float64 reference.
+
+Shapes: ``B`` responses in the local batch, ``K`` rewards, ``C`` completion positions (right-padded, ``mask`` is 1
+on real tokens).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+GROUP_STD_EPS = 1e-4  # same epsilon as TRL's normalize_then_sum
+QBAR_FLOOR = 1e-8  # below this mean relevance a reward keeps uniform credit (step 5)
+ROUNDING_MOMENT = 1e-12  # relative size of sum R^2 that fp32 rounding alone can produce
+
+
+def _nan_std(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """NaN-aware standard deviation with Bessel's correction (TRL's ``nanstd`` estimator); NaN when < 2 values."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    sq = torch.nansum((x - mean) ** 2, dim=dim, keepdim=True)
+    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, float("nan")))
+    return var.sqrt()
+
+
+def group_advantages(
+    rewards: torch.Tensor, num_generations: int, eps: float = GROUP_STD_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1: per-reward group normalisation (GDPO).
+
+    Args:
+        rewards: ``[N, K]`` rewards, NaN where a reward does not apply. Consecutive blocks of ``num_generations``
+            rows form one prompt group (TRL's ordering).
+        num_generations: group size G.
+
+    Returns:
+        ``(advantages, varying)``: ``advantages[N, K] = (r - mean_k) / (std_k + eps)`` with NaN-aware group
+        statistics and NaN counted as 0; ``varying[N, K]`` is True where reward k is not constant in the row's group
+        (std_k > 0), the precondition of a replay (step 3). A reward that is None for a whole group gives that group
+        zero advantage and is never replayed.
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
+    n, k = rewards.shape
+    if num_generations < 1 or n % num_generations != 0:
+        raise ValueError(f"{n} rows cannot be split into groups of num_generations={num_generations}")
+    grouped = rewards.view(-1, num_generations, k)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = _nan_std(grouped, dim=1)
+    advantages = torch.nan_to_num((grouped - mean) / (std + eps), nan=0.0)
+    varying = (torch.nan_to_num(std, nan=0.0) > 0).expand_as(grouped)
+    return advantages.reshape(n, k), varying.reshape(n, k)
+
+
+def warmup_beta(beta: float, step: int, warmup_steps: int) -> float:
+    """Step 9: ``beta_n = beta * (3u^2 - 2u^3)`` with ``u = min(n / N, 1)``; no warm-up when ``N <= 0``."""
+    if warmup_steps <= 0:
+        return float(beta)
+    u = min(max(step, 0) / warmup_steps, 1.0)
+    return float(beta * (3 * u**2 - 2 * u**3))
+
+
+def token_weights(relevance: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """Step 5: ``w_t = (1 - beta) + beta * q_t / qbar`` per response (and per reward on leading dims).
+
+    Args:
+        relevance: ``[..., C]`` per-token relevance q in [0, 1].
+        mask: ``[..., C]`` (broadcastable) completion mask.
+        beta: redistribution strength in [0, 1].
+
+    Returns:
+        ``[..., C]`` weights: mean exactly 1 over each response's tokens, at least ``1 - beta`` everywhere; 1 where the
+        response's mean relevance is below ``1e-8`` (no information: the reward's credit is kept, never dropped) and
+        on padded positions.
+    """
+    mask = mask.to(relevance.dtype).expand_as(relevance)
+    q = relevance * mask
+    qbar = q.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    informative = qbar >= QBAR_FLOOR
+    w = (1 - beta) + beta * q / torch.where(informative, qbar, torch.ones_like(qbar))
+    return torch.where(informative & mask.bool(), w, torch.ones_like(w))
+
+
+def combine(
+    advantages: torch.Tensor, weights: torch.Tensor, reward_weights: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 6: ``S_t = sum_k c_k A_k w_{k,t}``, split into uniform ``U`` and redistributed ``R = S - U``.
+
+    Args:
+        advantages: ``[B, K]`` per-reward advantages A_k.
+        weights: ``[B, K, C]`` token weights w_{k,t}.
+        reward_weights: ``[K]`` reward weights c_k.
+        mask: ``[B, C]`` completion mask.
+
+    Returns:
+        ``(uniform [B], redistributed [B, C])``; ``redistributed`` is 0 on padded positions and sums to 0 over
+        each response whose weights average 1.
+    """
+    scaled = advantages * reward_weights.to(advantages)
+    uniform = scaled.sum(-1)
+    summed = torch.einsum("bk,bkc->bc", scaled, weights.to(advantages))
+    return uniform, (summed - uniform[:, None]) * mask.to(advantages)
+
+
+def cap_redistribution(
+    uniform: torch.Tensor, redistributed: torch.Tensor, mask: torch.Tensor, max_second_moment_ratio: float
+) -> tuple[torch.Tensor, float]:
+    """Step 7: ``S_t = U + s R_t`` with ``s = min(1, sqrt((rho - 1) sum_j T_j U_j^2 / sum R^2))``.
+
+    Because R sums to 0 per response, the capped batch second moment ``sum S^2`` is at most ``rho`` times the
+    uniform one ``sum_j T_j U_j^2``. A redistribution whose moment is below ``1e-12`` of the uniform one is rounding
+    (e.g. one-token responses) and gets ``s = 1``.
+
+    Returns:
+        ``(token_scores [B, C], s)``; padded positions are exactly 0.
+    """
+    mask = mask.to(uniform)
+    lengths = mask.sum(-1)
+    uniform_moment = (lengths * uniform**2).sum()
+    redistributed_moment = (redistributed**2).sum()
+    # R below fp32 rounding of S (e.g. one-token responses, whose weights are exactly 1) is no redistribution.
+    if redistributed_moment > ROUNDING_MOMENT * uniform_moment:
+        ratio = max(max_second_moment_ratio - 1.0, 0.0) * uniform_moment.item() / redistributed_moment.item()
+        s = min(1.0, math.sqrt(ratio))
+    else:
+        s = 1.0
+    return (uniform[:, None] + s * redistributed) * mask, s
+
+
+def batch_rescale(token_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Step 8: divide by the token-weighted std (Bessel) over all completion tokens; unscaled if that std is 0.
+
+    No mean is subtracted (per-reward advantages are already centred per group). Padded positions are exactly 0.
+    """
+    mask = mask.bool()
+    values = token_scores[mask]
+    std = values.std() if values.numel() > 1 else values.new_zeros(())
+    if not torch.isfinite(std) or std == 0:
+        return torch.where(mask, token_scores, torch.zeros_like(token_scores))
+    return torch.where(mask, token_scores / std, torch.zeros_like(token_scores))
+
+
+def shuffle_relevance(
+    relevance: torch.Tensor, mask: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Ablation ``shuffled``: permute each profile's q values among its own completion positions.
+
+    Args:
+        relevance: ``[B, K, C]`` q profiles.
+        mask: ``[B, C]`` completion mask.
+    """
+    out = relevance.clone()
+    for b in range(relevance.shape[0]):
+        positions = mask[b].bool().nonzero(as_tuple=True)[0]
+        for k in range(relevance.shape[1]):
+            perm = torch.randperm(positions.numel(), generator=generator, device="cpu").to(positions.device)
+            out[b, k, positions] = relevance[b, k, positions[perm]]
+    return out
+
+
+@dataclass
+class TokenCredit:
+    """Result of :func:`token_advantages`."""
+
+    advantages: torch.Tensor  # [B, C] token advantages handed to TRL's loss
+    weights: torch.Tensor  # [B, K, C] token weights w_{k,t}
+    cap_factor: float  # s of step 7
+
+
+def token_advantages(
+    advantages: torch.Tensor,
+    relevance: torch.Tensor,
+    replayed: torch.Tensor,
+    mask: torch.Tensor,
+    reward_weights: torch.Tensor,
+    beta: float,
+    max_second_moment_ratio: float = 2.0,
+) -> TokenCredit:
+    """Steps 5-8 end to end: weights, combine, cap, batch rescale.
+
+    Args:
+        advantages: ``[B, K]`` per-reward group advantages (step 1).
+        relevance: ``[B, K, C]`` q values; read only where ``replayed``.
+        replayed: ``[B, K]`` bool, the replayed (response, reward) pairs; all other pairs keep w = 1.
+        mask: ``[B, C]`` completion mask.
+        reward_weights: ``[K]`` c_k.
+        beta: beta_n in effect (0 gives uniform GDPO: every token of response j gets ``U_j / std_B(U)``).
+        max_second_moment_ratio: rho of step 7.
+    """
+    weights = token_weights(relevance, mask[:, None, :], beta)
+    weights = torch.where(replayed[..., None], weights, torch.ones_like(weights))
+    uniform, redistributed = combine(advantages, weights, reward_weights, mask)
+    scores, s = cap_redistribution(uniform, redistributed, mask, max_second_moment_ratio)
+    return TokenCredit(batch_rescale(scores, mask), weights, s)

@@ -1,0 +1,92 @@
+"""A small built-in instruction-following task and the ``trl-mrtpo demo`` run on the embedded model.
+
+Each prompt asks for a short answer on a topic under three verifiable constraints; each constraint is one 0/1
+reward whose info block is its own sentence in the prompt (*in-prompt* placement), and a fourth reward (length)
+has no block and keeps uniform credit.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from datasets import Dataset
+
+from .info_blocks import InfoBlock
+
+TOPICS = ["the ocean", "autumn", "a library", "coffee", "the moon", "bicycles", "rain", "a garden", "trains", "bread"]
+END_PHRASES = ["Is there anything else?", "Hope this helps.", "That is all."]
+KEYWORDS = ["blue", "quiet", "light", "warm", "small", "green"]
+MAX_WORDS = 60
+
+
+def make_demo_dataset(num_prompts: int = 32, seed: int = 0) -> Dataset:
+    """Conversational prompts with three constraint sentences each; the sentences are kept in the row."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_prompts):
+        topic, end_phrase, keyword = rng.choice(TOPICS), rng.choice(END_PHRASES), rng.choice(KEYWORDS)
+        constraints = {
+            "end_phrase": f'End your reply with the exact phrase "{end_phrase}"',
+            "keyword": f'Use the word "{keyword}" at least once.',
+            "lowercase": "Write everything in lowercase letters.",
+        }
+        order = list(constraints)
+        rng.shuffle(order)
+        text = f"Write two sentences about {topic}. " + " ".join(constraints[name] for name in order)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": text}],
+                "end_phrase": end_phrase,
+                "keyword": keyword,
+                "constraints": constraints,
+            }
+        )
+    return Dataset.from_list(rows)
+
+
+def _text(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content") or "" for m in completion if isinstance(m, dict))
+
+
+def end_phrase_reward(completions: list, end_phrase: list[str], **kwargs) -> list[float]:
+    """1 when the reply ends with the requested phrase (trailing whitespace ignored)."""
+    return [float(_text(c).rstrip().endswith(p)) for c, p in zip(completions, end_phrase)]
+
+
+def keyword_reward(completions: list, keyword: list[str], **kwargs) -> list[float]:
+    """1 when the requested word occurs as a whole word (case-insensitive)."""
+    return [
+        float(re.search(rf"\b{re.escape(k)}\b", _text(c), re.IGNORECASE) is not None)
+        for c, k in zip(completions, keyword)
+    ]
+
+
+def lowercase_reward(completions: list, **kwargs) -> list[float]:
+    """1 when the reply has letters and none of them is upper case."""
+    return [float(any(ch.isalpha() for ch in _text(c)) and _text(c) == _text(c).lower()) for c in completions]
+
+
+def length_reward(completions: list, **kwargs) -> list[float]:
+    """1 for a non-empty reply of at most MAX_WORDS words (no info block: uniform credit)."""
+    return [float(0 < len(_text(c).split()) <= MAX_WORDS) for c in completions]
+
+
+def _constraint_block(name: str):
+    def builder(*, prompt, completion, row, score) -> InfoBlock:
+        return InfoBlock(row["constraints"][name], placement="in_prompt")
+
+    builder.__name__ = f"{name}_block"
+    return builder
+
+
+DEMO_REWARDS = [end_phrase_reward, keyword_reward, lowercase_reward, length_reward]
+DEMO_INFO_BLOCKS = [
+    _constraint_block("end_phrase"),
+    _constraint_block("keyword"),
+    _constraint_block("lowercase"),
+    None,
+]

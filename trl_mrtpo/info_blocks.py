@@ -1,0 +1,175 @@
+"""Info blocks: the text each reward's verifier decides with, and where it sits (DESIGN.md §1 step 2).
+
+A reward may own an *info block builder*, a callable invoked once per sample as::
+
+    builder(prompt=..., completion=..., row=..., score=...) -> str | InfoBlock | None
+
+with ``prompt`` the sample's prompt (a string, or a list of chat messages), ``completion`` the completion text,
+``row`` the dataset row (a dict) and ``score`` the reward's value for that completion (float, NaN when the reward
+returned None). It returns the block text or None (no block; the reward keeps uniform credit). A plain string is
+an *appended* block; return ``InfoBlock(text, placement="in_prompt")`` for a span the policy already saw.
+
+- *appended*: ``P_all`` is the prompt with every non-empty appended block added to the last user message, in reward
+  order, separated by ``separator``; ``P_not_k`` is ``P_all`` without block k. Sampling used the bare prompt.
+- *in_prompt*: the text is a span of the prompt; ``P_not_k`` is ``P_all`` with that span removed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+Prompt = str | list[dict[str, Any]]
+PLACEMENTS = ("appended", "in_prompt")
+
+
+@dataclass(frozen=True)
+class InfoBlock:
+    """One reward's info block for one sample."""
+
+    text: str
+    placement: Literal["appended", "in_prompt"] = "appended"
+
+    def __post_init__(self):
+        if not isinstance(self.text, str):
+            raise TypeError(f"InfoBlock.text must be a string, got {type(self.text).__name__}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"InfoBlock.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+
+
+class InfoBlockBuilder(Protocol):
+    def __call__(
+        self, *, prompt: Prompt, completion: str, row: dict[str, Any], score: float
+    ) -> str | InfoBlock | None: ...
+
+
+class InfoBlockError(ValueError):
+    """An info block builder failed or returned something unusable; the message names the reward and sample."""
+
+
+def _prompt_preview(prompt: Prompt) -> str:
+    text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
+    return repr(text[:80] + ("..." if len(text) > 80 else ""))
+
+
+def build_block(
+    builder: Callable[..., Any],
+    reward_name: str,
+    sample_index: int,
+    prompt: Prompt,
+    completion: str,
+    row: dict[str, Any],
+    score: float,
+) -> InfoBlock | None:
+    """Call one builder for one sample and validate what it returns (empty text counts as no block)."""
+    where = f"info block builder of reward '{reward_name}' on sample {sample_index} (prompt {_prompt_preview(prompt)})"
+    try:
+        result = builder(prompt=prompt, completion=completion, row=row, score=score)
+    except Exception as error:
+        raise InfoBlockError(f"The {where} raised {type(error).__name__}: {error}") from error
+    if result is None:
+        return None
+    if isinstance(result, str):
+        result = InfoBlock(result)
+    if not isinstance(result, InfoBlock):
+        raise InfoBlockError(
+            f"The {where} returned {type(result).__name__}; it must return a str, an InfoBlock or None."
+        )
+    if not result.text.strip():
+        return None
+    if result.placement == "in_prompt" and not _find_span(prompt, result.text):
+        raise InfoBlockError(
+            f"The {where} returned an in_prompt block whose text {result.text[:60]!r} is not a span of the prompt."
+        )
+    return result
+
+
+def _find_span(prompt: Prompt, text: str) -> tuple[int, ...] | None:
+    """Where ``text`` occurs: ``()`` for a string prompt, ``(i,)`` for message i (last user message first)."""
+    if isinstance(prompt, str):
+        return () if text in prompt else None
+    order = sorted(range(len(prompt)), key=lambda i: (prompt[i].get("role") != "user", -i))
+    for i in order:
+        content = prompt[i].get("content")
+        if isinstance(content, str) and text in content:
+            return (i,)
+    return None
+
+
+def _remove_span(prompt: Prompt, text: str) -> Prompt:
+    location = _find_span(prompt, text)
+    if location is None:  # validated by build_block; kept as a guard for direct callers
+        raise ValueError(f"{text[:60]!r} is not a span of the prompt")
+    if isinstance(prompt, str):
+        return prompt.replace(text, "", 1)
+    out = copy.deepcopy(prompt)
+    out[location[0]]["content"] = out[location[0]]["content"].replace(text, "", 1)
+    return out
+
+
+def _append(prompt: Prompt, texts: Sequence[str], separator: str) -> Prompt:
+    if not texts:
+        return prompt
+    suffix = separator + separator.join(texts)
+    if isinstance(prompt, str):
+        return prompt + suffix
+    out = copy.deepcopy(prompt)
+    user_turns = [i for i, message in enumerate(out) if message.get("role") == "user"]
+    target = user_turns[-1] if user_turns else len(out) - 1
+    content = out[target]["content"]
+    if isinstance(content, list):
+        out[target]["content"] = content + [{"type": "text", "text": suffix}]
+    else:
+        out[target]["content"] = content + suffix
+    return out
+
+
+def build_contexts(
+    prompt: Prompt, blocks: Sequence[InfoBlock | None], removals: Sequence[Sequence[int]], separator: str = "\n\n"
+) -> tuple[Prompt, list[Prompt]]:
+    """Build ``P_all`` and one context per entry of ``removals`` (step 2).
+
+    Args:
+        prompt: the sampling prompt ``P0``.
+        blocks: one entry per reward (None = no block).
+        removals: each entry lists the rewards whose blocks that context drops: ``[k]`` gives ``P_not_k``; the
+            ``joint`` ablation drops all of them at once.
+        separator: text between the prompt and each appended block.
+
+    Returns:
+        ``(P_all, [P_without_removal_0, ...])``.
+    """
+
+    def assemble(dropped: set[int]) -> Prompt:
+        out = _append(
+            prompt,
+            [b.text for k, b in enumerate(blocks) if b is not None and b.placement == "appended" and k not in dropped],
+            separator,
+        )
+        for k in sorted(dropped):
+            if blocks[k] is not None and blocks[k].placement == "in_prompt":
+                out = _remove_span(out, blocks[k].text)
+        return out
+
+    return assemble(set()), [assemble(set(removal)) for removal in removals]
+
+
+def check_builders(info_blocks: Sequence[Callable[..., Any] | None] | None, reward_names: Sequence[str]) -> list:
+    """Validate the trainer's ``info_blocks`` argument: one builder (or None) per reward function."""
+    if info_blocks is None:
+        return [None] * len(reward_names)
+    if not isinstance(info_blocks, (list, tuple)):
+        info_blocks = [info_blocks]
+    if len(info_blocks) != len(reward_names):
+        raise ValueError(
+            f"info_blocks has {len(info_blocks)} entries but there are {len(reward_names)} reward functions "
+            f"({', '.join(reward_names)}); pass one builder or None per reward, in the same order."
+        )
+    for builder, name in zip(info_blocks, reward_names):
+        if builder is not None and not callable(builder):
+            raise TypeError(
+                f"info_blocks entry for reward '{name}' is a {type(builder).__name__}, not a callable or None."
+            )
+    return list(info_blocks)

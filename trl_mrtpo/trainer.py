@@ -1,0 +1,255 @@
+"""MRTPOTrainer: GRPOTrainer whose advantages are token-level and reward-specific (DESIGN.md §1).
+
+Orchestration only: TRL generates and scores; this class keeps the per-reward rewards, builds the info blocks,
+asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`` advantages, and logs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+from trl.trainer.utils import get_config_model_id
+
+from .config import MRTPOConfig
+from .credit import group_advantages, shuffle_relevance, token_advantages, warmup_beta
+from .diagnostics import mass_share
+from .info_blocks import InfoBlock, build_block, build_contexts, check_builders
+from .replay import causal_lm_parts, replay_relevance
+
+REPLAY_MODES = ("mrtpo", "joint", "shuffled")
+PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
+
+
+def completion_text(completion: str | list[dict[str, Any]]) -> str:
+    """The text of a completion, plain or conversational (assistant message contents joined)."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m["content"] for m in completion if isinstance(m.get("content"), str))
+
+
+class MRTPOTrainer(GRPOTrainer):
+    """Trainer for MRTPO: each reward's advantage lands on the tokens that reward is about.
+
+    Takes every argument of [`trl.GRPOTrainer`] plus `info_blocks`: one builder (or None) per reward function, see
+    [`trl_mrtpo.info_blocks`]. With `args.credit_assignment="grpo"` it behaves exactly like `GRPOTrainer`.
+
+    Example:
+
+    ```python
+    from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+
+    trainer = MRTPOTrainer(
+        model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        reward_funcs=[format_reward, correctness_reward],
+        info_blocks=[format_block, reference_block],
+        args=MRTPOConfig(output_dir="out", num_generations=8),
+        train_dataset=dataset,
+    )
+    trainer.train()
+    ```
+    """
+
+    _tag_names = ["trl", "grpo", "mrtpo"]
+    _name = "MRTPO"
+    _paper = {
+        "title": PAPER_TITLE,
+        "id": None,  # no arXiv id known to us yet
+        "citation": f"@misc{{mrtpo,\n    title = {{{{{PAPER_TITLE}}}}},\n    note  = {{MRTPO}}\n}}",
+    }
+
+    def __init__(
+        self,
+        model,
+        reward_funcs,
+        info_blocks: Sequence[Callable[..., str | InfoBlock | None] | None] | Callable | None = None,
+        args: MRTPOConfig | None = None,
+        **kwargs,
+    ):
+        if args is None:
+            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = MRTPOConfig(f"{model_name.split('/')[-1]}-MRTPO")
+        elif not isinstance(args, MRTPOConfig):
+            raise TypeError(
+                f"args must be an MRTPOConfig, got {type(args).__name__}; MRTPOConfig accepts every GRPOConfig field."
+            )
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
+        self._replays = args.credit_assignment in REPLAY_MODES and any(b is not None for b in self.info_block_builders)
+        if self._replays:
+            if self.tools or self.environment_factories is not None:
+                raise ValueError(
+                    "MRTPO replay does not support tool-calling rollouts (tools / environment_factory) yet."
+                )
+            if self._is_vlm:
+                raise ValueError("MRTPO replay does not support vision-language models yet.")
+            causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
+        self._scored: tuple | None = None
+        self._shuffle_generator = torch.Generator().manual_seed(args.seed)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        # TRL does not expose per-reward advantages: keep what they are computed from.
+        self._scored = (inputs, prompts, completions, rewards)
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        started = time.perf_counter()
+        output = super()._generate_and_score_completions(inputs)
+        if self.args.credit_assignment == "grpo":
+            return output
+        inputs, prompts, completions, rewards = self._scored
+        self._scored = None
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        group_adv, varying = group_advantages(rewards, num_generations)
+        local = slice(
+            self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
+        )
+        group_adv, varying, rewards = group_adv[local], varying[local], rewards[local]
+
+        mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        beta = 0.0
+        if self.args.credit_assignment != "gdpo":
+            beta = warmup_beta(self.args.credit_beta, self.state.global_step, self.args.credit_warmup_steps)
+        relevance = mask.new_zeros((*varying.shape, mask.shape[1]), dtype=torch.float32)
+        replayed = torch.zeros_like(varying)
+        replay_seconds = 0.0
+        if self._replays and beta > 0:  # at beta 0 the weights are uniform whatever q is
+            replay_started = time.perf_counter()
+            relevance, replayed = self._replay(inputs, prompts, completions, rewards, varying, output)
+            replay_seconds = time.perf_counter() - replay_started
+
+        credit = token_advantages(
+            group_adv,
+            relevance,
+            replayed,
+            mask,
+            self.reward_weights.to(group_adv),
+            beta,
+            self.args.max_second_moment_ratio,
+        )
+        output["advantages"] = credit.advantages
+        self._log_credit(mode, credit, relevance, replayed, mask, beta, replay_seconds, time.perf_counter() - started)
+        return output
+
+    def _replay(self, inputs, prompts, completions, rewards, varying, output):
+        """Build the info blocks and contexts of the local batch, replay, and place q per (response, reward)."""
+        num_samples, num_rewards = varying.shape
+        blocks = [
+            [
+                build_block(
+                    builder, name, i, prompts[i], completion_text(completions[i]), inputs[i], rewards[i, k].item()
+                )
+                if builder is not None
+                else None
+                for k, (builder, name) in enumerate(zip(self.info_block_builders, self.reward_func_names))
+            ]
+            for i in range(num_samples)
+        ]
+        wanted = [
+            [
+                k
+                for k in range(num_rewards)
+                if blocks[i][k] is not None and (varying[i, k] or not self.args.replay_only_varying)
+            ]
+            for i in range(num_samples)
+        ]
+        mask = output["completion_mask"]
+        relevance = torch.zeros(num_samples, num_rewards, mask.shape[1], device=mask.device)
+        replayed = torch.zeros_like(varying)
+        if not any(wanted):
+            return relevance, replayed
+        if self.args.credit_assignment == "joint":
+            removals = [
+                [[k for k, b in enumerate(blocks[i]) if b is not None]] if wanted[i] else []
+                for i in range(num_samples)
+            ]
+        else:
+            removals = [[[k] for k in wanted[i]] for i in range(num_samples)]
+
+        contexts = [
+            build_contexts(prompts[i], blocks[i], removals[i], self.args.info_block_separator)
+            for i in range(num_samples)
+        ]
+        flat = [p for p_all, removed in contexts for p in (p_all, *removed)]
+        flat_ids = self._tokenize_prompts(flat)[0] if flat else []
+        context_ids, cursor = [], 0
+        for removed in removals:
+            context_ids.append(flat_ids[cursor : cursor + 1 + len(removed)])
+            cursor += 1 + len(removed)
+
+        lengths = mask.sum(-1).tolist()
+        completion_ids = [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
+        q = replay_relevance(
+            self.accelerator.unwrap_model(self.model),
+            context_ids,
+            completion_ids,
+            self.temperature,
+            self.args.replay_batch_size,
+            self.args.replay_chunk_size,
+        )
+
+        for i, length in enumerate(lengths):
+            if length == 0:
+                continue
+            for row, k in enumerate(wanted[i]):
+                relevance[i, k, :length] = q[i][0 if self.args.credit_assignment == "joint" else row].to(mask.device)
+                replayed[i, k] = True
+        if self.args.credit_assignment == "shuffled":
+            relevance = shuffle_relevance(relevance, mask, self._shuffle_generator)
+        return relevance, replayed
+
+    def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
+        metrics = self._metrics[mode]
+        metrics["mrtpo/beta"].append(beta)
+        metrics["mrtpo/replayed_fraction"].append(replayed.float().mean().item())
+        metrics["mrtpo/cap_factor"].append(credit.cap_factor)
+        metrics["mrtpo/replay_seconds"].append(replay_seconds)
+        metrics["mrtpo/replay_share"].append(replay_seconds / total_seconds if total_seconds > 0 else 0.0)
+        lengths = mask.sum(-1).long()
+        for k, name in enumerate(self.reward_func_names):
+            rows = replayed[:, k].nonzero(as_tuple=True)[0].tolist()
+            if not rows:
+                continue
+            profiles = [relevance[i, k, : lengths[i]] for i in rows]
+            metrics[f"mrtpo/q_mean/{name}"].append(torch.cat(profiles).mean().item())
+            shares = [mass_share(p) for p in profiles]
+            shares = [s for s in shares if s == s]  # drop all-zero profiles (NaN)
+            if shares:
+                metrics[f"mrtpo/q_mass80_token_share/{name}"].append(sum(shares) / len(shares))
+
+        # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
+        per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        gathered = self.accelerator.gather(per_response).tolist()
+        logged = self._logs["advantages"]
+        offset = len(logged) - len(gathered)
+        for i, value in enumerate(gathered):
+            logged[offset + i] = value
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card plus the MRTPO settings a reader needs to reproduce the run."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        rewards = ", ".join(
+            f"`{name}` (weight {weight:g}, {'info block' if builder is not None else 'no info block'})"
+            for name, weight, builder in zip(
+                self.reward_func_names, self.reward_weights.tolist(), self.info_block_builders
+            )
+        )
+        section = (
+            "\n## MRTPO settings\n\n"
+            f"- credit assignment: `{self.args.credit_assignment}`\n"
+            f"- credit_beta: {self.args.credit_beta:g} (warm-up {self.args.credit_warmup_steps} steps), "
+            f"second-moment cap rho: {self.args.max_second_moment_ratio:g}\n"
+            f"- rewards: {rewards}\n"
+        )
+        with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as card:
+            card.write(section)
