@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import random
 import re
-from typing import Any
 
 from datasets import Dataset
 
 from .info_blocks import InfoBlock
+from .utils import completion_text
 
 TOPICS = ["the ocean", "autumn", "a library", "coffee", "the moon", "bicycles", "rain", "a garden", "trains", "bread"]
 END_PHRASES = ["Is there anything else?", "Hope this helps.", "That is all."]
@@ -46,33 +46,30 @@ def make_demo_dataset(num_prompts: int = 32, seed: int = 0) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def _text(completion: Any) -> str:
-    if isinstance(completion, str):
-        return completion
-    return "".join(m.get("content") or "" for m in completion if isinstance(m, dict))
-
-
 def end_phrase_reward(completions: list, end_phrase: list[str], **kwargs) -> list[float]:
     """1 when the reply ends with the requested phrase (trailing whitespace ignored)."""
-    return [float(_text(c).rstrip().endswith(p)) for c, p in zip(completions, end_phrase)]
+    return [float(completion_text(c).rstrip().endswith(p)) for c, p in zip(completions, end_phrase)]
 
 
 def keyword_reward(completions: list, keyword: list[str], **kwargs) -> list[float]:
     """1 when the requested word occurs as a whole word (case-insensitive)."""
     return [
-        float(re.search(rf"\b{re.escape(k)}\b", _text(c), re.IGNORECASE) is not None)
+        float(re.search(rf"\b{re.escape(k)}\b", completion_text(c), re.IGNORECASE) is not None)
         for c, k in zip(completions, keyword)
     ]
 
 
 def lowercase_reward(completions: list, **kwargs) -> list[float]:
     """1 when the reply has letters and none of them is upper case."""
-    return [float(any(ch.isalpha() for ch in _text(c)) and _text(c) == _text(c).lower()) for c in completions]
+    return [
+        float(any(ch.isalpha() for ch in completion_text(c)) and completion_text(c) == completion_text(c).lower())
+        for c in completions
+    ]
 
 
 def length_reward(completions: list, **kwargs) -> list[float]:
     """1 for a non-empty reply of at most MAX_WORDS words (no info block: uniform credit)."""
-    return [float(0 < len(_text(c).split()) <= MAX_WORDS) for c in completions]
+    return [float(0 < len(completion_text(c).split()) <= MAX_WORDS) for c in completions]
 
 
 def _constraint_block(name: str):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from trl import GRPOTrainer
@@ -20,16 +19,10 @@ from .credit import group_advantages, shuffle_relevance, token_advantages, warmu
 from .diagnostics import mass_share
 from .info_blocks import InfoBlock, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, replay_relevance
+from .utils import completion_text
 
 REPLAY_MODES = ("mrtpo", "joint", "shuffled")
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
-
-
-def completion_text(completion: str | list[dict[str, Any]]) -> str:
-    """The text of a completion, plain or conversational (assistant message contents joined)."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(m["content"] for m in completion if isinstance(m.get("content"), str))
 
 
 class MRTPOTrainer(GRPOTrainer):

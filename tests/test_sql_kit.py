@@ -1,0 +1,238 @@
+"""Text-to-SQL kit: rewards on real cases, fuzzed input, info blocks, the sandbox under attack, data adapters."""
+
+import hashlib
+import json
+import shutil
+import sqlite3
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trl_mrtpo.reward_funcs import sql
+from trl_mrtpo.reward_funcs.sql import (
+    build_demo_databases,
+    extract_sql,
+    load_spider_or_bird,
+    make_sql_dataset,
+    run_query,
+    sandbox_connection,
+    sql_error_block,
+    sql_executable_reward,
+    sql_execution_reward,
+    sql_format_reward,
+    sql_reference_block,
+)
+
+
+@pytest.fixture(scope="module")
+def dbs(tmp_path_factory):
+    return build_demo_databases(tmp_path_factory.mktemp("sqlkit"))
+
+
+def fenced(query):
+    return [{"role": "assistant", "content": f"Here it is:\n```sql\n{query}\n```"}]
+
+
+def test_rewards_on_real_positive_and_negative_cases(dbs):
+    shop = dbs["shop"]
+    reference = "SELECT name FROM customers WHERE city = 'Lisbon'"
+    completions = [
+        fenced("SELECT name FROM customers WHERE city = 'Lisbon'"),  # right
+        fenced("SELECT name FROM customers WHERE city = 'Lisbon' ORDER BY name DESC"),  # same multiset
+        fenced("SELECT name FROM customers"),  # runs, wrong result
+        fenced("SELECT nme FROM customers"),  # does not run
+        [{"role": "assistant", "content": "SELECT name FROM customers"}],  # no fence
+        fenced("SELECT 1; SELECT 2"),  # two statements
+        fenced("DELETE FROM customers"),  # not a query
+    ]
+    n = len(completions)
+    assert sql_format_reward(completions) == [1, 1, 1, 1, 0, 0, 0]
+    assert sql_executable_reward(completions, db_path=[shop] * n) == [1, 1, 1, 0, 0, 0, 0]
+    assert sql_execution_reward(completions, db_path=[shop] * n, query=[reference] * n) == [1, 1, 0, 0, 0, 0, 0]
+
+
+def test_order_matters_only_when_reference_is_ordered(dbs):
+    ordered = "SELECT name FROM customers ORDER BY name"
+    assert sql_execution_reward(
+        [fenced("SELECT name FROM customers ORDER BY name DESC")], [dbs["shop"]], [ordered]
+    ) == [0]
+    assert sql_execution_reward([fenced("SELECT name FROM customers ORDER BY id")], [dbs["shop"]], [ordered]) == [1]
+    # float results compare after rounding to 6 digits
+    assert sql_execution_reward(
+        [fenced("SELECT sum(amount) + 0.0000000001 FROM orders")], [dbs["shop"]], ["SELECT sum(amount) FROM orders"]
+    ) == [1]
+
+
+def test_extract_sql():
+    assert extract_sql("```sql\nSELECT 1\n```") == "SELECT 1"
+    assert extract_sql("```SQL SELECT 1```") == "SELECT 1"
+    assert extract_sql("```sql\nSELECT 1\n``` and ```sql\nSELECT 2\n```") is None
+    assert extract_sql("```sql\n\n```") is None
+    assert extract_sql(None) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        st.none(),
+        st.integers(),
+        st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=20)), max_size=2),
+    )
+)
+def test_malformed_completions_never_raise(dbs, junk):
+    wrapped = [junk, fenced(junk if isinstance(junk, str) else "x")]
+    for completion in wrapped:
+        assert sql_format_reward([completion]) in ([0.0], [1.0])
+        assert sql_executable_reward([completion], db_path=[dbs["shop"]]) in ([0.0], [1.0])
+        assert sql_execution_reward([completion], db_path=[dbs["shop"]], query=["SELECT 1"]) in ([0.0], [1.0])
+
+
+def test_info_blocks(dbs):
+    row = {"db_path": dbs["shop"], "query": "SELECT count(*) FROM customers"}
+    assert "no such column: nme" in sql_error_block(
+        prompt="", completion="```sql\nSELECT nme FROM customers\n```", row=row, score=0.0
+    )
+    assert sql_error_block(prompt="", completion="```sql\nSELECT name FROM customers\n```", row=row, score=1.0) is None
+    assert sql_error_block(prompt="", completion="no sql", row=row, score=0.0) is None
+    assert "SELECT count(*) FROM customers" in sql_reference_block(prompt="", completion="", row=row, score=0.0)
+    assert "```sql" in sql.sql_format_block(prompt="", completion="", row=row, score=0.0)
+
+
+# ---------------------------------------------------------------- sandbox under attack
+ATTACKS = [
+    "DROP TABLE customers",
+    "DELETE FROM customers",
+    "UPDATE customers SET name = 'x'",
+    "INSERT INTO customers VALUES (9, 'Eve', 'Oslo')",
+    "CREATE TABLE evil (x)",
+    "CREATE INDEX i ON customers(name)",
+    "CREATE VIEW v AS SELECT 1",
+    "CREATE TRIGGER t AFTER INSERT ON customers BEGIN SELECT 1; END",
+    "ALTER TABLE customers ADD COLUMN x",
+    "ALTER TABLE customers RENAME TO c2",
+    "REPLACE INTO customers VALUES (1, 'x', 'y')",
+    "ATTACH DATABASE '/tmp/evil.sqlite' AS evil",
+    "DETACH DATABASE main",
+    "PRAGMA writable_schema = 1",
+    "PRAGMA journal_mode = DELETE",
+    "PRAGMA user_version = 7",
+    "VACUUM",
+    "VACUUM INTO '/tmp/copy.sqlite'",
+    "REINDEX",
+    "ANALYZE",
+    "BEGIN; DELETE FROM customers; COMMIT",
+    "SELECT 1; DROP TABLE customers",
+    "SELECT * FROM customers; DELETE FROM orders",
+    "SELECT load_extension('/tmp/evil.so')",
+    "SELECT readfile('/etc/passwd')",
+    "SELECT writefile('/tmp/x', 'y')",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT count(*) FROM c",
+    "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT x FROM c",
+    "SELECT count(*) FROM customers a, customers b, customers c, customers d, customers e, customers f, "
+    "customers g, customers h, customers i, customers j, customers k, customers l, customers m, customers n",
+    "SELECT * FROM orders a, orders b, orders c, orders d, orders e, orders f, orders g, orders h ORDER BY random()",
+    "SELECT randomblob(1000000000)",
+    "SELECT zeroblob(2000000000)",
+    "SELECT * FROM sqlite_master",  # harmless read: must be allowed, listed to show reads still work
+    "INSERT INTO customers SELECT * FROM customers",
+    "WITH x AS (SELECT 1) DELETE FROM customers",
+    "SAVEPOINT a",
+]
+
+
+def file_digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_sandbox_blocks_every_attack(dbs):
+    path = dbs["shop"]
+    before = file_digest(path)
+    limit = 1.0
+    for attack in ATTACKS:
+        started = time.monotonic()
+        result = run_query.__wrapped__(path, attack, timeout_s=limit)
+        elapsed = time.monotonic() - started
+        assert elapsed < limit + 1.0, f"{attack!r} ran {elapsed:.2f} s"
+        if attack != "SELECT * FROM sqlite_master":
+            assert result.rows is None and result.error, f"{attack!r} was not stopped: {result}"
+    assert file_digest(path) == before
+    assert run_query.__wrapped__(path, "SELECT count(*) FROM customers").rows == ((4,),)
+
+
+def test_sandbox_connection_refuses_writes_even_without_the_parser(dbs):
+    """Defence in depth: SQL that slipped past sqlglot still cannot write, attach or set pragmas."""
+    path = dbs["school"]
+    before = file_digest(path)
+    conn = sandbox_connection(path, time.monotonic() + 2)
+    try:
+        for statement in [
+            "DELETE FROM students",
+            "DROP TABLE students",
+            "ATTACH ':memory:' AS m",
+            "PRAGMA user_version = 3",
+            "CREATE TABLE z (a)",
+        ]:
+            with pytest.raises(sqlite3.DatabaseError):
+                conn.execute(statement)
+        assert conn.execute("SELECT count(*) FROM students").fetchone() == (4,)
+    finally:
+        conn.close()
+    assert file_digest(path) == before
+
+
+def test_row_cap_and_missing_database(dbs, tmp_path):
+    result = run_query.__wrapped__(dbs["shop"], "SELECT * FROM orders a, orders b", max_rows=10)
+    assert result.rows is None and "more than 10 rows" in result.error
+    assert "database not found" in run_query.__wrapped__(str(tmp_path / "none.sqlite"), "SELECT 1").error
+
+
+# ---------------------------------------------------------------- data
+def test_builtin_dataset_references_all_run(tmp_path):
+    dataset = make_sql_dataset(tmp_path)
+    assert len(dataset) == 12
+    for row in dataset:
+        assert "CREATE TABLE" in row["prompt"][0]["content"]
+        assert run_query(row["db_path"], row["query"]).error is None
+        # the reference is a perfect answer for all three rewards
+        completion = fenced(row["query"])
+        assert sql_execution_reward([completion], [row["db_path"]], [row["query"]]) == [1.0]
+
+
+def test_spider_and_bird_adapters(tmp_path, dbs):
+    spider = tmp_path / "spider"
+    (spider / "database" / "shop").mkdir(parents=True)
+    shutil.copy(dbs["shop"], spider / "database" / "shop" / "shop.sqlite")
+    (spider / "dev.json").write_text(
+        json.dumps([{"db_id": "shop", "question": "How many?", "query": "SELECT count(*) FROM customers"}])
+    )
+    rows = load_spider_or_bird(spider, "dev.json")
+    assert (
+        rows[0]["query"] == "SELECT count(*) FROM customers"
+        and "CREATE TABLE customers" in rows[0]["prompt"][0]["content"]
+    )
+
+    bird = tmp_path / "bird"
+    (bird / "dev" / "dev_databases" / "shop").mkdir(parents=True)
+    shutil.copy(dbs["shop"], bird / "dev" / "dev_databases" / "shop" / "shop.sqlite")
+    (bird / "dev" / "dev.json").write_text(
+        json.dumps(
+            [
+                {
+                    "db_id": "shop",
+                    "question": "Total?",
+                    "SQL": "SELECT sum(amount) FROM orders",
+                    "evidence": "amount is in euros",
+                }
+            ]
+        )
+    )
+    rows = load_spider_or_bird(bird, "dev/dev.json", database_dir="dev/dev_databases")
+    assert rows[0]["query"] == "SELECT sum(amount) FROM orders"
+    assert "External knowledge: amount is in euros" in rows[0]["prompt"][0]["content"]
+
+    (spider / "bad.json").write_text(json.dumps([{"db_id": "nope", "question": "q", "query": "SELECT 1"}]))
+    with pytest.raises(FileNotFoundError, match="example 0"):
+        load_spider_or_bird(spider, "bad.json")

@@ -1,0 +1,1 @@
+"""Task kits: reward functions (TRL signature), info-block builders and dataset adapters, one module per task."""

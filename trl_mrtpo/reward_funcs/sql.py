@@ -1,0 +1,360 @@
+"""Text-to-SQL kit: rewards, info blocks, a sandbox for model-written SQL, Spider/BIRD and built-in data.
+
+Rewards (0/1 each, TRL reward-function signature; dataset columns ``db_path`` and ``query``):
+
+- :func:`sql_format_reward`: exactly one ```` ```sql ```` fenced block holding exactly one read-only query.
+- :func:`sql_executable_reward`: that query runs without error on the sample's SQLite database.
+- :func:`sql_execution_reward`: its result equals the reference query's (multiset of rows; row order counts only
+  when the reference has a top-level ORDER BY).
+
+Info blocks (appended): :func:`sql_format_block` (the format rule), :func:`sql_error_block` (the response's own
+SQLite error, none when it ran), :func:`sql_reference_block` (the reference query).
+
+Model-written SQL only ever runs through :func:`run_query`: a fresh read-only connection (URI ``mode=ro``), an
+authorizer that allows reads and nothing else (no writes, ATTACH, PRAGMA, extension loading), a progress-handler
+time limit and a row cap. ``sqlglot`` rejects anything that is not a single query before SQLite sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import sqlglot
+from sqlglot import exp
+
+from ..utils import completion_text
+
+DEFAULT_TIMEOUT_S = 5.0
+DEFAULT_MAX_ROWS = 10_000
+MAX_VALUE_BYTES = 10_000_000  # largest string or blob model SQL may build
+FORMAT_RULE = (
+    "Format: answer with exactly one SQLite query inside a ```sql ... ``` code block, and nothing else in code."
+)
+_FENCE = re.compile(r"```sql[ \t]*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
+
+# Authorizer: reading is all model SQL may do. Functions are allowed except extension loading.
+_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer", "randomblob", "zeroblob"}
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    """Rows of a query, or the error that stopped it (exactly one of the two is set)."""
+
+    rows: tuple[tuple, ...] | None
+    error: str | None
+    ordered: bool = False  # the query has a top-level ORDER BY
+
+
+def extract_sql(text: str) -> str | None:
+    """The query inside the only ```sql fence of ``text``; None if there is none or more than one."""
+    if not isinstance(text, str):
+        return None
+    blocks = _FENCE.findall(text)
+    if len(blocks) != 1 or not blocks[0].strip():
+        return None
+    return blocks[0].strip()
+
+
+def check_single_query(sql: str) -> tuple[bool, str | None]:
+    """``(is_one_read_only_query, reason_if_not)``, using sqlglot's SQLite dialect."""
+    try:
+        statements = [s for s in sqlglot.parse(sql, read="sqlite") if s is not None]
+    except Exception as error:  # sqlglot raises several error types on garbage
+        return False, f"could not parse the SQL: {str(error).splitlines()[0][:200]}"
+    if len(statements) != 1:
+        return False, f"expected exactly one statement, found {len(statements)}"
+    if not isinstance(statements[0], exp.Query):
+        return False, f"only queries are allowed, found {statements[0].key.upper()}"
+    return True, None
+
+
+def _is_ordered(sql: str) -> bool:
+    try:
+        statement = sqlglot.parse_one(sql, read="sqlite")
+    except Exception:
+        return False
+    return statement.args.get("order") is not None
+
+
+def _authorizer(action, arg1, arg2, db_name, trigger):
+    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
+        return sqlite3.SQLITE_DENY
+    return sqlite3.SQLITE_OK if action in _ALLOWED_ACTIONS else sqlite3.SQLITE_DENY
+
+
+def _normalise(value: Any) -> Any:
+    return round(value, 6) if isinstance(value, float) else value
+
+
+@lru_cache(maxsize=8192)
+def run_query(
+    db_path: str, sql: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS
+) -> QueryResult:
+    """Run one model-written query in the sandbox. Never raises for bad SQL; the error text is SQLite's own.
+
+    Results are cached per (database, query): the database is opened read-only, so a query's result cannot change
+    while training runs.
+    """
+    ok, reason = check_single_query(sql)
+    if not ok:
+        return QueryResult(None, reason)
+    path = Path(db_path)
+    if not path.is_file():
+        return QueryResult(None, f"database not found: {db_path}")
+    deadline = time.monotonic() + timeout_s
+    try:
+        conn = sandbox_connection(path, deadline)
+    except sqlite3.Error as error:
+        return QueryResult(None, f"cannot open database: {error}")
+    try:
+        rows = conn.execute(sql).fetchmany(max_rows + 1)
+        if len(rows) > max_rows:
+            return QueryResult(None, f"the result has more than {max_rows} rows")
+        return QueryResult(tuple(tuple(_normalise(v) for v in row) for row in rows), None, _is_ordered(sql))
+    except sqlite3.OperationalError as error:
+        if time.monotonic() > deadline:
+            return QueryResult(None, f"the query ran longer than {timeout_s:g} s and was stopped")
+        return QueryResult(None, str(error))
+    except (sqlite3.Error, ValueError, OverflowError, MemoryError) as error:
+        return QueryResult(None, str(error) or type(error).__name__)
+    finally:
+        conn.close()
+
+
+def sandbox_connection(db_path: str | Path, deadline: float) -> sqlite3.Connection:
+    """A fresh read-only connection that may only read, and that aborts any statement after ``deadline``
+    (``time.monotonic()`` seconds). The second line of defence behind :func:`check_single_query`.
+    """
+    conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
+    conn.set_authorizer(_authorizer)
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+    # One opcode can allocate a huge value (randomblob(1e9)) before the progress handler runs again: cap sizes.
+    if hasattr(conn, "setlimit"):  # Python >= 3.11
+        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
+    return conn
+
+
+def same_result(predicted: QueryResult, reference: QueryResult) -> bool:
+    """Execution match: multisets of rows, or row lists when the reference is ordered."""
+    if predicted.rows is None or reference.rows is None:
+        return False
+    if reference.ordered:
+        return predicted.rows == reference.rows
+    return Counter(predicted.rows) == Counter(reference.rows)
+
+
+def _per_sample(values: Any, n: int) -> list:
+    return list(values) if isinstance(values, (list, tuple)) else [values] * n
+
+
+def _query_of(completion: Any) -> str | None:
+    sql = extract_sql(completion_text(completion))
+    return sql if sql is not None and check_single_query(sql)[0] else None
+
+
+def sql_format_reward(completions: list, **kwargs) -> list[float]:
+    """1 when the completion holds exactly one ```sql fence with exactly one read-only query."""
+    return [float(_query_of(c) is not None) for c in completions]
+
+
+def sql_executable_reward(completions: list, db_path: list[str], **kwargs) -> list[float]:
+    """1 when the query runs without error on the sample's database (0 when there is no well-formed query)."""
+    out = []
+    for completion, db in zip(completions, _per_sample(db_path, len(completions))):
+        sql = _query_of(completion)
+        out.append(float(sql is not None and run_query(str(db), sql).error is None))
+    return out
+
+
+def sql_execution_reward(completions: list, db_path: list[str], query: list[str], **kwargs) -> list[float]:
+    """1 when the query's result equals the reference query's result on the sample's database."""
+    n = len(completions)
+    out = []
+    for completion, db, reference in zip(completions, _per_sample(db_path, n), _per_sample(query, n)):
+        sql = _query_of(completion)
+        out.append(float(sql is not None and same_result(run_query(str(db), sql), run_query(str(db), reference))))
+    return out
+
+
+def sql_format_block(*, prompt, completion, row, score) -> str:
+    """The format requirement the format reward checks."""
+    return FORMAT_RULE
+
+
+def sql_error_block(*, prompt, completion, row, score) -> str | None:
+    """The response's own SQLite error message; None when its query ran (or it has no query to run)."""
+    sql = extract_sql(completion)
+    if sql is None:
+        return None
+    error = run_query(str(row["db_path"]), sql).error
+    return None if error is None else f"Your SQL failed with this error: {error}"
+
+
+def sql_reference_block(*, prompt, completion, row, score) -> str:
+    """The reference query the execution reward compares against."""
+    return f"A correct query is:\n```sql\n{row['query']}\n```"
+
+
+SQL_REWARDS = [sql_format_reward, sql_executable_reward, sql_execution_reward]
+SQL_INFO_BLOCKS = [sql_format_block, sql_error_block, sql_reference_block]
+
+
+# ---------------------------------------------------------------------------------------------------------------- data
+def database_schema(db_path: str | Path) -> str:
+    """The CREATE statements of a database, as written in its sqlite_master."""
+    conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT sql FROM sqlite_master WHERE type='table' AND sql IS NOT NULL").fetchall()
+    finally:
+        conn.close()
+    return "\n".join(r[0].strip() + ";" for r in rows)
+
+
+def sql_prompt(question: str, schema: str, evidence: str | None = None) -> list[dict[str, str]]:
+    """The conversational prompt: schema, optional external knowledge (BIRD's evidence), question, format rule."""
+    hint = f"\nExternal knowledge: {evidence}" if evidence else ""
+    content = (
+        f"Database schema:\n{schema}\n{hint}\nQuestion: {question}\n"
+        "Write one SQLite query that answers the question, inside a ```sql code block."
+    )
+    return [{"role": "user", "content": content}]
+
+
+def load_spider_or_bird(root: str | Path, split_file: str, database_dir: str = "database") -> list[dict]:
+    """Rows from a local Spider or BIRD folder.
+
+    Args:
+        root: folder holding ``split_file`` and ``database_dir/<db_id>/<db_id>.sqlite``.
+        split_file: e.g. ``train_spider.json`` / ``dev.json`` (Spider) or ``train/train.json`` (BIRD).
+        database_dir: ``database`` (Spider), ``train/train_databases`` or ``dev/dev_databases`` (BIRD).
+
+    Returns:
+        rows with ``prompt``, ``query``, ``db_path`` and ``question``; Spider's ``query`` and BIRD's ``SQL`` keys
+        are both read, BIRD's ``evidence`` goes into the prompt.
+    """
+    root = Path(root)
+    examples = json.loads((root / split_file).read_text())
+    schemas: dict[str, str] = {}
+    rows = []
+    for i, example in enumerate(examples):
+        db_id = example.get("db_id")
+        reference = example.get("query", example.get("SQL"))
+        if not db_id or not reference or "question" not in example:
+            raise ValueError(f"{split_file} example {i} lacks db_id, question or query/SQL")
+        db_path = root / database_dir / db_id / f"{db_id}.sqlite"
+        if db_id not in schemas:
+            if not db_path.is_file():
+                raise FileNotFoundError(f"{split_file} example {i}: database {db_path} does not exist")
+            schemas[db_id] = database_schema(db_path)
+        rows.append(
+            {
+                "prompt": sql_prompt(example["question"], schemas[db_id], example.get("evidence")),
+                "question": example["question"],
+                "query": reference,
+                "db_path": str(db_path),
+            }
+        )
+    return rows
+
+
+_DEMO_TABLES = {
+    "shop": [
+        "CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT, city TEXT)",
+        "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INTEGER REFERENCES customers(id), amount REAL, "
+        "day TEXT)",
+        "INSERT INTO customers VALUES (1,'Ana','Lisbon'),(2,'Ben','Paris'),(3,'Chen','Lisbon'),(4,'Dana','Rome')",
+        "INSERT INTO orders VALUES (1,1,20.5,'2024-01-02'),(2,1,7.0,'2024-01-05'),(3,2,13.25,'2024-02-01'),"
+        "(4,3,40.0,'2024-02-03'),(5,3,2.5,'2024-03-09')",
+    ],
+    "school": [
+        "CREATE TABLE students (id INTEGER PRIMARY KEY, name TEXT, year INTEGER)",
+        "CREATE TABLE courses (id INTEGER PRIMARY KEY, title TEXT, credits INTEGER)",
+        "CREATE TABLE enrollments (student_id INTEGER, course_id INTEGER, grade INTEGER)",
+        "INSERT INTO students VALUES (1,'Eva',1),(2,'Finn',2),(3,'Gul',2),(4,'Hugo',3)",
+        "INSERT INTO courses VALUES (1,'Algebra',5),(2,'Biology',3),(3,'Chemistry',4)",
+        "INSERT INTO enrollments VALUES (1,1,90),(1,2,75),(2,1,60),(3,3,88),(4,2,95),(4,3,70)",
+    ],
+}
+_DEMO_QUESTIONS = [
+    ("shop", "How many customers are there?", "SELECT count(*) FROM customers"),
+    ("shop", "List the names of customers who live in Lisbon.", "SELECT name FROM customers WHERE city = 'Lisbon'"),
+    ("shop", "What is the total amount of all orders?", "SELECT sum(amount) FROM orders"),
+    (
+        "shop",
+        "Show each customer's name and their number of orders, most orders first.",
+        "SELECT c.name, count(o.id) AS n FROM customers c LEFT JOIN orders o ON o.customer_id = c.id "
+        "GROUP BY c.id ORDER BY n DESC, c.name",
+    ),
+    (
+        "shop",
+        "Which customers have never ordered?",
+        "SELECT name FROM customers WHERE id NOT IN (SELECT customer_id FROM orders)",
+    ),
+    ("shop", "What is the largest single order amount?", "SELECT max(amount) FROM orders"),
+    ("school", "How many students are in year 2?", "SELECT count(*) FROM students WHERE year = 2"),
+    ("school", "List course titles with more than 3 credits.", "SELECT title FROM courses WHERE credits > 3"),
+    (
+        "school",
+        "What is the average grade in Algebra?",
+        "SELECT avg(e.grade) FROM enrollments e JOIN courses c ON c.id = e.course_id WHERE c.title = 'Algebra'",
+    ),
+    (
+        "school",
+        "Give the names of students enrolled in Biology.",
+        "SELECT s.name FROM students s JOIN enrollments e ON e.student_id = s.id JOIN courses c ON c.id = e.course_id "
+        "WHERE c.title = 'Biology'",
+    ),
+    (
+        "school",
+        "Which student has the highest grade?",
+        "SELECT s.name FROM students s JOIN enrollments e ON e.student_id = s.id ORDER BY e.grade DESC LIMIT 1",
+    ),
+    (
+        "school",
+        "How many courses does each student take?",
+        "SELECT student_id, count(*) FROM enrollments GROUP BY student_id",
+    ),
+]
+
+
+def build_demo_databases(folder: str | Path) -> dict[str, str]:
+    """Create the built-in SQLite databases in ``folder`` (idempotent); returns ``{db_id: path}``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for db_id, statements in _DEMO_TABLES.items():
+        path = folder / f"{db_id}.sqlite"
+        if not path.is_file():
+            partial = path.with_suffix(".partial")
+            partial.unlink(missing_ok=True)
+            conn = sqlite3.connect(partial)
+            for statement in statements:
+                conn.execute(statement)
+            conn.commit()
+            conn.close()
+            partial.replace(path)
+        paths[db_id] = str(path)
+    return paths
+
+
+def make_sql_dataset(folder: str | Path):
+    """The built-in text-to-SQL set (12 questions over 2 small databases) as a ``datasets.Dataset``."""
+    from datasets import Dataset
+
+    paths = build_demo_databases(folder)
+    schemas = {db_id: database_schema(path) for db_id, path in paths.items()}
+    return Dataset.from_list(
+        [
+            {"prompt": sql_prompt(q, schemas[db]), "question": q, "query": ref, "db_path": paths[db]}
+            for db, q, ref in _DEMO_QUESTIONS
+        ]
+    )
