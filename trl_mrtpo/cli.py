@@ -8,6 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .demo import DEMO_TASKS
+
 
 def _pin_threads(threads: int | None) -> None:
     import torch
@@ -41,11 +43,14 @@ def run_demo(args: argparse.Namespace):
     from peft import LoraConfig
 
     from . import MRTPOConfig, MRTPOTrainer
-    from .demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
-    from .embedded import embedded_model_path
+    from .demo import demo_task
+    from .embedded import cache_root, embedded_model_path
 
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s)...", flush=True)
     model_path = embedded_model_path()
+    rewards, info_blocks, dataset = demo_task(
+        args.task, num_prompts=max(args.steps, 8), seed=args.seed, cache_dir=str(cache_root() / "demo_sql")
+    )
     config = MRTPOConfig(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -65,17 +70,17 @@ def run_demo(args: argparse.Namespace):
     )
     trainer = MRTPOTrainer(
         model=model_path,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=rewards,
+        info_blocks=info_blocks,
         args=config,
-        train_dataset=make_demo_dataset(num_prompts=max(args.steps, 8), seed=args.seed),
+        train_dataset=dataset,
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     )
     trainer.train()
     print("\nPer-step rewards and MRTPO metrics:")
     _print_curves(trainer.state.log_history, trainer.reward_func_names)
     trainer.save_model(args.output_dir)
-    trainer.create_model_card(model_name=f"{os.path.basename(model_path)}-MRTPO-demo")
+    trainer.create_model_card(model_name=f"{os.path.basename(model_path)}-MRTPO-demo-{args.task}")
     print(f"\nAdapter and model card saved to {args.output_dir}")
     return trainer
 
@@ -87,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo", help="Train a LoRA adapter with MRTPO on the embedded SmolLM2-135M-Instruct, on CPU (a few minutes)."
+    )
+    demo.add_argument(
+        "--task",
+        choices=DEMO_TASKS,
+        default="basic",
+        help="basic: 3 constraint rewards + length (default); sql: text-to-SQL kit; if: instruction following "
+        "(13 constraint slots); tools: tool calling",
     )
     demo.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     demo.add_argument("--num-generations", type=int, default=4, help="responses per prompt (default 4)")

@@ -87,3 +87,25 @@ DEMO_INFO_BLOCKS = [
     _constraint_block("lowercase"),
     None,
 ]
+
+
+def demo_task(name: str, num_prompts: int, seed: int, cache_dir: str):
+    """``(rewards, info_blocks, train_dataset)`` of a demo task: ``basic`` (above), ``sql``, ``if`` or ``tools``."""
+    if name == "basic":
+        return DEMO_REWARDS, DEMO_INFO_BLOCKS, make_demo_dataset(num_prompts, seed)
+    if name == "sql":
+        from .reward_funcs.sql import SQL_INFO_BLOCKS, SQL_REWARDS, make_sql_dataset
+
+        return SQL_REWARDS, SQL_INFO_BLOCKS, make_sql_dataset(cache_dir).shuffle(seed=seed)
+    if name == "if":
+        from .reward_funcs.instruction_following import make_if_dataset, make_if_info_blocks, make_if_rewards
+
+        return make_if_rewards(13), make_if_info_blocks(13), make_if_dataset(num_prompts, seed=seed)
+    if name == "tools":
+        from .reward_funcs.tool_calling import TOOL_INFO_BLOCKS, TOOL_REWARDS, make_tool_dataset
+
+        return TOOL_REWARDS, TOOL_INFO_BLOCKS, make_tool_dataset().shuffle(seed=seed)
+    raise ValueError(f"unknown demo task {name!r}; choose one of {', '.join(DEMO_TASKS)}")
+
+
+DEMO_TASKS = ("basic", "sql", "if", "tools")

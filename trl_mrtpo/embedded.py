@@ -16,7 +16,7 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_mrtpo"
     return Path(os.environ.get("TRL_MRTPO_CACHE", default))
 
@@ -40,7 +40,7 @@ def embedded_model_path() -> str:
 
     The folder can be passed as ``model`` to :class:`trl_mrtpo.MRTPOTrainer` like any hub id.
     """
-    target = _cache_root() / EMBEDDED_MODEL_NAME
+    target = cache_root() / EMBEDDED_MODEL_NAME
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
         return str(target)
     import torch
