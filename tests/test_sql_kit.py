@@ -153,13 +153,13 @@ def test_sandbox_blocks_every_attack(dbs):
     limit = 1.0
     for attack in ATTACKS:
         started = time.monotonic()
-        result = run_query.__wrapped__(path, attack, timeout_s=limit)
+        result = run_query(path, attack, timeout_s=limit)
         elapsed = time.monotonic() - started
         assert elapsed < limit + 1.0, f"{attack!r} ran {elapsed:.2f} s"
         if attack != "SELECT * FROM sqlite_master":
             assert result.rows is None and result.error, f"{attack!r} was not stopped: {result}"
     assert file_digest(path) == before
-    assert run_query.__wrapped__(path, "SELECT count(*) FROM customers").rows == ((4,),)
+    assert run_query(path, "SELECT count(*) FROM customers").rows == ((4,),)
 
 
 def test_sandbox_connection_refuses_writes_even_without_the_parser(dbs):
@@ -184,9 +184,9 @@ def test_sandbox_connection_refuses_writes_even_without_the_parser(dbs):
 
 
 def test_row_cap_and_missing_database(dbs, tmp_path):
-    result = run_query.__wrapped__(dbs["shop"], "SELECT * FROM orders a, orders b", max_rows=10)
+    result = run_query(dbs["shop"], "SELECT * FROM orders a, orders b", max_rows=10)
     assert result.rows is None and "more than 10 rows" in result.error
-    assert "database not found" in run_query.__wrapped__(str(tmp_path / "none.sqlite"), "SELECT 1").error
+    assert "database not found" in run_query(str(tmp_path / "none.sqlite"), "SELECT 1").error
 
 
 # ---------------------------------------------------------------- data
@@ -236,3 +236,16 @@ def test_spider_and_bird_adapters(tmp_path, dbs):
     (spider / "bad.json").write_text(json.dumps([{"db_id": "nope", "question": "q", "query": "SELECT 1"}]))
     with pytest.raises(FileNotFoundError, match="example 0"):
         load_spider_or_bird(spider, "bad.json")
+
+
+def test_timeouts_are_not_cached_but_results_are(dbs):
+    from trl_mrtpo.reward_funcs.sql import _cached_query
+
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
+    size = _cached_query.cache_info().currsize
+    assert "longer than 0.2 s" in run_query(dbs["shop"], endless, timeout_s=0.2).error
+    assert _cached_query.cache_info().currsize == size
+    run_query(dbs["shop"], "SELECT 42")
+    hits = _cached_query.cache_info().hits
+    assert run_query(dbs["shop"], "SELECT 42").rows == ((42,),)
+    assert _cached_query.cache_info().hits == hits + 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -32,8 +31,8 @@ def _print_curves(log_history: list[dict], reward_names: Sequence[str]) -> None:
     for h in rows:
         cells = [f"{h.get('step', 0):>16}"]
         for c in columns:
-            value = h.get(c, math.nan)
-            cells.append(f"{value:>16.3f}")
+            value = h.get(c)
+            cells.append(f"{value:>16.3f}" if isinstance(value, (int, float)) else f"{'n/a':>16}")
         print("  ".join(cells))
 
 

@@ -95,15 +95,26 @@ def _normalise(value: Any) -> Any:
     return round(value, 6) if isinstance(value, float) else value
 
 
-@lru_cache(maxsize=8192)
+class QueryTimeout(Exception):
+    """A query hit the time limit; kept out of the cache, since a busy machine can cause it."""
+
+
 def run_query(
     db_path: str, sql: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS
 ) -> QueryResult:
     """Run one model-written query in the sandbox. Never raises for bad SQL; the error text is SQLite's own.
 
-    Results are cached per (database, query): the database is opened read-only, so a query's result cannot change
-    while training runs.
+    Results are cached per (database, query, limits): the database is opened read-only, so a query's result cannot
+    change while training runs. Time-outs are not cached.
     """
+    try:
+        return _cached_query(str(db_path), sql, timeout_s, max_rows)
+    except QueryTimeout as timeout:
+        return QueryResult(None, str(timeout))
+
+
+@lru_cache(maxsize=8192)
+def _cached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
     ok, reason = check_single_query(sql)
     if not ok:
         return QueryResult(None, reason)
@@ -122,7 +133,7 @@ def run_query(
         return QueryResult(tuple(tuple(_normalise(v) for v in row) for row in rows), None, _is_ordered(sql))
     except sqlite3.OperationalError as error:
         if time.monotonic() > deadline:
-            return QueryResult(None, f"the query ran longer than {timeout_s:g} s and was stopped")
+            raise QueryTimeout(f"the query ran longer than {timeout_s:g} s and was stopped") from error
         return QueryResult(None, str(error))
     except (sqlite3.Error, ValueError, OverflowError, MemoryError) as error:
         return QueryResult(None, str(error) or type(error).__name__)
