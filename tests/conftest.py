@@ -2,10 +2,18 @@ import os
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
 # Two cores: without a pin, torch's threads fight the other test worker and slow down 20-50x.
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
+# What a reward function may be handed instead of a well-formed completion.
+MALFORMED_COMPLETIONS = st.one_of(
+    st.text(max_size=300),
+    st.none(),
+    st.integers(),
+    st.lists(st.dictionaries(st.text(max_size=5), st.one_of(st.text(max_size=30), st.none())), max_size=2),
+)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"

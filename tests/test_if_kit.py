@@ -4,8 +4,8 @@ import json
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from tests.conftest import MALFORMED_COMPLETIONS
 from trl_mrtpo.info_blocks import InfoBlock, build_contexts
 from trl_mrtpo.reward_funcs.instruction_following import (
     GENERATOR_POOL,
@@ -108,7 +108,7 @@ def test_slots_map_constraints_and_none_past_the_end():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.one_of(st.text(max_size=300), st.none(), st.integers()))
+@given(MALFORMED_COMPLETIONS)
 def test_malformed_completions_never_raise(junk):
     rewards = make_if_rewards(14)
     dataset = make_if_dataset(1, min_constraints=14, max_constraints=14)

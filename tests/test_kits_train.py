@@ -2,11 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
 
+from tests.conftest import MALFORMED_COMPLETIONS
+from tests.test_trainer import RecordingTrainer, make_args
 from trl_mrtpo.demo import DEMO_TASKS, demo_task
 from trl_mrtpo.info_blocks import InfoBlock
-
-from .test_trainer import RecordingTrainer, make_args
 
 
 @pytest.mark.parametrize("task", ["sql", "if", "tools"])
@@ -48,3 +49,12 @@ def test_if_kit_in_prompt_blocks_are_spans():
     row = dataset[0]
     block = blocks[0](prompt=row["prompt"], completion="", row=row, score=1.0)
     assert isinstance(block, InfoBlock) and block.text in row["prompt"][0]["content"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(MALFORMED_COMPLETIONS)
+def test_basic_demo_rewards_never_raise(junk):
+    rewards, _, dataset = demo_task("basic", num_prompts=1, seed=0, cache_dir="")
+    row = dataset[0]
+    for reward in rewards:
+        assert reward([junk], end_phrase=[row["end_phrase"]], keyword=[row["keyword"]]) in ([0.0], [1.0])

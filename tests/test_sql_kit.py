@@ -8,8 +8,8 @@ import time
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from tests.conftest import MALFORMED_COMPLETIONS
 from trl_mrtpo.reward_funcs import sql
 from trl_mrtpo.reward_funcs.sql import (
     build_demo_databases,
@@ -74,14 +74,7 @@ def test_extract_sql():
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    st.one_of(
-        st.text(max_size=200),
-        st.none(),
-        st.integers(),
-        st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=20)), max_size=2),
-    )
-)
+@given(MALFORMED_COMPLETIONS)
 def test_malformed_completions_never_raise(dbs, junk):
     wrapped = [junk, fenced(junk if isinstance(junk, str) else "x")]
     for completion in wrapped:

@@ -4,8 +4,8 @@ import json
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
+from tests.conftest import MALFORMED_COMPLETIONS
 from trl_mrtpo.reward_funcs.tool_calling import (
     call_score,
     extract_calls,
@@ -78,14 +78,7 @@ def test_value_comparison_is_lenient_on_case_and_number_type():
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    st.one_of(
-        st.text(max_size=300),
-        st.none(),
-        st.integers(),
-        st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=30)), max_size=2),
-    )
-)
+@given(MALFORMED_COMPLETIONS)
 def test_malformed_input_never_raises(junk):
     for completion in (
         junk,

@@ -96,8 +96,8 @@ def replay_relevance(
 
     Args:
         model: the policy (sampling-time weights).
-        contexts: per response j, token ids ``[P_all, P_removed_1, ..., P_removed_m]``; responses with only
-            ``P_all`` are skipped.
+        contexts: per response j, token ids ``[P_all, P_removed_1, ..., P_removed_m]``; responses with fewer
+            than two contexts are skipped.
         completions: per response j, its completion token ids (unpadded).
         temperature: sampling temperature.
         batch_size: sequences per replay forward.

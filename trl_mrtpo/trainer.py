@@ -167,16 +167,18 @@ class MRTPOTrainer(GRPOTrainer):
         else:
             removals = [[[k] for k in wanted[i]] for i in range(num_samples)]
 
+        # Only responses with a replayed pair are tokenized and replayed; the others keep no contexts.
         contexts = [
-            build_contexts(prompts[i], blocks[i], removals[i], self.args.info_block_separator)
+            build_contexts(prompts[i], blocks[i], removals[i], self.args.info_block_separator) if removals[i] else None
             for i in range(num_samples)
         ]
-        flat = [p for p_all, removed in contexts for p in (p_all, *removed)]
-        flat_ids = self._tokenize_prompts(flat)[0] if flat else []
+        flat = [p for c in contexts if c is not None for p in (c[0], *c[1])]
+        flat_ids = self._tokenize_prompts(flat)[0]
         context_ids, cursor = [], 0
         for removed in removals:
-            context_ids.append(flat_ids[cursor : cursor + 1 + len(removed)])
-            cursor += 1 + len(removed)
+            count = 1 + len(removed) if removed else 0
+            context_ids.append(flat_ids[cursor : cursor + count])
+            cursor += count
 
         lengths = mask.sum(-1).tolist()
         completion_ids = [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
