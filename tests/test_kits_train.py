@@ -40,7 +40,7 @@ def test_sql_kit_blocks_build_real_contexts(tmp_path):
 
 def test_unknown_demo_task():
     assert DEMO_TASKS == ("basic", "sql", "if", "tools")
-    with pytest.raises(ValueError, match="unknown demo task 'chess'"):
+    with pytest.raises(ValueError, match="unknown task 'chess'"):
         demo_task("chess", 8, 0, "/tmp")
 
 

@@ -6,6 +6,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trl import ScriptArguments
 
 from .demo import DEMO_TASKS
 
@@ -84,6 +87,132 @@ def run_demo(args: argparse.Namespace):
     return trainer
 
 
+@dataclass
+class MRTPOScriptArguments(ScriptArguments):
+    """Script arguments of ``trl-mrtpo train`` (beside MRTPOConfig and TRL's ModelConfig).
+
+    Parameters:
+        task (`str`, *optional*):
+            Built-in task kit (`basic`, `sql`, `if`, `tools`): its rewards and info blocks, and its built-in data
+            unless `dataset_name` or `data_loader` is given.
+        reward_funcs (`list[str]`, *optional*):
+            Reward functions by registry name (e.g. `sql_format_reward`) or dotted import path; overrides the task's.
+        info_blocks (`list[str]`, *optional*):
+            One info-block builder per reward: registry name, dotted path, or `none`.
+        data_loader (`str`, *optional*):
+            `spider`, `bird`, `hir` or `rlla`: read `data_path` with that kit adapter.
+        data_path (`str`, *optional*):
+            Folder, file or hub id for `data_loader`.
+        data_split_file (`str`, *optional*):
+            For `spider` / `bird`: the examples file inside `data_path` (e.g. `train_spider.json`).
+        database_dir (`str`, *optional*, defaults to `"database"`):
+            For `spider` / `bird`: the databases folder inside `data_path`.
+    """
+
+    task: str | None = field(default=None, metadata={"help": "Built-in task kit: basic, sql, if or tools."})
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Reward functions: registry names or dotted import paths."}
+    )
+    info_blocks: list[str] | None = field(
+        default=None, metadata={"help": "One info-block builder per reward: registry name, dotted path or 'none'."}
+    )
+    data_loader: str | None = field(
+        default=None, metadata={"help": "Kit adapter for data_path: spider, bird, hir or rlla."}
+    )
+    data_path: str | None = field(default=None, metadata={"help": "Folder, file or hub id read by data_loader."})
+    data_split_file: str | None = field(
+        default=None, metadata={"help": "spider/bird: examples file inside data_path, e.g. train_spider.json."}
+    )
+    database_dir: str = field(default="database", metadata={"help": "spider/bird: databases folder in data_path."})
+
+
+def train_parser():
+    from trl import ModelConfig, TrlParser
+
+    from . import MRTPOConfig
+
+    return TrlParser((MRTPOScriptArguments, MRTPOConfig, ModelConfig), prog="trl-mrtpo train")
+
+
+def load_training_data(script_args: MRTPOScriptArguments, seed: int):
+    """The train dataset a script configuration names (kit adapter, TRL dataset, or the task's built-in data)."""
+    from datasets import Dataset, load_dataset
+
+    from .demo import builtin_dataset
+    from .embedded import cache_root
+
+    loader = script_args.data_loader
+    if loader in ("spider", "bird"):
+        from .reward_funcs.sql import load_spider_or_bird
+
+        if not script_args.data_path or not script_args.data_split_file:
+            raise ValueError(f"data_loader={loader} needs data_path and data_split_file")
+        rows = load_spider_or_bird(script_args.data_path, script_args.data_split_file, script_args.database_dir)
+        return Dataset.from_list(rows)
+    if loader == "hir":
+        from .reward_funcs.instruction_following import load_hir
+
+        return load_hir(script_args.data_path or "sastpg/HIR-16K")
+    if loader == "rlla":
+        from .reward_funcs.tool_calling import load_rlla
+
+        if not script_args.data_path:
+            raise ValueError("data_loader=rlla needs data_path (a parquet/JSON file or a hub id)")
+        return load_rlla(script_args.data_path)
+    if loader is not None:
+        raise ValueError(f"unknown data_loader {loader!r}; choose spider, bird, hir or rlla")
+    if script_args.dataset_name:
+        return load_dataset(script_args.dataset_name, name=script_args.dataset_config)[script_args.dataset_train_split]
+    if script_args.task:
+        return builtin_dataset(script_args.task, num_prompts=256, seed=seed, cache_dir=str(cache_root() / "sql_data"))
+    raise ValueError("no training data: set task, dataset_name or data_loader")
+
+
+def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args):
+    """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2)."""
+    from trl import get_peft_config
+
+    from . import MRTPOTrainer
+    from .demo import task_kit
+    from .embedded import embedded_model_path
+    from .registry import resolve
+
+    rewards, blocks = task_kit(script_args.task) if script_args.task else ([], [])
+    if script_args.reward_funcs:
+        rewards = [resolve(name, "reward") for name in script_args.reward_funcs]
+        blocks = [None] * len(rewards)
+    if script_args.info_blocks:
+        blocks = [resolve(name, "info_block") for name in script_args.info_blocks]
+    if not rewards:
+        raise ValueError("no reward functions: set task or reward_funcs")
+    model = model_args.model_name_or_path
+    if model is None:
+        raise ValueError("model_name_or_path is required (a hub id, a local folder, or 'embedded')")
+    if model == "embedded":
+        model = embedded_model_path()
+    if model_args.dtype not in (None, "auto"):
+        training_args.model_init_kwargs = {**(training_args.model_init_kwargs or {}), "dtype": model_args.dtype}
+    return MRTPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        info_blocks=blocks,
+        args=training_args,
+        train_dataset=load_training_data(script_args, training_args.seed),
+        peft_config=get_peft_config(model_args),
+    )
+
+
+def run_train(argv: Sequence[str]) -> None:
+    script_args, training_args, model_args = train_parser().parse_args_and_config(list(argv))
+    trainer = build_trainer(script_args, training_args, model_args)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        trainer.create_model_card(dataset_name=script_args.dataset_name or script_args.task)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trl-mrtpo", description="Reward-specific token-level credit (MRTPO) for TRL."
@@ -108,10 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter and model card go")
     demo.set_defaults(func=run_demo)
+    sub.add_parser(
+        "train",
+        add_help=False,
+        help="Train from a YAML recipe: trl-mrtpo train --config recipes/<task>/<model>.yaml [--any_field value]",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # TrlParser owns every flag of `train`, --help included
+        if "--help" in argv or "-h" in argv:
+            train_parser().print_help()
+            return
+        run_train(argv[1:])
+        return
     args = build_parser().parse_args(argv)
     args.func(args)
 

@@ -89,23 +89,50 @@ DEMO_INFO_BLOCKS = [
 ]
 
 
-def demo_task(name: str, num_prompts: int, seed: int, cache_dir: str):
-    """``(rewards, info_blocks, train_dataset)`` of a demo task: ``basic`` (above), ``sql``, ``if`` or ``tools``."""
-    if name == "basic":
-        return DEMO_REWARDS, DEMO_INFO_BLOCKS, make_demo_dataset(num_prompts, seed)
-    if name == "sql":
-        from .reward_funcs.sql import SQL_INFO_BLOCKS, SQL_REWARDS, make_sql_dataset
-
-        return SQL_REWARDS, SQL_INFO_BLOCKS, make_sql_dataset(cache_dir).shuffle(seed=seed)
-    if name == "if":
-        from .reward_funcs.instruction_following import make_if_dataset, make_if_info_blocks, make_if_rewards
-
-        return make_if_rewards(13), make_if_info_blocks(13), make_if_dataset(num_prompts, seed=seed)
-    if name == "tools":
-        from .reward_funcs.tool_calling import TOOL_INFO_BLOCKS, TOOL_REWARDS, make_tool_dataset
-
-        return TOOL_REWARDS, TOOL_INFO_BLOCKS, make_tool_dataset().shuffle(seed=seed)
-    raise ValueError(f"unknown demo task {name!r}; choose one of {', '.join(DEMO_TASKS)}")
-
-
 DEMO_TASKS = ("basic", "sql", "if", "tools")
+
+
+def _check_task(name: str) -> None:
+    if name not in DEMO_TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(DEMO_TASKS)}")
+
+
+def task_kit(name: str) -> tuple[list, list]:
+    """``(reward_funcs, info_blocks)`` of a built-in task: ``basic`` (above), ``sql``, ``if`` or ``tools``."""
+    _check_task(name)
+    if name == "sql":
+        from .reward_funcs.sql import SQL_INFO_BLOCKS, SQL_REWARDS
+
+        return SQL_REWARDS, SQL_INFO_BLOCKS
+    if name == "if":
+        from .reward_funcs.instruction_following import make_if_info_blocks, make_if_rewards
+
+        return make_if_rewards(13), make_if_info_blocks(13)
+    if name == "tools":
+        from .reward_funcs.tool_calling import TOOL_INFO_BLOCKS, TOOL_REWARDS
+
+        return TOOL_REWARDS, TOOL_INFO_BLOCKS
+    return DEMO_REWARDS, DEMO_INFO_BLOCKS
+
+
+def builtin_dataset(name: str, num_prompts: int, seed: int, cache_dir: str):
+    """The built-in training data of a task (the SQL databases are created in ``cache_dir``)."""
+    _check_task(name)
+    if name == "sql":
+        from .reward_funcs.sql import make_sql_dataset
+
+        return make_sql_dataset(cache_dir).shuffle(seed=seed)
+    if name == "if":
+        from .reward_funcs.instruction_following import make_if_dataset
+
+        return make_if_dataset(num_prompts, seed=seed)
+    if name == "tools":
+        from .reward_funcs.tool_calling import make_tool_dataset
+
+        return make_tool_dataset().shuffle(seed=seed)
+    return make_demo_dataset(num_prompts, seed)
+
+
+def demo_task(name: str, num_prompts: int, seed: int, cache_dir: str):
+    """``(reward_funcs, info_blocks, train_dataset)`` of a built-in task."""
+    return (*task_kit(name), builtin_dataset(name, num_prompts, seed, cache_dir))

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from trl.trainer.utils import maybe_gather_lm_head_ctx
 
 from .ops import replay_divergence
 
@@ -118,9 +120,14 @@ def replay_relevance(
     _, head = causal_lm_parts(model)
     results = [torch.zeros(0, len(c)) for c in completions]
     cursor = 0
-    for j, count in owners:
-        states = hidden[cursor : cursor + count]
-        cursor += count
-        q = replay_divergence(states[0], torch.stack(states[1:]), head.weight, head.bias, temperature, chunk_size)
-        results[j] = q
+    # The divergence reads the lm_head weight directly: gather it when ZeRO-3 or FSDP2 shards it.
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):
+        weight, bias = head.weight, head.bias
+        if isinstance(weight, DTensor):
+            weight = weight.full_tensor()
+            bias = bias.full_tensor() if bias is not None else None
+        for j, count in owners:
+            states = hidden[cursor : cursor + count]
+            cursor += count
+            results[j] = replay_divergence(states[0], torch.stack(states[1:]), weight, bias, temperature, chunk_size)
     return results

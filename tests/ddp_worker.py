@@ -1,0 +1,37 @@
+"""Run by tests/test_ddp.py under `accelerate launch`: trains from a recipe and reports what each rank saw."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from trl_mrtpo.cli import build_trainer, train_parser
+
+
+def main(report_dir: str, argv: list[str]) -> None:
+    script_args, training_args, model_args = train_parser().parse_args_and_config(argv)
+    trainer = build_trainer(script_args, training_args, model_args)
+    shapes = []
+    original = trainer._generate_and_score_completions
+
+    def recording(inputs):
+        output = original(inputs)
+        shapes.append([list(output["advantages"].shape), bool(torch.isfinite(output["advantages"]).all())])
+        return output
+
+    trainer._generate_and_score_completions = recording
+    trainer.train()
+    state = trainer.accelerator.state
+    report = {
+        "rank": state.process_index,
+        "num_processes": state.num_processes,
+        "backend": str(state.backend),
+        "global_step": trainer.state.global_step,
+        "advantages": shapes,
+    }
+    Path(report_dir, f"rank{state.process_index}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

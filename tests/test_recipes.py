@@ -1,0 +1,81 @@
+"""Every recipe parses and builds an MRTPOTrainer (the model swapped for the tiny one, data for small local copies)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.cli import build_trainer, train_parser
+from trl_mrtpo.reward_funcs.sql import build_demo_databases
+
+RECIPES = sorted(p for p in Path("recipes").glob("*/*.yaml") if p.parent.name != "accelerate")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tiny_tokenizer):
+    from tests.conftest import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(tiny_tokenizer).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def local_data(tmp_path_factory):
+    """Small stand-ins for Spider, HIR-16K and RLLA in their real layouts."""
+    root = tmp_path_factory.mktemp("data")
+    dbs = build_demo_databases(root / "built")
+    (root / "spider" / "database" / "shop").mkdir(parents=True)
+    shutil.copy(dbs["shop"], root / "spider" / "database" / "shop" / "shop.sqlite")
+    examples = [{"db_id": "shop", "question": "How many customers?", "query": "SELECT count(*) FROM customers"}] * 8
+    (root / "spider" / "train_spider.json").write_text(json.dumps(examples))
+    hir = {
+        "instruction": "Describe the sea.",
+        "constraints": [{"instruction_id": "punctuation:no_comma", "kwargs": {}}],
+    }
+    (root / "hir.jsonl").write_text("\n".join(json.dumps(hir) for _ in range(8)))
+    rlla = {"prompt": [{"role": "user", "content": "weather in Oslo"}], "answer": '[{"name": "w", "arguments": {}}]'}
+    (root / "rlla.jsonl").write_text("\n".join(json.dumps(rlla) for _ in range(8)))
+    return {"spider": str(root / "spider"), "hir": str(root / "hir.jsonl"), "rlla": str(root / "rlla.jsonl")}
+
+
+def test_recipes_exist_for_every_task_and_paper_model():
+    names = {f"{p.parent.name}/{p.stem}" for p in RECIPES}
+    for expected in [
+        "sql/qwen2.5-coder-3b-instruct",
+        "sql/qwen2.5-coder-7b-instruct-lora",
+        "if/qwen3-4b-instruct-2507",
+        "if/qwen2.5-7b-instruct-lora",
+        "tools/qwen2.5-1.5b-instruct",
+        "tools/qwen2.5-3b-instruct-lora",
+        "cpu/sql-smollm2",
+        "vllm/tools-qwen2.5-1.5b-server",
+    ]:
+        assert expected in names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
+    import yaml
+
+    config = yaml.safe_load(recipe.read_text())
+    overrides = ["--model_name_or_path", tiny_dir, "--output_dir", str(tmp_path), "--use_cpu", "true"]
+    overrides += ["--bf16", "false", "--use_vllm", "false", "--gradient_checkpointing", "false", "--dtype", "float32"]
+    if config.get("data_loader"):
+        overrides += ["--data_path", local_data[{"bird": "spider"}.get(config["data_loader"], config["data_loader"])]]
+    script_args, training_args, model_args = train_parser().parse_args_and_config(
+        ["--config", str(recipe), *overrides]
+    )
+    trainer = build_trainer(script_args, training_args, model_args)
+    assert isinstance(trainer, MRTPOTrainer)
+    assert (
+        training_args.learning_rate == config["learning_rate"] and training_args.credit_beta == config["credit_beta"]
+    )
+    assert trainer.num_generations == config["num_generations"]
+    assert len(trainer.reward_funcs) == len(trainer.info_block_builders) >= 2
+    assert len(trainer.train_dataset) > 0
+    if config.get("use_peft"):
+        assert hasattr(trainer.model, "peft_config")
