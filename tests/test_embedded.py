@@ -40,3 +40,29 @@ def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path):
     assert (tmp_path / "adapter_model.safetensors").is_file()
     card = (tmp_path / "README.md").read_text()
     assert "mrtpo" in card and "MRTPO" in card
+
+
+def test_eval_command_on_the_embedded_model(tmp_path):
+    import json
+
+    from trl_mrtpo.cli import main
+
+    output = tmp_path / "eval.json"
+    main(
+        ["eval", "--benchmarks", "bfcl_simple_python", "ifeval", "--limit", "2", "--max-new-tokens", "16",
+         "--output", str(output)]
+    )  # fmt: skip
+    results = {r["name"]: r for r in json.loads(output.read_text())["results"]}
+    assert results["bfcl_simple_python"]["count"] == 2 and "ast_accuracy" in results["bfcl_simple_python"]["metrics"]
+    assert results["ifeval"]["count"] == 2 and 0.0 <= results["ifeval"]["metrics"]["instruction_loose"] <= 1.0
+
+
+def test_train_command_from_the_cpu_recipe(tmp_path):
+    from trl_mrtpo.cli import main
+
+    main(
+        ["train", "--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "1", "--max_completion_length", "16",
+         "--output_dir", str(tmp_path)]
+    )  # fmt: skip
+    card = (tmp_path / "README.md").read_text()
+    assert "recipe: `recipes/cpu/basic-smollm2.yaml`" in card and (tmp_path / "adapter_model.safetensors").is_file()

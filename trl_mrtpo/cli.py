@@ -205,12 +205,62 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args):
 def run_train(argv: Sequence[str]) -> None:
     script_args, training_args, model_args = train_parser().parse_args_and_config(list(argv))
     trainer = build_trainer(script_args, training_args, model_args)
+    if "--config" in argv:
+        trainer.recipe = argv[list(argv).index("--config") + 1]
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         trainer.create_model_card(dataset_name=script_args.dataset_name or script_args.task)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+
+
+def run_eval(args: argparse.Namespace) -> list:
+    """Generate on each requested benchmark, print a table, write JSON; returns the results."""
+    import json
+    from dataclasses import asdict
+
+    _pin_threads(args.threads)
+    from . import evaluation
+    from .embedded import embedded_model_path
+
+    model_path = embedded_model_path() if args.model == "embedded" else args.model
+    if args.backend == "vllm":
+        if args.adapter:
+            raise ValueError("--adapter is not supported with --backend vllm: merge the adapter first")
+        generate = evaluation.vllm_generator(model_path, args.max_new_tokens)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(args.adapter or model_path)
+        if args.adapter:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, args.adapter)
+        model.eval()
+        generate = evaluation.transformers_generator(model, tokenizer, args.max_new_tokens, args.batch_size)
+
+    results = []
+    for benchmark in args.benchmarks:
+        print(f"Evaluating {benchmark} ...", flush=True)
+        if benchmark.startswith("bfcl_"):
+            results.append(evaluation.evaluate_bfcl(generate, benchmark[len("bfcl_") :], args.limit))
+        elif benchmark in ("ifeval", "ifbench"):
+            results.append(evaluation.evaluate_instruction_following(generate, benchmark, args.limit))
+        elif benchmark in ("spider", "bird"):
+            if not args.sql_path or not args.sql_split_file:
+                raise ValueError(f"{benchmark} needs --sql-path and --sql-split-file (a local copy)")
+            results.append(
+                evaluation.evaluate_sql(generate, args.sql_path, args.sql_split_file, args.database_dir, args.limit)
+            )
+    print(evaluation.format_table(results))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"model": args.model, "adapter": args.adapter, "limit": args.limit,
+                       "results": [asdict(r) for r in results]}, f, indent=1)  # fmt: skip
+        print(f"Results written to {args.output}")
+    return results
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +287,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter and model card go")
     demo.set_defaults(func=run_demo)
+    from .evaluation import BFCL_CATEGORIES
+
+    benchmarks = [f"bfcl_{c}" for c in BFCL_CATEGORIES] + ["ifeval", "ifbench", "spider", "bird"]
+    evaluate = sub.add_parser("eval", help="Evaluate a model on BFCL, IFEval, IFBench, Spider or BIRD.")
+    evaluate.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
+    evaluate.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply (e.g. a demo output)")
+    evaluate.add_argument(
+        "--benchmarks", nargs="+", default=["bfcl_simple_python", "ifeval", "ifbench"], choices=benchmarks
+    )
+    evaluate.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
+    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    evaluate.add_argument("--sql-path", default=None, help="Spider/BIRD folder")
+    evaluate.add_argument("--sql-split-file", default=None, help="e.g. dev.json (Spider) or dev/dev.json (BIRD)")
+    evaluate.add_argument("--database-dir", default="database", help="databases folder inside --sql-path")
+    evaluate.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    evaluate.add_argument("--output", default=None, help="write the results as JSON here")
+    evaluate.set_defaults(func=run_eval)
     sub.add_parser(
         "train",
         add_help=False,

@@ -82,6 +82,7 @@ class MRTPOTrainer(GRPOTrainer):
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
         self._scored: tuple | None = None
+        self.recipe: str | None = None  # the recipe file a run came from, for the model card (set by the CLI)
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -246,5 +247,7 @@ class MRTPOTrainer(GRPOTrainer):
             f"second-moment cap rho: {self.args.max_second_moment_ratio:g}\n"
             f"- rewards: {rewards}\n"
         )
+        if self.recipe:
+            section += f"- recipe: `{self.recipe}`\n"
         with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as card:
             card.write(section)
