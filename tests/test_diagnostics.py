@@ -11,3 +11,14 @@ def test_mass_share_concentrated_spread_and_empty():
     assert mass_share(torch.tensor([0.5, 0.3, 0.1, 0.1])) == 0.5  # 0.5 + 0.3 reaches 0.8
     assert math.isnan(mass_share(torch.zeros(3)))
     assert math.isnan(mass_share(torch.zeros(0)))
+
+
+def test_collapse_monitor_reports_once_per_streak():
+    from trl_mrtpo.diagnostics import CollapseMonitor
+
+    monitor = CollapseMonitor(patience=2)
+    assert monitor.update({"a": 0.0, "b": 0.1}) == []
+    assert monitor.update({"a": 0.0, "b": 0.1}) == ["a"]
+    assert monitor.update({"a": 0.0}) == []  # already reported for this streak
+    assert monitor.update({"a": 0.5}) == [] and monitor.streaks["a"] == 0
+    assert monitor.update({"a": 0.0}) == [] and monitor.update({"a": 0.0}) == ["a"]

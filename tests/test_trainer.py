@@ -347,3 +347,22 @@ def test_lora_on_lm_head_is_refused_at_init(tiny_model, tiny_tokenizer, tmp_path
             processing_class=tiny_tokenizer,
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
         )
+
+
+def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    import trl_mrtpo.trainer
+
+    warnings = []
+    monkeypatch.setattr(trl_mrtpo.trainer.logger, "warning", lambda message: warnings.append(message))
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=DEMO_REWARDS,
+        info_blocks=DEMO_INFO_BLOCKS,
+        args=make_args(tmp_path, collapse_warning_steps=2),
+        train_dataset=make_demo_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    trainer._collapse_monitor.threshold = 1.0  # every q of the random model counts as collapsed
+    trainer.train()
+    assert any("end_phrase_reward" in w and "plain GDPO" in w for w in warnings)
+    assert (tmp_path / "mrtpo_curves.png").stat().st_size > 1000

@@ -263,6 +263,75 @@ def run_eval(args: argparse.Namespace) -> list:
     return results
 
 
+def run_inspect(args: argparse.Namespace):
+    """Sample, score and replay a few prompts; write the heatmap page and the localisation report."""
+    import tempfile
+
+    _pin_threads(args.threads)
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import MRTPOConfig, MRTPOTrainer
+    from .demo import builtin_dataset, task_kit
+    from .embedded import cache_root, embedded_model_path
+    from .inspection import (
+        control_block,
+        control_reward,
+        format_report,
+        localisation_report,
+        sample_credit,
+        with_control_sentence,
+        write_report,
+    )
+    from .viz import credit_heatmap_html
+
+    torch.manual_seed(args.seed)
+    model_path = embedded_model_path() if args.model == "embedded" else args.model
+    tokenizer = AutoTokenizer.from_pretrained(args.adapter or model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    if args.adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, args.adapter)
+    rewards, blocks = task_kit(args.task)
+    data = builtin_dataset(args.task, args.num_prompts, args.seed, str(cache_root() / "sql_data"))
+    rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in data.select(range(args.num_prompts))]
+    config = MRTPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
+        per_device_train_batch_size=args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_new_tokens,
+        temperature=args.temperature,
+        credit_beta=args.beta,
+        credit_warmup_steps=0,
+        replay_only_varying=False,  # show q for every reward with a block, varying or not
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        report_to="none",
+        seed=args.seed,
+    )
+    trainer = MRTPOTrainer(
+        model=model,
+        reward_funcs=[*rewards, control_reward],
+        info_blocks=[*blocks, control_block],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    record = sample_credit(trainer, rows, args.num_generations)
+    names = trainer.reward_func_names
+    with open(args.output, "w", encoding="utf-8") as page:
+        page.write(credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {args.task} task"))
+    print(f"Heatmap written to {args.output}")
+    report = localisation_report(record, tokenizer, rows, args.task, names, args.num_generations)
+    print(format_report(report))
+    if args.report:
+        write_report(report, args.report)
+        print(f"Localisation report written to {args.report}")
+    return record, report
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trl-mrtpo", description="Reward-specific token-level credit (MRTPO) for TRL."
@@ -306,6 +375,22 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     evaluate.add_argument("--output", default=None, help="write the results as JSON here")
     evaluate.set_defaults(func=run_eval)
+    inspect = sub.add_parser(
+        "inspect", help="Sample and replay a few prompts: token-credit heatmap (HTML) and localisation report."
+    )
+    inspect.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
+    inspect.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply")
+    inspect.add_argument("--task", choices=DEMO_TASKS, default="basic")
+    inspect.add_argument("--num-prompts", type=int, default=4)
+    inspect.add_argument("--num-generations", type=int, default=4)
+    inspect.add_argument("--max-new-tokens", type=int, default=64)
+    inspect.add_argument("--temperature", type=float, default=1.0)
+    inspect.add_argument("--beta", type=float, default=0.5, help="credit_beta for the weights shown")
+    inspect.add_argument("--seed", type=int, default=0)
+    inspect.add_argument("--threads", type=int, default=None)
+    inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")
+    inspect.add_argument("--report", default=None, help="write the localisation report as CSV here")
+    inspect.set_defaults(func=run_inspect)
     sub.add_parser(
         "train",
         add_help=False,

@@ -40,6 +40,12 @@ class MRTPOConfig(GRPOConfig):
             Completion tokens per divergence chunk; `None` picks it to keep about 32M logits in memory at once.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
+        collapse_warning_steps (`int`, *optional*, defaults to `5`):
+            Warn when a reward's replayed q stays below 1e-6 for this many consecutive generation steps (its
+            credit is then uniform, i.e. plain GDPO). 0 disables the warning.
+        save_credit_plots (`bool`, *optional*, defaults to `True`):
+            At the end of training, save `mrtpo_curves.png` in `output_dir`: per reward, its mean and the share of
+            tokens holding 80 % of its q mass, per step (needs matplotlib).
     """
 
     credit_assignment: str = field(
@@ -75,6 +81,14 @@ class MRTPOConfig(GRPOConfig):
         default="\n\n", metadata={"help": "Text between the prompt and each appended info block."}
     )
 
+    collapse_warning_steps: int = field(
+        default=5,
+        metadata={"help": "Warn when a reward's replayed q stays below 1e-6 this many steps in a row (0: never)."},
+    )
+    save_credit_plots: bool = field(
+        default=True, metadata={"help": "Save per-reward reward and q-concentration curves (PNG) at the end."}
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.credit_assignment not in CREDIT_ASSIGNMENTS:
@@ -93,5 +107,7 @@ class MRTPOConfig(GRPOConfig):
             )
         if self.replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
+        if self.collapse_warning_steps < 0:
+            raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")

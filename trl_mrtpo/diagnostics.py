@@ -17,3 +17,26 @@ def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
     cumulative = values.sort(descending=True).values.cumsum(0)
     needed = int(torch.searchsorted(cumulative, mass * total).item()) + 1
     return min(needed, values.numel()) / values.numel()
+
+
+class CollapseMonitor:
+    """Counts, per reward, consecutive steps whose replayed q mass is near zero.
+
+    Near-zero q everywhere means the weights fall back to uniform: the run is silently plain GDPO for that reward.
+    :meth:`update` returns the rewards that have just reached ``patience`` such steps (each reported once per run of
+    collapsed steps).
+    """
+
+    def __init__(self, patience: int, threshold: float = 1e-6):
+        self.patience = patience
+        self.threshold = threshold
+        self.streaks: dict[str, int] = {}
+
+    def update(self, mean_relevance: dict[str, float]) -> list[str]:
+        alarms = []
+        for name, value in mean_relevance.items():
+            streak = self.streaks.get(name, 0) + 1 if value < self.threshold else 0
+            self.streaks[name] = streak
+            if streak == self.patience:
+                alarms.append(name)
+        return alarms

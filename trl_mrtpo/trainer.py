@@ -9,20 +9,54 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
+from transformers import TrainerCallback
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .config import MRTPOConfig
 from .credit import group_advantages, shuffle_relevance, token_advantages, warmup_beta
-from .diagnostics import mass_share
+from .diagnostics import CollapseMonitor, mass_share
 from .info_blocks import InfoBlock, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, replay_relevance
 from .utils import completion_text
 
+logger = logging.get_logger(__name__)
 REPLAY_MODES = ("mrtpo", "joint", "shuffled")
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
+
+
+class CreditPlotCallback(TrainerCallback):
+    """Saves ``mrtpo_curves.png`` (per-reward mean and q concentration per step) in ``output_dir`` at the end."""
+
+    def __init__(self, reward_names):
+        self.reward_names = list(reward_names)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            from .viz import plot_credit_curves
+
+            plot_credit_curves(state.log_history, self.reward_names, os.path.join(args.output_dir, "mrtpo_curves.png"))
+
+
+@dataclass
+class CreditRecord:
+    """Everything credit assignment produced for one local generation batch (``B`` responses, ``K`` rewards)."""
+
+    prompts: list
+    completions: list[str]
+    completion_ids: torch.Tensor  # [B, C]
+    mask: torch.Tensor  # [B, C]
+    rewards: torch.Tensor  # [B, K], NaN = None
+    group_advantages: torch.Tensor  # [B, K] A_k
+    relevance: torch.Tensor  # [B, K, C] q (0 where not replayed)
+    replayed: torch.Tensor  # [B, K]
+    weights: torch.Tensor  # [B, K, C] w
+    advantages: torch.Tensor  # [B, C] final token advantages
+    beta: float
 
 
 class MRTPOTrainer(GRPOTrainer):
@@ -82,6 +116,11 @@ class MRTPOTrainer(GRPOTrainer):
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
         self._scored: tuple | None = None
+        self.last_credit: CreditRecord | None = None
+        patience = args.collapse_warning_steps
+        self._collapse_monitor = CollapseMonitor(patience) if patience > 0 else None
+        if args.save_credit_plots:
+            self.add_callback(CreditPlotCallback(self.reward_func_names))
         self.recipe: str | None = None  # the recipe file a run came from, for the model card (set by the CLI)
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
 
@@ -130,6 +169,20 @@ class MRTPOTrainer(GRPOTrainer):
             self.args.max_second_moment_ratio,
         )
         output["advantages"] = credit.advantages
+        # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
+        self.last_credit = CreditRecord(
+            prompts=prompts,
+            completions=[completion_text(c) for c in completions],
+            completion_ids=output["completion_ids"],
+            mask=mask,
+            rewards=rewards,
+            group_advantages=group_adv,
+            relevance=relevance,
+            replayed=replayed,
+            weights=credit.weights,
+            advantages=credit.advantages,
+            beta=beta,
+        )
         self._log_credit(mode, credit, relevance, replayed, mask, beta, replay_seconds, time.perf_counter() - started)
         return output
 
@@ -210,16 +263,27 @@ class MRTPOTrainer(GRPOTrainer):
         metrics["mrtpo/replay_seconds"].append(replay_seconds)
         metrics["mrtpo/replay_share"].append(replay_seconds / total_seconds if total_seconds > 0 else 0.0)
         lengths = mask.sum(-1).long()
+        q_means = {}
         for k, name in enumerate(self.reward_func_names):
             rows = replayed[:, k].nonzero(as_tuple=True)[0].tolist()
             if not rows:
                 continue
             profiles = [relevance[i, k, : lengths[i]] for i in rows]
-            metrics[f"mrtpo/q_mean/{name}"].append(torch.cat(profiles).mean().item())
+            q_means[name] = torch.cat(profiles).mean().item()
+            metrics[f"mrtpo/q_mean/{name}"].append(q_means[name])
             shares = [mass_share(p) for p in profiles]
             shares = [s for s in shares if s == s]  # drop all-zero profiles (NaN)
             if shares:
                 metrics[f"mrtpo/q_mass80_token_share/{name}"].append(sum(shares) / len(shares))
+
+        if mode == "train" and self._collapse_monitor is not None:
+            for name in self._collapse_monitor.update(q_means):
+                logger.warning(
+                    f"Reward '{name}': its replayed q has stayed below {self._collapse_monitor.threshold:g} for "
+                    f"{self._collapse_monitor.patience} steps. Its info block no longer changes the policy's "
+                    "predictions, so its credit is uniform (plain GDPO). Check that the block carries the information "
+                    "its verifier uses."
+                )
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
         per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)

@@ -1,0 +1,90 @@
+"""Heatmap page and localisation report: exact numbers on a hand-made record, and the inspect command end to end."""
+
+import torch
+
+from trl_mrtpo.credit import token_weights
+from trl_mrtpo.inspection import CONTROL_NAME, checkable_spans, localisation_report, token_mask, with_control_sentence
+from trl_mrtpo.trainer import CreditRecord
+from trl_mrtpo.viz import credit_heatmap_html
+
+
+class CharTokenizer:
+    """Each id is a character code: token strings are exact, so spans map to tokens exactly."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def record_for(text, q_reward, q_control, advantage=1.0):
+    length = len(text)
+    ids = torch.tensor([[ord(c) for c in text]])
+    relevance = torch.stack([torch.tensor(q_reward), torch.zeros(length), torch.tensor(q_control)])[None]
+    weights = token_weights(relevance, torch.ones(1, 1, length), beta=0.5)
+    weights[:, 1] = 1.0  # keyword reward not replayed: uniform
+    return CreditRecord(
+        prompts=[[{"role": "user", "content": "Say hi. End with OK."}]],
+        completions=[text],
+        completion_ids=ids,
+        mask=torch.ones(1, length, dtype=torch.long),
+        rewards=torch.tensor([[1.0, 0.0, 0.0]]),
+        group_advantages=torch.tensor([[advantage, 0.0, 0.0]]),
+        relevance=relevance,
+        replayed=torch.tensor([[True, False, True]]),
+        weights=weights,
+        advantages=advantage * weights[:, 0],
+        beta=0.5,
+    )
+
+
+def test_localisation_numbers_by_hand():
+    # "hi OK": the end phrase "OK" is tokens 3-4 of 5 (Tok = 0.4). The reward puts 0.6 of its q mass there
+    # (Dist = 0.6, Ratio = 1.5); the control puts 0.2 there (control ratio 0.5).
+    text = "hi OK"
+    q_reward = [0.1, 0.1, 0.2, 0.3, 0.3]
+    q_control = [0.4, 0.2, 0.2, 0.1, 0.1]
+    record = record_for(text, q_reward, q_control)
+    rows = [{"end_phrase": "OK", "keyword": "zzz"}]
+    names = ["end_phrase_reward", "keyword_reward", CONTROL_NAME]
+    (row,) = localisation_report(record, CharTokenizer(), rows, "basic", names, num_generations=1)
+    assert (row.reward, row.span, row.responses) == ("end_phrase_reward", "end phrase", 1)
+    assert abs(row.dist - 0.6) < 1e-6 and abs(row.tok - 0.4) < 1e-6 and abs(row.ratio - 1.5) < 1e-6
+    assert abs(row.control_dist - 0.2) < 1e-6 and abs(row.control_ratio - 0.5) < 1e-6
+
+
+def test_spans_and_token_mask():
+    spans = checkable_spans("sql", {}, "Sure:\n```sql\nSELECT 1\n```")
+    assert spans[0][0] == "code fences" and len(spans[0][1]) == 2
+    assert spans[2][0] == "query body"
+    tools = checkable_spans(
+        "tools", {}, '<think>x</think><tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>'
+    )
+    assert len(tools[0][1]) == 4 and tools[1][1]
+    assert token_mask(["ab", "cd", "ef"], [(3, 5)]).tolist() == [False, True, True]
+    assert with_control_sentence([{"role": "user", "content": "Hi"}])[0]["content"].endswith("on Sundays.")
+
+
+def test_heatmap_page_lists_every_reward_and_escapes_text():
+    record = record_for("<b>&", [0.2, 0.3, 0.5, 0.0], [0.1] * 4)
+    page = credit_heatmap_html(record, CharTokenizer(), ["end_phrase_reward", "keyword_reward", CONTROL_NAME])
+    assert page.startswith("<!doctype html>") and page.endswith("</html>")
+    assert "end_phrase_reward" in page and "uniform (not replayed)" in page and "summed token advantage" in page
+    assert "&lt;" in page and "<b>&" not in page
+    assert 'title="q=0.5000 w=1.500 A*w=+1.5000"' in page  # w = 0.5 + 0.5 * 0.5 / 0.25
+
+
+def test_inspect_command_end_to_end(tmp_path, tiny_tokenizer):
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.cli import build_parser, run_inspect
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    args = build_parser().parse_args(
+        ["inspect", "--model", str(model_dir), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "8",
+         "--output", str(tmp_path / "credit.html"), "--report", str(tmp_path / "loc.csv"), "--threads", "1"]
+    )  # fmt: skip
+    record, _ = run_inspect(args)
+    page = (tmp_path / "credit.html").read_text()
+    assert page.count('class="resp"') == 4 and CONTROL_NAME in page
+    assert record.replayed[:, -1].all()  # the control is replayed for every response
+    assert (tmp_path / "loc.csv").read_text().startswith("reward,span,responses")
