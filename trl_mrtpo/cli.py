@@ -46,13 +46,11 @@ def run_demo(args: argparse.Namespace):
 
     from . import MRTPOConfig, MRTPOTrainer
     from .demo import demo_task
-    from .embedded import cache_root, embedded_model_path
+    from .embedded import embedded_model_path
 
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s)...", flush=True)
     model_path = embedded_model_path()
-    rewards, info_blocks, dataset = demo_task(
-        args.task, num_prompts=max(args.steps, 8), seed=args.seed, cache_dir=str(cache_root() / "demo_sql")
-    )
+    rewards, info_blocks, dataset = demo_task(args.task, num_prompts=max(args.steps, 8), seed=args.seed)
     config = MRTPOConfig(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -139,7 +137,6 @@ def load_training_data(script_args: MRTPOScriptArguments, seed: int):
     from datasets import Dataset, load_dataset
 
     from .demo import builtin_dataset
-    from .embedded import cache_root
 
     loader = script_args.data_loader
     if loader in ("spider", "bird"):
@@ -164,7 +161,7 @@ def load_training_data(script_args: MRTPOScriptArguments, seed: int):
     if script_args.dataset_name:
         return load_dataset(script_args.dataset_name, name=script_args.dataset_config)[script_args.dataset_train_split]
     if script_args.task:
-        return builtin_dataset(script_args.task, num_prompts=256, seed=seed, cache_dir=str(cache_root() / "sql_data"))
+        return builtin_dataset(script_args.task, num_prompts=256, seed=seed)
     raise ValueError("no training data: set task, dataset_name or data_loader")
 
 
@@ -274,7 +271,7 @@ def run_inspect(args: argparse.Namespace):
 
     from . import MRTPOConfig, MRTPOTrainer
     from .demo import builtin_dataset, task_kit
-    from .embedded import cache_root, embedded_model_path
+    from .embedded import embedded_model_path
     from .inspection import (
         control_block,
         control_reward,
@@ -295,8 +292,11 @@ def run_inspect(args: argparse.Namespace):
 
         model = PeftModel.from_pretrained(model, args.adapter)
     rewards, blocks = task_kit(args.task)
-    data = builtin_dataset(args.task, args.num_prompts, args.seed, str(cache_root() / "sql_data"))
-    rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in data.select(range(args.num_prompts))]
+    data = builtin_dataset(args.task, args.num_prompts, args.seed)
+    rows = [
+        {**row, "prompt": with_control_sentence(row["prompt"])}
+        for row in data.select(range(min(args.num_prompts, len(data))))
+    ]
     config = MRTPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
         per_device_train_batch_size=args.num_generations,

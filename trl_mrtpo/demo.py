@@ -115,13 +115,15 @@ def task_kit(name: str) -> tuple[list, list]:
     return DEMO_REWARDS, DEMO_INFO_BLOCKS
 
 
-def builtin_dataset(name: str, num_prompts: int, seed: int, cache_dir: str):
-    """The built-in training data of a task (the SQL databases are created in ``cache_dir``)."""
+def builtin_dataset(name: str, num_prompts: int, seed: int, cache_dir: str | None = None):
+    """The built-in training data of a task (the SQL databases are created in ``cache_dir``, by default in the
+    trl-mrtpo cache folder)."""
     _check_task(name)
     if name == "sql":
+        from .embedded import cache_root
         from .reward_funcs.sql import make_sql_dataset
 
-        return make_sql_dataset(cache_dir).shuffle(seed=seed)
+        return make_sql_dataset(cache_dir or cache_root() / "sql_data").shuffle(seed=seed)
     if name == "if":
         from .reward_funcs.instruction_following import make_if_dataset
 
@@ -133,6 +135,6 @@ def builtin_dataset(name: str, num_prompts: int, seed: int, cache_dir: str):
     return make_demo_dataset(num_prompts, seed)
 
 
-def demo_task(name: str, num_prompts: int, seed: int, cache_dir: str):
+def demo_task(name: str, num_prompts: int, seed: int, cache_dir: str | None = None):
     """``(reward_funcs, info_blocks, train_dataset)`` of a built-in task."""
     return (*task_kit(name), builtin_dataset(name, num_prompts, seed, cache_dir))
