@@ -3,8 +3,8 @@
 import torch
 
 from trl_mrtpo.credit import token_weights
+from trl_mrtpo.diagnostics import CreditRecord
 from trl_mrtpo.inspection import CONTROL_NAME, checkable_spans, localisation_report, token_mask, with_control_sentence
-from trl_mrtpo.trainer import CreditRecord
 from trl_mrtpo.viz import credit_heatmap_html
 
 
@@ -88,3 +88,56 @@ def test_inspect_command_end_to_end(tmp_path, tiny_tokenizer):
     assert page.count('class="resp"') == 4 and CONTROL_NAME in page
     assert record.replayed[:, -1].all()  # the control is replayed for every response
     assert (tmp_path / "loc.csv").read_text().startswith("reward,span,responses")
+
+
+def test_credit_summary_line():
+    from trl_mrtpo.viz import credit_summary
+
+    line = credit_summary(["a", "b", "c"], [0.1, -0.9, 0.5], [[0.0, 0.2, 0.7], []], ["end", "kw"])
+    assert line == "top |A_t|: 'b' -0.90, 'c' +0.50, 'a' +0.10 | end q peaks at 'c' (0.700)"
+
+
+def test_inspect_replays_existing_completions(tmp_path, tiny_tokenizer, monkeypatch):
+    import json
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.cli import build_parser, run_inspect
+    from trl_mrtpo.demo import make_demo_dataset
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    texts = ["the sea is blue. hope this helps.", "The Sea Is Blue", "quiet rain falls. that is all.", "Rain."]
+    lines = [{**row, "completion": texts[2 * i + g]} for i, row in enumerate(make_demo_dataset(2)) for g in range(2)]
+    path = tmp_path / "responses.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    args = build_parser().parse_args(
+        ["inspect", "--model", str(model_dir), "--completions", str(path), "--output", str(tmp_path / "c.html"),
+         "--threads", "1"]
+    )  # fmt: skip
+    record, _ = run_inspect(args)
+    assert record.completions == texts  # replayed as given, not sampled
+    assert record.rewards[1, 2].item() == 0.0 and record.rewards[0, 2].item() == 1.0  # lowercase reward
+
+
+def test_load_completions_rejects_uneven_groups(tmp_path):
+    import json
+
+    import pytest
+
+    from trl_mrtpo.inspection import load_completions
+
+    path = tmp_path / "r.jsonl"
+    path.write_text(
+        "\n".join(
+            json.dumps(x)
+            for x in [
+                {"prompt": "a", "completion": "x"},
+                {"prompt": "a", "completion": "y"},
+                {"prompt": "b", "completion": "z"},
+            ]
+        )
+    )
+    with pytest.raises(ValueError, match="same number of completions"):
+        load_completions(str(path))

@@ -366,3 +366,11 @@ def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, 
     trainer.train()
     assert any("end_phrase_reward" in w and "plain GDPO" in w for w in warnings)
     assert (tmp_path / "mrtpo_curves.png").stat().st_size > 1000
+
+
+def test_completions_table_gets_a_credit_column(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = train(tiny_model, tiny_tokenizer, tmp_path, max_steps=1, log_completions=True)
+    column = list(trainer._logs["extra"]["mrtpo_credit"])
+    assert len(column) == len(trainer._logs["prompt"]) == 4
+    assert all(line.startswith("top |A_t|: ") for line in column)
+    assert any("end_phrase_reward q peaks at" in line for line in column)

@@ -275,7 +275,9 @@ def run_inspect(args: argparse.Namespace):
     from .inspection import (
         control_block,
         control_reward,
+        fixed_rollout,
         format_report,
+        load_completions,
         localisation_report,
         sample_credit,
         with_control_sentence,
@@ -292,15 +294,18 @@ def run_inspect(args: argparse.Namespace):
 
         model = PeftModel.from_pretrained(model, args.adapter)
     rewards, blocks = task_kit(args.task)
-    data = builtin_dataset(args.task, args.num_prompts, args.seed)
-    rows = [
-        {**row, "prompt": with_control_sentence(row["prompt"])}
-        for row in data.select(range(min(args.num_prompts, len(data))))
-    ]
+    rollout, num_generations = None, args.num_generations
+    if args.completions:
+        rows, completions, num_generations = load_completions(args.completions)
+        rollout = fixed_rollout(completions)
+    else:
+        data = builtin_dataset(args.task, args.num_prompts, args.seed)
+        rows = list(data.select(range(min(args.num_prompts, len(data)))))
+    rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in rows]
     config = MRTPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
-        per_device_train_batch_size=args.num_generations,
-        num_generations=args.num_generations,
+        per_device_train_batch_size=len(rows) * num_generations,  # one generation batch holds them all
+        num_generations=num_generations,
         max_completion_length=args.max_new_tokens,
         temperature=args.temperature,
         credit_beta=args.beta,
@@ -318,13 +323,14 @@ def run_inspect(args: argparse.Namespace):
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
+        rollout_func=rollout,
     )
-    record = sample_credit(trainer, rows, args.num_generations)
+    record = sample_credit(trainer, rows, num_generations)
     names = trainer.reward_func_names
     with open(args.output, "w", encoding="utf-8") as page:
         page.write(credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {args.task} task"))
     print(f"Heatmap written to {args.output}")
-    report = localisation_report(record, tokenizer, rows, args.task, names, args.num_generations)
+    report = localisation_report(record, tokenizer, rows, args.task, names, num_generations)
     print(format_report(report))
     if args.report:
         write_report(report, args.report)
@@ -381,6 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
     inspect.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply")
     inspect.add_argument("--task", choices=DEMO_TASKS, default="basic")
+    inspect.add_argument(
+        "--completions",
+        default=None,
+        help="replay existing responses instead of sampling: JSONL, one line per response with prompt, completion "
+        "and the row fields the task reads (the same number of responses per prompt)",
+    )
     inspect.add_argument("--num-prompts", type=int, default=4)
     inspect.add_argument("--num-generations", type=int, default=4)
     inspect.add_argument("--max-new-tokens", type=int, default=64)

@@ -1,6 +1,8 @@
-"""Statistics of where relevance q lands, for the ``mrtpo/`` training metrics."""
+"""Records and statistics of where relevance q lands (training metrics, inspection)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -40,3 +42,20 @@ class CollapseMonitor:
             if streak == self.patience:
                 alarms.append(name)
         return alarms
+
+
+@dataclass
+class CreditRecord:
+    """Everything credit assignment produced for one local generation batch (``B`` responses, ``K`` rewards)."""
+
+    prompts: list
+    completions: list[str]
+    completion_ids: torch.Tensor  # [B, C]
+    mask: torch.Tensor  # [B, C]
+    rewards: torch.Tensor  # [B, K], NaN = None
+    group_advantages: torch.Tensor  # [B, K] A_k
+    relevance: torch.Tensor  # [B, K, C] q (0 where not replayed)
+    replayed: torch.Tensor  # [B, K]
+    weights: torch.Tensor  # [B, K, C] w
+    advantages: torch.Tensor  # [B, C] final token advantages
+    beta: float

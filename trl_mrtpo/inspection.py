@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock
-from .trainer import CreditRecord
 from .viz import token_strings
 
 CONTROL_SENTENCE = "The museum on the corner opens at nine on Sundays."
@@ -56,6 +56,47 @@ def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditReco
     trainer.model.train()  # TRL picks train-mode group size and sampling from the module mode
     trainer._generate_and_score_completions(inputs)
     return trainer.last_credit
+
+
+def load_completions(path: str) -> tuple[list[dict], list[str], int]:
+    """Existing completions from a JSONL file: one line per response with ``prompt``, ``completion`` and the row
+    fields the task's rewards read. Returns ``(rows, completions, group_size)``; every prompt needs the same number
+    of responses, and completions come back grouped by prompt in order of first appearance."""
+    groups: dict[str, list[dict]] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            entry = json.loads(line)
+            if "prompt" not in entry or not isinstance(entry.get("completion"), str):
+                raise ValueError(f"{path} line {number}: needs 'prompt' and a string 'completion'")
+            groups.setdefault(json.dumps(entry["prompt"], sort_keys=True), []).append(entry)
+    sizes = {len(g) for g in groups.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"{path}: every prompt needs the same number of completions, found {sorted(sizes)}")
+    rows = [{k: v for k, v in group[0].items() if k != "completion"} for group in groups.values()]
+    completions = [entry["completion"] for group in groups.values() for entry in group]
+    return rows, completions, sizes.pop()
+
+
+def fixed_rollout(completions: list[str]):
+    """A TRL ``rollout_func`` that serves ``completions`` in order instead of sampling (for replaying existing
+    responses)."""
+    queue = list(completions)
+
+    def rollout(prompts, trainer):
+        if len(prompts) > len(queue):
+            raise ValueError(f"{len(prompts)} prompts to answer but only {len(queue)} completions left")
+        texts = [queue.pop(0) for _ in prompts]
+        tokenizer = trainer.processing_class
+        completion_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        return {
+            "prompt_ids": trainer._tokenize_prompts(prompts)[0],
+            "completion_ids": completion_ids,
+            "logprobs": None,
+        }
+
+    return rollout
 
 
 # ------------------------------------------------------------------------------------------------ checkable spans

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
+from accelerate.utils import gather_object
 from transformers import TrainerCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -19,10 +19,11 @@ from trl.trainer.utils import get_config_model_id
 
 from .config import MRTPOConfig
 from .credit import group_advantages, shuffle_relevance, token_advantages, warmup_beta
-from .diagnostics import CollapseMonitor, mass_share
+from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .info_blocks import InfoBlock, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, replay_relevance
 from .utils import completion_text
+from .viz import credit_summary, token_strings
 
 logger = logging.get_logger(__name__)
 REPLAY_MODES = ("mrtpo", "joint", "shuffled")
@@ -40,23 +41,6 @@ class CreditPlotCallback(TrainerCallback):
             from .viz import plot_credit_curves
 
             plot_credit_curves(state.log_history, self.reward_names, os.path.join(args.output_dir, "mrtpo_curves.png"))
-
-
-@dataclass
-class CreditRecord:
-    """Everything credit assignment produced for one local generation batch (``B`` responses, ``K`` rewards)."""
-
-    prompts: list
-    completions: list[str]
-    completion_ids: torch.Tensor  # [B, C]
-    mask: torch.Tensor  # [B, C]
-    rewards: torch.Tensor  # [B, K], NaN = None
-    group_advantages: torch.Tensor  # [B, K] A_k
-    relevance: torch.Tensor  # [B, K, C] q (0 where not replayed)
-    replayed: torch.Tensor  # [B, K]
-    weights: torch.Tensor  # [B, K, C] w
-    advantages: torch.Tensor  # [B, C] final token advantages
-    beta: float
 
 
 class MRTPOTrainer(GRPOTrainer):
@@ -285,13 +269,22 @@ class MRTPOTrainer(GRPOTrainer):
                     "its verifier uses."
                 )
 
+        # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
+        summaries = []
+        for j in range(mask.shape[0]):
+            length = int(lengths[j])
+            tokens = token_strings(self.processing_class, self.last_credit.completion_ids[j, :length].tolist())
+            profiles = [relevance[j, k, :length].tolist() if replayed[j, k] else [] for k in range(relevance.shape[1])]
+            advantages = credit.advantages[j, :length].tolist()
+            summaries.append(credit_summary(tokens, advantages, profiles, self.reward_func_names))
+        self._logs["extra"]["mrtpo_credit"].extend(gather_object(summaries))
+
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
         per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         gathered = self.accelerator.gather(per_response).tolist()
-        logged = self._logs["advantages"]
-        offset = len(logged) - len(gathered)
-        for i, value in enumerate(gathered):
-            logged[offset + i] = value
+        logged = self._logs["advantages"]  # a deque as long as one generation batch
+        for i in range(1, min(len(logged), len(gathered)) + 1):
+            logged[-i] = gathered[-i]
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card plus the MRTPO settings a reader needs to reproduce the run."""

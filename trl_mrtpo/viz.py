@@ -6,7 +6,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from .trainer import CreditRecord
+from .diagnostics import CreditRecord
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -21,6 +21,20 @@ h1{font-size:20px}.resp{border:1px solid #ddd;border-radius:6px;padding:12px;mar
 def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
     """One display string per token (each id decoded alone)."""
     return [tokenizer.decode([int(i)]) for i in ids]
+
+
+def credit_summary(
+    tokens: Sequence[str], advantages: Sequence[float], relevance: Sequence[Sequence[float]], names: Sequence[str]
+) -> str:
+    """One line per response for the completions table: the tokens with the largest token advantages, and where
+    each replayed reward's q peaks (``relevance`` holds one profile per name; empty profiles are skipped)."""
+    order = sorted(range(len(tokens)), key=lambda t: -abs(advantages[t]))[:3]
+    parts = ["top |A_t|: " + ", ".join(f"{tokens[t]!r} {advantages[t]:+.2f}" for t in order)]
+    for name, q in zip(names, relevance):
+        if len(q) and max(q) > 0:
+            peak = max(range(len(q)), key=lambda t: q[t])
+            parts.append(f"{name} q peaks at {tokens[peak]!r} ({q[peak]:.3f})")
+    return " | ".join(parts)
 
 
 def _colour(value: float, scale: float) -> str:
