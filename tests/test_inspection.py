@@ -141,3 +141,13 @@ def test_load_completions_rejects_uneven_groups(tmp_path):
     )
     with pytest.raises(ValueError, match="same number of completions"):
         load_completions(str(path))
+
+
+def test_if_slots_are_pooled_by_span_kind():
+    import json
+
+    record = record_for("hi OK", [0.1, 0.1, 0.2, 0.3, 0.3], [0.4, 0.2, 0.2, 0.1, 0.1])
+    rows = [{"constraints": json.dumps([{"id": "startend:end_checker", "kwargs": {"end_phrase": "OK"}}])}]
+    names = ["if_constraint_1", "if_constraint_2", CONTROL_NAME]
+    (row,) = localisation_report(record, CharTokenizer(), rows, "if", names, num_generations=1)
+    assert (row.reward, row.span) == ("if_constraint_*", "end phrase") and abs(row.ratio - 1.5) < 1e-6

@@ -178,6 +178,7 @@ def localisation_report(
     """Dist / Tok / Ratio per (reward, span kind), beside the control replay's ratio on the same spans.
 
     Only responses where the span occurs and both the reward and the control were replayed with non-zero q count.
+    For the ``if`` task the constraint slots are pooled by span kind (slot k is a different constraint per prompt).
     """
     control = reward_names.index(CONTROL_NAME)
     totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])  # responses, q on span, q in all, span tokens, tokens
@@ -196,7 +197,8 @@ def localisation_report(
             q_control = record.relevance[j, control, :length]
             if q.sum() <= 0 or q_control.sum() <= 0:
                 continue
-            key = (reward_names[k], kind)
+            # Instruction-following slots hold different constraints per prompt: pool them by span kind.
+            key = ("if_constraint_*" if task == "if" else reward_names[k], kind)
             entry = totals[key]
             entry[0] += 1
             entry[1] += q[span].sum().item()
