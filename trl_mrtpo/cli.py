@@ -29,7 +29,7 @@ def _print_curves(log_history: list[dict], reward_names: Sequence[str]) -> None:
         "mrtpo/replay_share",
     ]
     rows = [h for h in log_history if "mrtpo/beta" in h]
-    headers = ["step"] + [c.split("/")[1] if c.startswith("rewards/") else c.split("/")[1] for c in columns]
+    headers = ["step"] + [c.split("/")[1] for c in columns]
     print("  ".join(f"{h:>16}" for h in headers))
     for h in rows:
         cells = [f"{h.get('step', 0):>16}"]
@@ -37,6 +37,22 @@ def _print_curves(log_history: list[dict], reward_names: Sequence[str]) -> None:
             value = h.get(c)
             cells.append(f"{value:>16.3f}" if isinstance(value, (int, float)) else f"{'n/a':>16}")
         print("  ".join(cells))
+
+
+def _load_policy(model: str, adapter: str | None):
+    """``(model, tokenizer)`` for eval and inspect: a hub id, folder or 'embedded', plus an optional LoRA adapter."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .embedded import embedded_model_path
+
+    model_path = embedded_model_path() if model == "embedded" else model
+    tokenizer = AutoTokenizer.from_pretrained(adapter or model_path)
+    policy = AutoModelForCausalLM.from_pretrained(model_path)
+    if adapter:
+        from peft import PeftModel
+
+        policy = PeftModel.from_pretrained(policy, adapter)
+    return policy, tokenizer
 
 
 def run_demo(args: argparse.Namespace):
@@ -221,20 +237,13 @@ def run_eval(args: argparse.Namespace) -> list:
     from . import evaluation
     from .embedded import embedded_model_path
 
-    model_path = embedded_model_path() if args.model == "embedded" else args.model
     if args.backend == "vllm":
         if args.adapter:
             raise ValueError("--adapter is not supported with --backend vllm: merge the adapter first")
+        model_path = embedded_model_path() if args.model == "embedded" else args.model
         generate = evaluation.vllm_generator(model_path, args.max_new_tokens)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(args.adapter or model_path)
-        if args.adapter:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, args.adapter)
+        model, tokenizer = _load_policy(args.model, args.adapter)
         model.eval()
         generate = evaluation.transformers_generator(model, tokenizer, args.max_new_tokens, args.batch_size)
 
@@ -267,11 +276,9 @@ def run_inspect(args: argparse.Namespace):
     _pin_threads(args.threads)
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import MRTPOConfig, MRTPOTrainer
     from .demo import builtin_dataset, task_kit
-    from .embedded import embedded_model_path
     from .inspection import (
         control_block,
         control_reward,
@@ -286,13 +293,7 @@ def run_inspect(args: argparse.Namespace):
     from .viz import credit_heatmap_html
 
     torch.manual_seed(args.seed)
-    model_path = embedded_model_path() if args.model == "embedded" else args.model
-    tokenizer = AutoTokenizer.from_pretrained(args.adapter or model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    if args.adapter:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, args.adapter)
+    model, tokenizer = _load_policy(args.model, args.adapter)
     rewards, blocks = task_kit(args.task)
     rollout, num_generations = None, args.num_generations
     if args.completions:
