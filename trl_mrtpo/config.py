@@ -37,7 +37,7 @@ class MRTPOConfig(GRPOConfig):
             Replay only the (response, reward) pairs whose reward varies within the group; the others cannot
             change the advantage. `False` replays every pair that has an info block (for analysis).
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
-            Completion tokens per divergence chunk; `None` picks it to keep about 32M logits in memory at once.
+            Completion tokens per divergence chunk; `None` picks it to keep about 2M logits in memory at once.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
         collapse_warning_steps (`int`, *optional*, defaults to `5`):
@@ -75,7 +75,7 @@ class MRTPOConfig(GRPOConfig):
     )
     replay_chunk_size: int | None = field(
         default=None,
-        metadata={"help": "Completion tokens per divergence chunk; None bounds it to ~32M logits per chunk."},
+        metadata={"help": "Completion tokens per divergence chunk; None bounds it to ~2M logits per chunk."},
     )
     info_block_separator: str = field(
         default="\n\n", metadata={"help": "Text between the prompt and each appended info block."}
