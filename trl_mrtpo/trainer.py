@@ -270,14 +270,18 @@ class MRTPOTrainer(GRPOTrainer):
                 )
 
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
-        summaries = []
-        for j in range(mask.shape[0]):
-            length = int(lengths[j])
-            tokens = token_strings(self.processing_class, self.last_credit.completion_ids[j, :length].tolist())
-            profiles = [relevance[j, k, :length].tolist() if replayed[j, k] else [] for k in range(relevance.shape[1])]
-            advantages = credit.advantages[j, :length].tolist()
-            summaries.append(credit_summary(tokens, advantages, profiles, self.reward_func_names))
-        self._logs["extra"]["mrtpo_credit"].extend(gather_object(summaries))
+        # Decoding every token costs time each step, so only when that table is logged.
+        if self.log_completions:
+            summaries = []
+            for j in range(mask.shape[0]):
+                length = int(lengths[j])
+                tokens = token_strings(self.processing_class, self.last_credit.completion_ids[j, :length].tolist())
+                profiles = [
+                    relevance[j, k, :length].tolist() if replayed[j, k] else [] for k in range(relevance.shape[1])
+                ]
+                advantages = credit.advantages[j, :length].tolist()
+                summaries.append(credit_summary(tokens, advantages, profiles, self.reward_func_names))
+            self._logs["extra"]["mrtpo_credit"].extend(gather_object(summaries))
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
         per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
