@@ -318,11 +318,25 @@ def test_info_blocks_of_wrong_length(tiny_model, tiny_tokenizer, tmp_path):
         ("max_second_moment_ratio", 0.5, "max_second_moment_ratio"),
         ("replay_batch_size", 0, "replay_batch_size"),
         ("replay_chunk_size", 0, "replay_chunk_size"),
+        ("replay_min_shared_prefix", 0, "replay_min_shared_prefix"),
+        ("divergence_backend", "cuda", "divergence_backend"),
+        ("cort_eta", 2.0, "cort_eta"),
+        ("reward_weighting", "dynamic", "reward_weighting"),
+        ("concur_ceiling_mode", "always", "concur_ceiling_mode"),
+        ("concur_min_readings", 1, "concur_min_readings"),
+        ("taco_strength", 1.5, "taco_strength"),
     ],
 )
 def test_config_rejects_bad_values(tmp_path, field, value, message):
     with pytest.raises(ValueError, match=message):
         make_args(tmp_path, **{field: value})
+
+
+def test_grpo_mode_refuses_weighting_and_taco(tmp_path):
+    with pytest.raises(ValueError, match="gdpo"):
+        make_args(tmp_path, credit_assignment="grpo", reward_weighting="saw")
+    with pytest.raises(ValueError, match="gdpo"):
+        make_args(tmp_path, credit_assignment="grpo", taco_strength=0.5)
 
 
 def test_trainer_requires_mrtpo_config(tiny_model, tiny_tokenizer, tmp_path):

@@ -58,40 +58,24 @@ def _load_policy(model: str, adapter: str | None):
 def run_demo(args: argparse.Namespace):
     """Run the demo and return the trainer."""
     _pin_threads(args.threads)
-    from peft import LoraConfig
-
-    from . import MRTPOConfig, MRTPOTrainer
-    from .demo import demo_task
+    from .demo import cpu_run_config, demo_task, embedded_lora_trainer
     from .embedded import embedded_model_path
 
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s)...", flush=True)
     model_path = embedded_model_path()
     rewards, info_blocks, dataset = demo_task(args.task, num_prompts=max(args.steps, 8), seed=args.seed)
-    config = MRTPOConfig(
-        output_dir=args.output_dir,
+    config = cpu_run_config(
+        args.output_dir,
         max_steps=args.steps,
         per_device_train_batch_size=args.num_generations,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         learning_rate=args.learning_rate,
-        temperature=1.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
         seed=args.seed,
         credit_warmup_steps=args.warmup_steps,
-        bf16=False,  # bf16 autocast on CPU runs the matmuls several times slower
         disable_tqdm=False,
     )
-    trainer = MRTPOTrainer(
-        model=model_path,
-        reward_funcs=rewards,
-        info_blocks=info_blocks,
-        args=config,
-        train_dataset=dataset,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    )
+    trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset)
     trainer.train()
     print("\nPer-step rewards and MRTPO metrics:")
     _print_curves(trainer.state.log_history, trainer.reward_func_names)

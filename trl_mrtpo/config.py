@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo", "joint", "shuffled")
+from .ops import triton_divergence
+from .ops.divergence import BACKENDS
+from .weighting import REWARD_WEIGHTINGS
+
+CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo", "joint", "shuffled", "cort")
+CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
 
 
 @dataclass
@@ -24,7 +29,8 @@ class MRTPOConfig(GRPOConfig):
             over tokens (the same pipeline with `credit_beta=0`). `"grpo"`: plain `GRPOTrainer` behaviour
             (`multi_objective_aggregation` as set). `"joint"`: ablation with one replay that removes every block
             at once, its q shared by all rewards. `"shuffled"`: ablation with the q values permuted within each
-            response.
+            response. `"cort"`: CoRT, one replay without any info block; the aggregated advantage is reweighted
+            per token by the sampled token's log-likelihood contrast (`cort_*`).
         credit_beta (`float`, *optional*, defaults to `0.5`):
             Redistribution strength in [0, 1]: every token keeps at least `1 - credit_beta` of the uniform credit.
         credit_warmup_steps (`int`, *optional*, defaults to `10`):
@@ -37,9 +43,46 @@ class MRTPOConfig(GRPOConfig):
             Replay only the (response, reward) pairs whose reward varies within the group; the others cannot
             change the advantage. `False` replays every pair that has an info block (for analysis).
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
-            Completion tokens per divergence chunk; `None` picks it to keep about 2M logits in memory at once.
+            Completion tokens per divergence chunk of the torch backend; `None` keeps about 2M logits at once.
+        replay_min_shared_prefix (`int` or `None`, *optional*, defaults to `16`):
+            Contexts of a response (and responses of a group) that share at least this many leading tokens run
+            them once and reuse their key/value cache. `None` turns prefix reuse off.
+        divergence_backend (`str`, *optional*, defaults to `"auto"`):
+            `"triton"` (fused kernel, CUDA, needs the `kernels` extra), `"torch"` (chunked), or `"auto"`: Triton
+            for CUDA models when it is installed, torch otherwise.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
+        cort_eta (`float`, *optional*, defaults to `1.0`):
+            CoRT strength eta in [0, 2): token weights before normalisation are `1 + eta * lambda_n * s_t`, with
+            `lambda_n` the `credit_warmup_steps` ramp from 0 to 1.
+        cort_tau (`float`, *optional*, defaults to `1.0`):
+            CoRT sharpness tau of `s_t = sigmoid(tau * (delta_t - b)) - 1/2`.
+        cort_offset (`float`, *optional*, defaults to `0.0`):
+            CoRT offset b (nats of log-likelihood contrast).
+        reward_weighting (`str`, *optional*, defaults to `"static"`):
+            How much each reward counts, stacking with every credit mode: `"static"` (`reward_weights`), `"saw"`
+            (`reward_weights` times `K * CV_k / sum CV` from the batch's coefficients of variation) or `"concur"`
+            (auxiliary advantages projected onto the primary reward's order per group).
+        concur_primary (`str` or `None`, *optional*, defaults to `None`):
+            Name of CONCUR's primary reward; `None`: the first reward function.
+        concur_pass_threshold (`float`, *optional*, defaults to `1.0`):
+            A response passes when its primary reward is at least this; auxiliary rewards of failing responses are
+            gated to 0.
+        concur_ceiling (`float`, *optional*, defaults to `1.0`):
+            Primary reward at which a response is at the ceiling.
+        concur_ceiling_mode (`str`, *optional*, defaults to `"adaptive"`):
+            `"tie"`: responses at the ceiling share one auxiliary advantage (CONCUR-T); `"adaptive"`: tie unless the
+            cumulative concordance readings trust the auxiliary reward (CONCUR-A); `"none"`: never tie.
+        concur_min_readings (`int`, *optional*, defaults to `61`):
+            Readings CONCUR-A needs before it may release the ceiling tie.
+        taco_strength (`float`, *optional*, defaults to `0.0`):
+            TACO-style calibration in [0, 1]: positive token advantages are scaled by
+            `1 - taco_strength * sigmoid(taco_sharpness * (surprisal - taco_threshold))`; negative ones untouched.
+            0 disables it (and its extra forward).
+        taco_threshold (`float`, *optional*, defaults to `4.0`):
+            Surprisal (nats, `-log pi_old` of the sampled token) at which the scaling is half way.
+        taco_sharpness (`float`, *optional*, defaults to `1.0`):
+            Slope of the sigmoid in surprisal.
         collapse_warning_steps (`int`, *optional*, defaults to `5`):
             Warn when a reward's replayed q stays below 1e-6 for this many consecutive generation steps (its
             credit is then uniform, i.e. plain GDPO). 0 disables the warning.
@@ -52,7 +95,7 @@ class MRTPOConfig(GRPOConfig):
         default="mrtpo",
         metadata={
             "help": "Where each reward's credit lands: 'mrtpo', 'gdpo' (uniform per-reward normalisation), 'grpo' "
-            "(plain GRPOTrainer), 'joint' or 'shuffled' (ablations).",
+            "(plain GRPOTrainer), 'joint' or 'shuffled' (ablations), 'cort' (CoRT).",
             "choices": list(CREDIT_ASSIGNMENTS),
         },
     )
@@ -75,12 +118,55 @@ class MRTPOConfig(GRPOConfig):
     )
     replay_chunk_size: int | None = field(
         default=None,
-        metadata={"help": "Completion tokens per divergence chunk; None bounds it to ~2M logits per chunk."},
+        metadata={"help": "Completion tokens per divergence chunk (torch backend); None bounds it to ~2M logits."},
+    )
+    replay_min_shared_prefix: int | None = field(
+        default=16,
+        metadata={"help": "Shortest shared context prefix run once and reused as a KV cache; None: no reuse."},
+    )
+    divergence_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "JS divergence backend: auto, triton (CUDA, `kernels` extra) or torch.",
+            "choices": BACKENDS,
+        },
     )
     info_block_separator: str = field(
         default="\n\n", metadata={"help": "Text between the prompt and each appended info block."}
     )
 
+    cort_eta: float = field(default=1.0, metadata={"help": "CoRT strength eta in [0, 2)."})
+    cort_tau: float = field(default=1.0, metadata={"help": "CoRT sigmoid sharpness tau."})
+    cort_offset: float = field(default=0.0, metadata={"help": "CoRT contrast offset b (nats)."})
+    reward_weighting: str = field(
+        default="static",
+        metadata={
+            "help": "Response-level reward weighting: 'static' (reward_weights), 'saw' (batch CV) or 'concur'.",
+            "choices": list(REWARD_WEIGHTINGS),
+        },
+    )
+    concur_primary: str | None = field(
+        default=None, metadata={"help": "CONCUR's primary reward (function name); None: the first."}
+    )
+    concur_pass_threshold: float = field(
+        default=1.0, metadata={"help": "Primary reward at which a response passes (auxiliaries count)."}
+    )
+    concur_ceiling: float = field(default=1.0, metadata={"help": "Primary reward at the ceiling."})
+    concur_ceiling_mode: str = field(
+        default="adaptive",
+        metadata={
+            "help": "Ceiling tie: 'adaptive' (CONCUR-A), 'tie' (CONCUR-T) or 'none'.",
+            "choices": list(CONCUR_CEILING_MODES),
+        },
+    )
+    concur_min_readings: int = field(
+        default=61, metadata={"help": "Concordance readings CONCUR-A needs before releasing the ceiling tie."}
+    )
+    taco_strength: float = field(
+        default=0.0, metadata={"help": "TACO down-weighting of positive advantages on surprising tokens, in [0, 1]."}
+    )
+    taco_threshold: float = field(default=4.0, metadata={"help": "TACO surprisal midpoint (nats)."})
+    taco_sharpness: float = field(default=1.0, metadata={"help": "TACO sigmoid slope in surprisal."})
     collapse_warning_steps: int = field(
         default=5,
         metadata={"help": "Warn when a reward's replayed q stays below 1e-6 this many steps in a row (0: never)."},
@@ -105,9 +191,37 @@ class MRTPOConfig(GRPOConfig):
                 "max_second_moment_ratio must be >= 1 (1 forbids any redistribution), "
                 f"got {self.max_second_moment_ratio}."
             )
+        if not 0.0 <= self.cort_eta < 2.0:
+            raise ValueError(f"cort_eta must be in [0, 2) (weights stay positive), got {self.cort_eta}.")
+        if self.reward_weighting not in REWARD_WEIGHTINGS:
+            raise ValueError(
+                f"reward_weighting={self.reward_weighting!r} is unknown; choose one of {', '.join(REWARD_WEIGHTINGS)}."
+            )
+        if self.concur_ceiling_mode not in CONCUR_CEILING_MODES:
+            raise ValueError(
+                f"concur_ceiling_mode must be one of {', '.join(CONCUR_CEILING_MODES)}, "
+                f"got {self.concur_ceiling_mode!r}."
+            )
+        if self.concur_min_readings < 2:
+            raise ValueError(f"concur_min_readings must be >= 2, got {self.concur_min_readings}.")
+        if not 0.0 <= self.taco_strength <= 1.0:
+            raise ValueError(f"taco_strength must be in [0, 1], got {self.taco_strength}.")
+        if self.credit_assignment == "grpo" and (self.reward_weighting != "static" or self.taco_strength > 0):
+            raise ValueError(
+                "reward_weighting and taco_strength act on MRTPO's per-reward and token advantages; "
+                "credit_assignment='grpo' is plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
+            )
         if self.replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.collapse_warning_steps < 0:
             raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
+        if self.replay_min_shared_prefix is not None and self.replay_min_shared_prefix < 1:
+            raise ValueError(f"replay_min_shared_prefix must be >= 1 or None, got {self.replay_min_shared_prefix}.")
+        if self.divergence_backend not in BACKENDS:
+            raise ValueError(
+                f"divergence_backend must be one of {', '.join(BACKENDS)}, got {self.divergence_backend!r}."
+            )
+        if self.divergence_backend == "triton" and not triton_divergence.is_available():
+            raise ValueError("divergence_backend='triton' needs Triton: pip install 'trl-mrtpo[kernels]'.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")

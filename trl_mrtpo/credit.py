@@ -1,4 +1,5 @@
-"""Pure tensor maths of MRTPO credit assignment (DESIGN.md §1, steps 1 and 5-9).
+"""Pure tensor maths of MRTPO credit assignment (DESIGN.md §1, steps 1 and 5-9), and the token weights of the
+sibling methods CoRT and TACO.
 
 Nothing here knows about TRL or models: every function takes tensors and returns tensors, so each step can be
 checked against a hand-worked example or a float64 reference.
@@ -179,7 +180,7 @@ def token_advantages(
     mask: torch.Tensor,
     reward_weights: torch.Tensor,
     beta: float,
-    max_second_moment_ratio: float = 2.0,
+    max_second_moment_ratio: float | None = 2.0,
 ) -> TokenCredit:
     """Steps 5-8 end to end: weights, combine, cap, batch rescale.
 
@@ -194,6 +195,65 @@ def token_advantages(
     """
     weights = token_weights(relevance, mask[:, None, :], beta)
     weights = torch.where(replayed[..., None], weights, torch.ones_like(weights))
+    return weighted_token_advantages(advantages, weights, mask, reward_weights, max_second_moment_ratio)
+
+
+def weighted_token_advantages(
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    reward_weights: torch.Tensor,
+    max_second_moment_ratio: float | None,
+) -> TokenCredit:
+    """Steps 6-8 for given ``[B, K, C]`` token weights: combine, cap (``None``: no cap), batch rescale."""
     uniform, redistributed = combine(advantages, weights, reward_weights, mask)
-    scores, s = cap_redistribution(uniform, redistributed, mask, max_second_moment_ratio)
+    if max_second_moment_ratio is None:
+        scores, s = (uniform[:, None] + redistributed) * mask.to(uniform), 1.0
+    else:
+        scores, s = cap_redistribution(uniform, redistributed, mask, max_second_moment_ratio)
     return TokenCredit(batch_rescale(scores, mask), weights, s)
+
+
+def cort_weights(
+    contrast: torch.Tensor, mask: torch.Tensor, strength: float, sharpness: float = 1.0, offset: float = 0.0
+) -> torch.Tensor:
+    """CoRT token weights (DESIGN.md §1 modes, ``cort``) from the sampled tokens' log-likelihood contrast.
+
+    ``s_t = sigmoid(tau (delta_t - b)) - 1/2``, ``w~_t = 1 + eta lambda_n s_t``, normalised to mean 1 over each
+    response's tokens, where ``delta_t = log pi(y_t | with criteria) - log pi(y_t | without)``.
+
+    Args:
+        contrast: ``[B, C]`` delta.
+        mask: ``[B, C]`` completion mask.
+        strength: ``eta * lambda_n`` in [0, 2): weights before normalisation lie in ``[1 - strength/2,
+            1 + strength/2]``, so they stay positive.
+        sharpness: tau; offset: b.
+
+    Returns:
+        ``[B, C]`` weights, mean exactly 1 per response, 1 on padded positions.
+    """
+    if not 0.0 <= strength < 2.0:
+        raise ValueError(f"CoRT strength (eta * lambda) must be in [0, 2) to keep weights positive, got {strength}")
+    mask = mask.to(contrast.dtype)
+    raw = 1.0 + strength * (torch.sigmoid(sharpness * (contrast - offset)) - 0.5)
+    mean = (raw * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    return torch.where(mask.bool(), raw / mean, torch.ones_like(raw))
+
+
+def taco_scale(
+    advantages: torch.Tensor, surprisal: torch.Tensor, strength: float, threshold: float, sharpness: float
+) -> torch.Tensor:
+    """TACO-style calibration: positive token advantages shrink smoothly on high-risk (surprising) tokens.
+
+    ``A_t <- A_t (1 - strength * sigmoid(sharpness (surprisal_t - threshold)))`` where ``A_t > 0``; non-positive
+    advantages are untouched (failures keep their full penalty). The factor lies in ``[1 - strength, 1]``.
+
+    Args:
+        advantages: ``[B, C]`` token advantages.
+        surprisal: ``[B, C]`` ``-log pi_old(y_t)`` of the sampled tokens, our proxy for TACO's tail risk.
+        strength: in [0, 1]; 0 leaves everything unchanged.
+    """
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"TACO strength must be in [0, 1], got {strength}")
+    factor = 1.0 - strength * torch.sigmoid(sharpness * (surprisal - threshold))
+    return torch.where(advantages > 0, advantages * factor, advantages)

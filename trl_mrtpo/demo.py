@@ -138,3 +138,45 @@ def builtin_dataset(name: str, num_prompts: int, seed: int, cache_dir: str | Non
 def demo_task(name: str, num_prompts: int, seed: int, cache_dir: str | None = None):
     """``(reward_funcs, info_blocks, train_dataset)`` of a built-in task."""
     return (*task_kit(name), builtin_dataset(name, num_prompts, seed, cache_dir))
+
+
+def cpu_run_config(output_dir: str, **overrides):
+    """The MRTPOConfig of the CPU runs on the embedded model (demo, benchmarks): LoRA-sized learning rate, fp32
+    (bf16 autocast on CPU runs the matmuls several times slower), per-step logging, no checkpoints, no reporting.
+    Keyword arguments override any field."""
+    from .config import MRTPOConfig
+
+    settings = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 48,
+        "learning_rate": 5e-5,
+        "temperature": 1.0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "bf16": False,
+        **overrides,
+    }
+    return MRTPOConfig(**settings)
+
+
+def embedded_lora_trainer(reward_funcs: list, info_blocks: list, args, train_dataset, **kwargs):
+    """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct with a rank-8 LoRA adapter on the
+    attention projections (never on lm_head: the replay reads its weight). ``kwargs`` go to the trainer."""
+    from peft import LoraConfig
+
+    from .embedded import embedded_model_path
+    from .trainer import MRTPOTrainer
+
+    return MRTPOTrainer(
+        model=embedded_model_path(),
+        reward_funcs=reward_funcs,
+        info_blocks=info_blocks,
+        args=args,
+        train_dataset=train_dataset,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        **kwargs,
+    )

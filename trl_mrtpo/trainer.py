@@ -6,6 +6,7 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -18,15 +19,25 @@ from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
 from .config import MRTPOConfig
-from .credit import group_advantages, shuffle_relevance, token_advantages, warmup_beta
+from .credit import (
+    cort_weights,
+    group_advantages,
+    shuffle_relevance,
+    taco_scale,
+    token_advantages,
+    warmup_beta,
+    weighted_token_advantages,
+)
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .info_blocks import InfoBlock, build_block, build_contexts, check_builders
-from .replay import causal_lm_parts, replay_relevance
+from .replay import causal_lm_parts, replay_logprobs, replay_relevance
+from .reward_funcs.self_certainty import SelfCertaintyReward
 from .utils import completion_text
 from .viz import credit_summary, token_strings
+from .weighting import concur_advantages, saw_weights
 
 logger = logging.get_logger(__name__)
-REPLAY_MODES = ("mrtpo", "joint", "shuffled")
+REPLAY_MODES = ("mrtpo", "joint", "shuffled", "cort")
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
 
 
@@ -90,6 +101,9 @@ class MRTPOTrainer(GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
+        for reward_func in self.reward_funcs:
+            if isinstance(reward_func, SelfCertaintyReward):
+                reward_func.bind(self)
         self._replays = args.credit_assignment in REPLAY_MODES and any(b is not None for b in self.info_block_builders)
         if self._replays:
             if self.tools or self.environment_factories is not None:
@@ -107,6 +121,15 @@ class MRTPOTrainer(GRPOTrainer):
             self.add_callback(CreditPlotCallback(self.reward_func_names))
         self.recipe: str | None = None  # the recipe file a run came from, for the model card (set by the CLI)
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
+        self._concur_trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward (train batches only)
+        self._concur_primary = 0
+        if args.concur_primary is not None:
+            if args.concur_primary not in self.reward_func_names:
+                raise ValueError(
+                    f"concur_primary={args.concur_primary!r} is not a reward function; "
+                    f"they are {', '.join(self.reward_func_names)}."
+                )
+            self._concur_primary = self.reward_func_names.index(args.concur_primary)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -124,6 +147,23 @@ class MRTPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         group_adv, varying = group_advantages(rewards, num_generations)
+        reward_weights = self.reward_weights.to(group_adv)
+        # Response-level weighting sees the whole (gathered) batch, so every process decides alike.
+        if self.args.reward_weighting == "saw":
+            reward_weights = reward_weights * saw_weights(rewards).to(group_adv)
+        elif self.args.reward_weighting == "concur":
+            trust = self._concur_trust if mode == "train" else copy.deepcopy(self._concur_trust)
+            group_adv = concur_advantages(
+                rewards,
+                group_adv,
+                num_generations,
+                self._concur_primary,
+                self.args.concur_pass_threshold,
+                self.args.concur_ceiling,
+                self.args.concur_ceiling_mode,
+                trust,
+                self.args.concur_min_readings,
+            )
         local = slice(
             self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
         )
@@ -133,25 +173,44 @@ class MRTPOTrainer(GRPOTrainer):
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
         beta = 0.0
-        if self.args.credit_assignment != "gdpo":
+        if self.args.credit_assignment == "cort":  # beta is lambda_n, CoRT's ramp from 0 to 1
+            beta = warmup_beta(1.0, self.state.global_step, self.args.credit_warmup_steps)
+        elif self.args.credit_assignment != "gdpo":
             beta = warmup_beta(self.args.credit_beta, self.state.global_step, self.args.credit_warmup_steps)
         relevance = mask.new_zeros((*varying.shape, mask.shape[1]), dtype=torch.float32)
         replayed = torch.zeros_like(varying)
         replay_seconds = 0.0
-        if self._replays and beta > 0:  # at beta 0 the weights are uniform whatever q is
+        if self.args.credit_assignment == "cort":
+            weights = torch.ones_like(relevance)
+            if self._replays and beta > 0:
+                replay_started = time.perf_counter()
+                contrast, cort_replayed = self._cort_contrast(inputs, prompts, completions, rewards, varying, output)
+                replay_seconds += time.perf_counter() - replay_started
+                token_weights = cort_weights(
+                    contrast, mask, self.args.cort_eta * beta, self.args.cort_tau, self.args.cort_offset
+                )
+                weights = torch.where(cort_replayed[:, None, None], token_weights[:, None, :], weights)
+                replayed = cort_replayed[:, None] & varying
+            credit = weighted_token_advantages(group_adv, weights, mask, reward_weights, None)
+        else:
+            if self._replays and beta > 0:  # at beta 0 the weights are uniform whatever q is
+                replay_started = time.perf_counter()
+                relevance, replayed = self._replay(inputs, prompts, completions, rewards, varying, output)
+                replay_seconds += time.perf_counter() - replay_started
+            credit = token_advantages(
+                group_adv, relevance, replayed, mask, reward_weights, beta, self.args.max_second_moment_ratio
+            )
+        if self.args.taco_strength > 0:
             replay_started = time.perf_counter()
-            relevance, replayed = self._replay(inputs, prompts, completions, rewards, varying, output)
-            replay_seconds = time.perf_counter() - replay_started
-
-        credit = token_advantages(
-            group_adv,
-            relevance,
-            replayed,
-            mask,
-            self.reward_weights.to(group_adv),
-            beta,
-            self.args.max_second_moment_ratio,
-        )
+            surprisal = self._surprisal(output)
+            replay_seconds += time.perf_counter() - replay_started
+            credit.advantages = taco_scale(
+                credit.advantages,
+                surprisal,
+                self.args.taco_strength,
+                self.args.taco_threshold,
+                self.args.taco_sharpness,
+            )
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
         self.last_credit = CreditRecord(
@@ -170,8 +229,13 @@ class MRTPOTrainer(GRPOTrainer):
         self._log_credit(mode, credit, relevance, replayed, mask, beta, replay_seconds, time.perf_counter() - started)
         return output
 
-    def _replay(self, inputs, prompts, completions, rewards, varying, output):
-        """Build the info blocks and contexts of the local batch, replay, and place q per (response, reward)."""
+    def _replay_inputs(self, inputs, prompts, completions, rewards, varying, output, joint: bool):
+        """Info blocks, replayed pairs and token ids of the local batch's replay.
+
+        Returns ``(wanted, context_ids, completion_ids)``: per response, the reward indices whose pair is replayed,
+        the contexts ``[P_all, P_removed...]`` (one removal per wanted reward, or a single removal of every block
+        when ``joint``; empty when nothing is replayed) and the completion token ids.
+        """
         num_samples, num_rewards = varying.shape
         blocks = [
             [
@@ -192,12 +256,7 @@ class MRTPOTrainer(GRPOTrainer):
             ]
             for i in range(num_samples)
         ]
-        mask = output["completion_mask"]
-        relevance = torch.zeros(num_samples, num_rewards, mask.shape[1], device=mask.device)
-        replayed = torch.zeros_like(varying)
-        if not any(wanted):
-            return relevance, replayed
-        if self.args.credit_assignment == "joint":
+        if joint:
             removals = [
                 [[k for k, b in enumerate(blocks[i]) if b is not None]] if wanted[i] else []
                 for i in range(num_samples)
@@ -211,33 +270,96 @@ class MRTPOTrainer(GRPOTrainer):
             for i in range(num_samples)
         ]
         flat = [p for c in contexts if c is not None for p in (c[0], *c[1])]
-        flat_ids = self._tokenize_prompts(flat)[0]
+        flat_ids = self._tokenize_prompts(flat)[0] if flat else []
         context_ids, cursor = [], 0
         for removed in removals:
             count = 1 + len(removed) if removed else 0
             context_ids.append(flat_ids[cursor : cursor + count])
             cursor += count
-
-        lengths = mask.sum(-1).tolist()
+        lengths = output["completion_mask"].sum(-1).tolist()
         completion_ids = [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
+        return wanted, context_ids, completion_ids
+
+    def _replay_options(self) -> dict:
+        return {
+            "batch_size": self.args.replay_batch_size,
+            "chunk_size": self.args.replay_chunk_size,
+            "min_shared_prefix": self.args.replay_min_shared_prefix,
+        }
+
+    def _replay(self, inputs, prompts, completions, rewards, varying, output):
+        """Replay the local batch and place q per (response, reward)."""
+        joint = self.args.credit_assignment == "joint"
+        wanted, context_ids, completion_ids = self._replay_inputs(
+            inputs, prompts, completions, rewards, varying, output, joint
+        )
+        mask = output["completion_mask"]
+        relevance = torch.zeros(*varying.shape, mask.shape[1], device=mask.device)
+        replayed = torch.zeros_like(varying)
+        if not any(wanted):
+            return relevance, replayed
         q = replay_relevance(
             self.accelerator.unwrap_model(self.model),
             context_ids,
             completion_ids,
             self.temperature,
-            self.args.replay_batch_size,
-            self.args.replay_chunk_size,
+            backend=self.args.divergence_backend,
+            **self._replay_options(),
         )
-
-        for i, length in enumerate(lengths):
+        for i, ids in enumerate(completion_ids):
+            length = len(ids)
             if length == 0:
                 continue
             for row, k in enumerate(wanted[i]):
-                relevance[i, k, :length] = q[i][0 if self.args.credit_assignment == "joint" else row].to(mask.device)
+                relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
                 replayed[i, k] = True
         if self.args.credit_assignment == "shuffled":
             relevance = shuffle_relevance(relevance, mask, self._shuffle_generator)
         return relevance, replayed
+
+    def _cort_contrast(self, inputs, prompts, completions, rewards, varying, output):
+        """CoRT's ``[B, C]`` contrast ``log pi(y_t | P_all) - log pi(y_t | every block removed)`` and which responses
+        were replayed (those with a varying reward that has a block)."""
+        _, context_ids, completion_ids = self._replay_inputs(
+            inputs, prompts, completions, rewards, varying, output, joint=True
+        )
+        mask = output["completion_mask"]
+        contrast = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        replayed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
+        logprobs = replay_logprobs(
+            self.accelerator.unwrap_model(self.model),
+            context_ids,
+            completion_ids,
+            self.temperature,
+            **self._replay_options(),
+        )
+        for i, lp in enumerate(logprobs):
+            if lp.shape[0] == 2:
+                contrast[i, : lp.shape[1]] = (lp[0] - lp[1]).to(mask.device)
+                replayed[i] = True
+        return contrast, replayed
+
+    def _surprisal(self, output):
+        """``[B, C]`` ``-log pi_old(y_t)`` of the sampled tokens at the sampling temperature (TACO's risk proxy):
+        TRL's old log-probabilities when it computed them, else one no-grad forward of the prompt + completion."""
+        mask = output["completion_mask"]
+        if output.get("old_per_token_logps") is not None:
+            return -output["old_per_token_logps"].float() * mask
+        prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])]
+        lengths = mask.sum(-1).tolist()
+        completion_ids = [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
+        logprobs = replay_logprobs(
+            self.accelerator.unwrap_model(self.model),
+            [[p] for p in prompt_ids],
+            completion_ids,
+            self.temperature,
+            **self._replay_options(),
+        )
+        surprisal = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        for i, lp in enumerate(logprobs):
+            if lp.shape[0]:
+                surprisal[i, : lp.shape[1]] = -lp[0].to(mask.device)
+        return surprisal
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
         metrics = self._metrics[mode]

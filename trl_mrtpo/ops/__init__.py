@@ -1,5 +1,7 @@
-"""Divergence kernels for the replay (DESIGN.md §1 step 4). One public entry point: :func:`replay_divergence`."""
+"""Kernels of the replay (DESIGN.md §1 step 4): the JS divergence (torch and fused Triton backends behind one entry
+point, :func:`replay_divergence`) and per-token scores of sampled tokens."""
 
 from .divergence import js_divergence, replay_divergence
+from .token_scores import sampled_logprobs, self_certainty
 
-__all__ = ["js_divergence", "replay_divergence"]
+__all__ = ["js_divergence", "replay_divergence", "sampled_logprobs", "self_certainty"]

@@ -6,18 +6,32 @@ import math
 
 import torch
 
+from . import triton_divergence
+
 LN2 = math.log(2.0)
-# Elements of [contexts, tokens, vocab] fp32 logits per chunk (~8 MB): bounds replay memory; on CPU small chunks were
-# also faster than large ones (benchmarks/js_kernel.py: 2^20 elements 5.8 s, 2^25 11.8 s at V=49152, K=3).
+# Elements of [contexts, tokens, vocab] fp32 logits per chunk (8 MB): bounds replay memory; on CPU larger chunks were
+# not faster (benchmarks/js_kernel.py --sweep-chunk). Every chunk streams the whole lm_head weight, so it keeps at
+# least MIN_CHUNK_TOKENS tokens: at V=152064, K=3 one 3-token chunk took 16.4 s, 8 tokens 11.0 s (same inputs).
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
+MIN_CHUNK_TOKENS = 8
+# |log p - log q| beyond this changes a term by < e^-100; clamping keeps -inf entries finite (no NaN).
+MAX_LOG_RATIO = 100.0
+BACKENDS = ("auto", "torch", "triton")
 
 
 def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
     """Step 4: ``JS(p || q) / ln 2`` over the last (vocabulary) dimension, clamped to [0, 1].
 
-    ``log m`` is computed as ``max(lp, lq) + log1p(0.5 * expm1(-|lp - lq|))``, which is exactly 0 divergence on
-    identical inputs (``logaddexp`` leaves ~2e-7 bits of fp32 rounding there). Zero-probability entries
-    contribute 0.
+    Each vocabulary entry is written around the larger of its two probabilities, ``b = max(p, q)``, with
+    ``a = |log p - log q|`` and ``u = exp(-a)`` (so the smaller one is ``b u`` and ``m = b (1 + u) / 2``):
+
+        ``JS = 1/2 sum b ((1 + u)(ln 2 - log1p(u)) - u a)``
+
+    This is exactly 0 on identical inputs (``log1p(1)`` is ``ln 2``), agrees with float64 to ~1e-7 bits even where
+    one distribution moves most of its mass onto tokens the other finds unlikely (no ``d + ln 2 - softplus(d)``
+    cancellation), and needs two ``exp`` and one ``log1p`` per entry (DESIGN's ``log1p(0.5 * expm1(.))`` form needs
+    more passes for the same accuracy). ``a`` is clamped to 100 so zero-probability (-inf) entries contribute their
+    exact limit instead of NaN.
 
     Args:
         logprobs_p, logprobs_q: log-probabilities (normalised), broadcastable, ``[..., V]``.
@@ -25,16 +39,14 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
     Returns:
         ``[...]`` divergence in bits.
     """
-    lp, lq = torch.broadcast_tensors(logprobs_p, logprobs_q)
-    gap = (lp - lq).abs().nan_to_num(nan=0.0)  # both -inf -> gap 0
-    log_m = torch.maximum(lp, lq) + torch.log1p(0.5 * torch.expm1(-gap))
-
-    def half_kl(logprobs: torch.Tensor) -> torch.Tensor:
-        probs = logprobs.exp()
-        terms = torch.where(probs > 0, probs * (logprobs - log_m), torch.zeros_like(probs))
-        return terms.sum(-1)
-
-    return ((0.5 * half_kl(lp) + 0.5 * half_kl(lq)) / LN2).clamp(0.0, 1.0)
+    # In-place steps: at most three vocabulary-sized temporaries are alive at once (replay memory is bounded by them).
+    gap = (logprobs_q - logprobs_p).nan_to_num_(0.0, MAX_LOG_RATIO, -MAX_LOG_RATIO).abs_().clamp_(max=MAX_LOG_RATIO)
+    smaller_share = gap.neg().exp_()  # u = min(p, q) / max(p, q)
+    terms = torch.log1p(smaller_share).neg_().add_(LN2)  # log b - log m
+    terms.addcmul_(terms, smaller_share).sub_(smaller_share.mul_(gap))  # (1 + u)(log b - log m) - u a
+    del gap, smaller_share
+    larger = torch.maximum(logprobs_p, logprobs_q).exp_()
+    return ((0.5 / LN2) * larger.mul_(terms).sum(-1)).clamp_(0.0, 1.0)
 
 
 def replay_divergence(
@@ -44,19 +56,28 @@ def replay_divergence(
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Per-token relevance ``q[m, t] = JS(p_all_t || p_not_m_t) / ln 2`` from last hidden states.
 
-    The ``M + 1`` contexts of a token chunk go through the shared lm_head in one matmul, in fp32, and ``P_all``'s
-    log-softmax is computed once and shared by every removed context. Only one chunk of ``[M + 1, chunk, V]``
-    logits exists at a time, so memory is bounded by the chunk, not by the sequence.
+    Two backends compute the same thing without ever holding ``[N, V]`` logits for every context:
+
+    - ``torch`` (CPU, or GPUs without Triton): the ``M + 1`` contexts of a token chunk go through the shared lm_head
+      in one fp32 matmul; ``P_all``'s log-softmax is computed once per chunk and shared by every removed context.
+      Memory is bounded by the chunk.
+    - ``triton`` (CUDA): :func:`trl_mrtpo.ops.triton_divergence.fused_replay_divergence` tiles the vocabulary, with
+      fp32 accumulation and one log-normaliser per context shared across rewards.
+
+    ``auto`` picks ``triton`` for CUDA tensors when Triton is installed, ``torch`` otherwise.
 
     Args:
         hidden_all: ``[N, H]`` last hidden states at the N completion positions after ``P_all``.
         hidden_removed: ``[M, N, H]`` the same positions after each ``P_not_m``.
         lm_head_weight: ``[V, H]``; lm_head_bias: ``[V]`` or None.
         temperature: sampling temperature; logits are divided by it.
-        chunk_size: tokens per chunk; default keeps ``(M + 1) * chunk * V`` near 2M elements.
+        chunk_size: tokens per chunk of the torch path; default keeps ``(M + 1) * chunk * V`` near 2M elements,
+            with at least 8 tokens.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
 
     Returns:
         ``[M, N]`` fp32 relevance in [0, 1].
@@ -68,10 +89,18 @@ def replay_divergence(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if hidden_all.is_cuda and triton_divergence.is_available() else "torch"
+    if backend == "triton":
+        return triton_divergence.fused_replay_divergence(
+            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
+        )
     num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
-        chunk_size = max(1, DEFAULT_CHUNK_ELEMENTS // ((num_removed + 1) * vocab))
+        chunk_size = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // ((num_removed + 1) * vocab))
     weight = lm_head_weight.float()
     bias = None if lm_head_bias is None else lm_head_bias.float()
     out = torch.empty(num_removed, num_tokens, dtype=torch.float32, device=hidden_all.device)
@@ -80,7 +109,8 @@ def replay_divergence(
         stacked = torch.cat([hidden_all[None, start:end], hidden_removed[:, start:end]]).float()
         logits = torch.nn.functional.linear(stacked, weight, bias)
         if temperature != 1.0:
-            logits = logits / temperature
+            logits.div_(temperature)
         logprobs = torch.log_softmax(logits, dim=-1)
-        out[:, start:end] = js_divergence(logprobs[:1], logprobs[1:])
+        del logits
+        out[:, start:end] = js_divergence(logprobs[0], logprobs[1:])
     return out

@@ -1,0 +1,76 @@
+"""The benchmark scripts: pure helpers, and smoke runs of the convergence and replay-overhead benchmarks."""
+
+import csv
+import importlib.util
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+convergence = load("convergence")
+
+
+def test_steps_to_threshold_and_tracked_reward():
+    assert convergence.steps_to([0.1, 0.79, 0.8, 0.9], 0.8) == 3
+    assert convergence.steps_to([0.1, 0.5], 0.8) is None
+    assert convergence.tracked_reward("tools", {"tool_format_reward": 0.5, "tool_correctness_reward": 0.1}) == 0.5
+    # if: the mean over the constraint slots that exist (empty slots are NaN)
+    assert convergence.tracked_reward("if", {"a": 1.0, "b": 0.0, "c": math.nan, "d": 0.5}) == 0.5
+    assert convergence.mean_std([1.0, 3.0]) == "2.000 ± 1.414"
+    assert convergence.mean_std([math.nan]) == "-"
+
+
+@pytest.mark.slow
+def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
+    work, out = tmp_path / "runs", tmp_path / "results"
+    argv = ["--quick", "--threads", "1", "--work-dir", str(work), "--output-dir", str(out), "--seeds", "0"]
+    summary = convergence.main(argv + ["--methods", "gdpo", "mrtpo"])
+    assert [(s["task"], s["method"]) for s in summary] == [
+        (task, method) for task in ("tools", "if") for method in ("gdpo", "mrtpo")
+    ]
+    assert all(s["seeds"] == 1 for s in summary)
+    for name in ("convergence_steps.csv", "convergence_summary.csv", "convergence.png", "convergence.md"):
+        assert (out / name).stat().st_size > 0
+    rows = list(csv.DictReader(open(out / "convergence_steps.csv")))
+    assert {int(r["step"]) for r in rows} == {1, 2}
+    assert {r["reward"] for r in rows if r["task"] == "tools"} == {"tool_format_reward", "tool_correctness_reward"}
+    assert {r["reward"] for r in rows if r["task"] == "if"} == {f"if_constraint_{k}" for k in range(1, 14)}
+
+    # A run interrupted after its first checkpoint resumes from it and still records both steps.
+    run = work / "if" / "mrtpo" / "seed0"
+    first = json.loads((run / "result.json").read_text())
+    (run / "result.json").unlink()
+    shutil.rmtree(run / "checkpoint-2")
+    resumed = convergence.train_run("if", "mrtpo", 0, convergence.parse_args(argv))
+    assert len(resumed["rewards"]) == 2
+    assert json.dumps(resumed["rewards"][0]) == json.dumps(first["rewards"][0])  # step 1: from the checkpoint
+    assert (run / "checkpoint-2").exists()
+
+
+@pytest.mark.slow
+def test_replay_overhead_smoke_run(tmp_path):
+    output = tmp_path / "overhead.csv"
+    argv = ["--tasks", "basic", "--methods", "gdpo", "mrtpo", "--steps", "2", "--batch-size", "4"]
+    argv += ["--max-completion-length", "8", "--threads", "1", "--output", str(output)]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "replay_overhead.py"), *argv], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = list(csv.DictReader(open(output)))
+    assert [(r["method"], r["step"]) for r in rows] == [("gdpo", "0"), ("gdpo", "1"), ("mrtpo", "0"), ("mrtpo", "1")]
+    assert all(float(r["replay_seconds"]) == 0 for r in rows if r["method"] == "gdpo")
+    assert "| basic | mrtpo |" in result.stdout

@@ -1,0 +1,85 @@
+"""Lean replay: shared-prefix KV reuse and batched divergence, against independent full-logits forwards."""
+
+import math
+
+import pytest
+import torch
+
+from trl_mrtpo.replay import causal_lm_parts, replay_relevance, shared_prefix_length
+
+
+def random_ids(gen, n):
+    return torch.randint(5, 300, (n,), generator=gen).tolist()
+
+
+def full_logits_relevance(model, contexts, completion, temperature):
+    """q by hand: one plain forward per context, full logits, textbook JS in float64."""
+    with torch.no_grad():
+        logprobs = []
+        for ctx in contexts:
+            logits = model(torch.tensor([ctx + completion])).logits[0, len(ctx) - 1 : len(ctx) - 1 + len(completion)]
+            logprobs.append(torch.log_softmax(logits.double() / temperature, -1))
+    p = logprobs[0].exp()
+    rows = []
+    for lq in logprobs[1:]:
+        q = lq.exp()
+        m = 0.5 * (p + q)
+        rows.append((0.5 * (p * (logprobs[0] - m.log())).sum(-1) + 0.5 * (q * (lq - m.log())).sum(-1)) / math.log(2))
+    return torch.stack(rows)
+
+
+@pytest.fixture
+def batch():
+    """Two groups: four responses to one 40-token prompt (2 or 3 contexts each), one to another prompt."""
+    gen = torch.Generator().manual_seed(0)
+    prompt, other = random_ids(gen, 40), random_ids(gen, 30)
+    contexts = [[prompt + random_ids(gen, n) for n in sizes] for sizes in ((3, 7, 1), (3, 7, 1), (3, 2), (5, 1, 4))]
+    contexts.append([other + random_ids(gen, 6), other + random_ids(gen, 2)])
+    completions = [random_ids(gen, n) for n in (5, 9, 1, 12, 7)]
+    return contexts, completions
+
+
+def test_shared_prefix_length():
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    # the last context token's state predicts the first completion token: it always stays in the suffix
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
+    assert shared_prefix_length([[7], [7, 8]]) == 0
+    assert shared_prefix_length([[1, 2], [3, 2]]) == 0
+
+
+@pytest.mark.parametrize("min_shared_prefix", [None, 16])
+def test_replay_matches_full_logits_reference(tiny_model, batch, min_shared_prefix):
+    contexts, completions = batch
+    q = replay_relevance(
+        tiny_model, contexts, completions, 0.9, batch_size=3, min_shared_prefix=min_shared_prefix, backend="torch"
+    )
+    for ctx, completion, got in zip(contexts, completions, q):
+        assert got.shape == (len(ctx) - 1, len(completion))
+        expected = full_logits_relevance(tiny_model, ctx, completion, 0.9)
+        torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=0)
+
+
+def test_shared_prefix_is_run_once(tiny_model, batch, monkeypatch):
+    contexts, completions = batch
+    decoder, _ = causal_lm_parts(tiny_model)
+    original = decoder.forward
+
+    def new_tokens(min_shared_prefix):
+        """Tokens the decoder computes (cached prefix positions excluded), over the whole replay."""
+        counts = []
+
+        def forward(*args, input_ids, attention_mask=None, **kwargs):
+            mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else input_ids
+            counts.append(int((mask != 0).sum()))
+            return original(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+        monkeypatch.setattr(decoder, "forward", forward)
+        replay_relevance(tiny_model, contexts, completions, 1.0, min_shared_prefix=min_shared_prefix)
+        monkeypatch.undo()
+        return sum(counts)
+
+    plain = sum(len(c) + len(comp) for ctx, comp in zip(contexts, completions) for c in ctx)
+    assert new_tokens(None) == plain
+    # 11 sequences share the 40-token prompt and 2 the 30-token one: each prefix is computed once.
+    assert new_tokens(16) == plain - 10 * 40 - 1 * 30
+    assert new_tokens(41) == plain  # no prefix that long: no reuse

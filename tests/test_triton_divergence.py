@@ -1,0 +1,98 @@
+"""The fused Triton kernel against the torch path and float64, on CPU under TRITON_INTERPRET=1 (or on a GPU).
+
+Triton reads TRITON_INTERPRET when a kernel is defined, i.e. when `trl_mrtpo.ops` is first imported; other test
+modules import it first, so on a machine without CUDA this module re-runs itself in a subprocess with the
+interpreter on.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trl_mrtpo.ops import replay_divergence, triton_divergence
+
+from .test_ops import js_float64
+
+pytestmark = pytest.mark.skipif(not triton_divergence.is_available(), reason="Triton is not installed")
+RUNS_KERNELS = triton_divergence.interpreting() or torch.cuda.is_available()
+DEVICE = "cuda" if torch.cuda.is_available() and not triton_divergence.interpreting() else "cpu"
+needs_kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="runs in the interpreter subprocess")
+
+
+@pytest.mark.skipif(RUNS_KERNELS, reason="kernels run directly here")
+def test_kernels_under_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " skipped" in result.stdout  # the kernel tests ran, this one skipped
+
+
+def inputs(num_removed, tokens, hidden, vocab, dtype=torch.float32, bias=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden_all = torch.randn(tokens, hidden, generator=gen)
+    hidden_removed = torch.randn(num_removed, tokens, hidden, generator=gen) * 0.5 + hidden_all * 0.5
+    weight = torch.randn(vocab, hidden, generator=gen) / hidden**0.25
+    bias_ = torch.randn(vocab, generator=gen) if bias else None
+    move = {"device": DEVICE, "dtype": dtype}
+    return (
+        hidden_all.to(**move),
+        hidden_removed.to(**move),
+        weight.to(**move),
+        None if bias_ is None else bias_.to(**move),
+    )
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("num_removed", "tokens", "hidden", "vocab", "bias", "temperature"),
+    [(1, 5, 16, 50, False, 1.0), (3, 19, 40, 300, True, 0.7), (8, 33, 24, 130, True, 1.3)],
+)
+def test_matches_float64_and_torch_path(num_removed, tokens, hidden, vocab, bias, temperature):
+    """Tokens, hidden size and vocabulary that are not multiples of the blocks; K in {1, 3, 8}."""
+    hidden_all, hidden_removed, weight, bias_ = inputs(num_removed, tokens, hidden, vocab, bias=bias)
+    hidden_removed[-1] = hidden_all  # an identical context
+    q = replay_divergence(hidden_all, hidden_removed, weight, bias_, temperature, backend="triton")
+    assert q.shape == (num_removed, tokens) and q.dtype == torch.float32
+    for m in range(num_removed):
+        logits_all = hidden_all.double() @ weight.double().T + (0 if bias_ is None else bias_.double())
+        logits = hidden_removed[m].double() @ weight.double().T + (0 if bias_ is None else bias_.double())
+        expected = js_float64(logits_all / temperature, logits / temperature)
+        torch.testing.assert_close(q[m].double().cpu(), expected.cpu(), atol=2e-6, rtol=0)
+    assert q[-1].abs().max().item() < 1e-6
+    torch_path = replay_divergence(hidden_all, hidden_removed, weight, bias_, temperature, backend="torch")
+    torch.testing.assert_close(q, torch_path, atol=2e-6, rtol=0)
+
+
+@needs_kernels
+def test_small_blocks_and_bf16_operands():
+    """bf16 operands keep fp32 accumulation: the same q as the torch path that upcasts them."""
+    hidden_all, hidden_removed, weight, bias_ = inputs(3, 21, 48, 200, dtype=torch.bfloat16)
+    q = triton_divergence.fused_replay_divergence(
+        hidden_all, hidden_removed, weight, bias_, 1.0, block_n=16, block_v=32, block_h=16
+    )
+    torch_path = replay_divergence(hidden_all, hidden_removed, weight, bias_, backend="torch")
+    torch.testing.assert_close(q, torch_path, atol=2e-6, rtol=0)
+
+
+@needs_kernels
+def test_auto_backend_choice():
+    hidden_all, hidden_removed, weight, _ = inputs(2, 4, 16, 40)
+    q = replay_divergence(hidden_all, hidden_removed, weight, backend="auto")
+    torch.testing.assert_close(
+        q, replay_divergence(hidden_all, hidden_removed, weight, backend="torch"), atol=2e-6, rtol=0
+    )
+
+
+def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA"):
+        replay_divergence(torch.zeros(2, 4), torch.zeros(1, 2, 4), torch.zeros(8, 4), backend="triton")

@@ -1,0 +1,205 @@
+"""Fused Triton replay divergence for GPUs (DESIGN.md §1 step 4).
+
+Two kernels over vocabulary tiles, neither of which materialises ``[N, V]`` logits:
+
+1. ``_log_normaliser_kernel``: the log-sum-exp of every context's logits (``P_all`` and each ``P_not_m``), once per
+   context row, so ``P_all``'s normaliser is shared by every reward.
+2. ``_js_kernel``: per block of completion tokens and per vocabulary tile, ``P_all``'s log-probabilities
+   tile once, then every removed context's tile, accumulating the JS terms of :func:`trl_mrtpo.ops.js_divergence`
+   in fp32.
+
+Logits are accumulated in fp32 (``tl.dot`` with fp32 accumulation; fp32 operands use IEEE precision, not TF32)
+because bf16 logits are too coarse when two distributions are nearly equal. Under ``TRITON_INTERPRET=1`` the
+kernels run on CPU tensors for testing; the interpreter's ``tl.dot`` is wrong on bf16 operands, so they are upcast.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the `kernels` extra is not installed: the torch path is used
+    triton = None
+
+LN2 = math.log(2.0)
+MAX_LOG_RATIO = 100.0
+
+
+def is_available() -> bool:
+    """Whether Triton is importable."""
+    return triton is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _logits_tile(
+        hidden_ptr,
+        rows,
+        row_mask,
+        weight_ptr,
+        bias_ptr,
+        cols,
+        col_mask,
+        hidden_size,
+        inv_temperature,
+        HAS_BIAS: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for h_start in range(0, hidden_size, BLOCK_H):
+            hs = h_start + tl.arange(0, BLOCK_H)
+            h_mask = hs < hidden_size
+            a = tl.load(
+                hidden_ptr + rows[:, None] * hidden_size + hs[None, :],
+                mask=row_mask[:, None] & h_mask[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                weight_ptr + cols[None, :] * hidden_size + hs[:, None],
+                mask=col_mask[None, :] & h_mask[:, None],
+                other=0.0,
+            )
+            if FP32_DOT:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        return acc * inv_temperature
+
+    @triton.jit
+    def _log_normaliser_kernel(
+        hidden_ptr,
+        weight_ptr,
+        bias_ptr,
+        out_ptr,
+        num_rows,
+        vocab_size,
+        hidden_size,
+        inv_temperature,
+        HAS_BIAS: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < num_rows
+        running_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+        running_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for v_start in range(0, vocab_size, BLOCK_V):
+            cols = v_start + tl.arange(0, BLOCK_V)
+            col_mask = cols < vocab_size
+            logits = _logits_tile(
+                hidden_ptr, rows, row_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, inv_temperature,
+                HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+            )  # fmt: skip
+            logits = tl.where(col_mask[None, :], logits, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(logits, 1))
+            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), 1)
+            running_max = new_max
+        tl.store(out_ptr + rows, running_max + tl.log(running_sum), mask=row_mask)
+
+    @triton.jit
+    def _js_kernel(
+        hidden_ptr,
+        weight_ptr,
+        bias_ptr,
+        log_normaliser_ptr,
+        out_ptr,
+        num_tokens,
+        num_removed,
+        vocab_size,
+        hidden_size,
+        inv_temperature,
+        HAS_BIAS: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        token_mask = tokens < num_tokens
+        normaliser_all = tl.load(log_normaliser_ptr + tokens, mask=token_mask, other=0.0)
+        for v_start in range(0, vocab_size, BLOCK_V):
+            cols = v_start + tl.arange(0, BLOCK_V)
+            col_mask = cols < vocab_size
+            logprobs_all = _logits_tile(
+                hidden_ptr, tokens, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, inv_temperature,
+                HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+            ) - normaliser_all[:, None]  # fmt: skip
+            for m in range(num_removed):
+                rows = (m + 1) * num_tokens + tokens
+                normaliser = tl.load(log_normaliser_ptr + rows, mask=token_mask, other=0.0)
+                logprobs = _logits_tile(
+                    hidden_ptr, rows, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size,
+                    inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+                ) - normaliser[:, None]  # fmt: skip
+                gap = tl.minimum(tl.abs(logprobs - logprobs_all), MAX_LOG_RATIO)
+                smaller_share = tl.exp(-gap)
+                to_mixture = LN2 - tl.log(1.0 + smaller_share)
+                terms = tl.exp(tl.maximum(logprobs, logprobs_all)) * (
+                    (1.0 + smaller_share) * to_mixture - smaller_share * gap
+                )
+                partial = tl.sum(tl.where(col_mask[None, :], terms, 0.0), 1)
+                acc_ptr = out_ptr + m * num_tokens + tokens
+                tl.store(acc_ptr, tl.load(acc_ptr, mask=token_mask, other=0.0) + partial, mask=token_mask)
+
+
+def fused_replay_divergence(
+    hidden_all: torch.Tensor,
+    hidden_removed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    block_n: int = 32,
+    block_v: int = 128,
+    block_h: int = 64,
+) -> torch.Tensor:
+    """``[M, N]`` fp32 ``JS(p_all || p_not_m) / ln 2`` per token; see :func:`trl_mrtpo.ops.replay_divergence`.
+
+    Operands keep the lm_head's dtype (bf16 on GPU: exact products, fp32 sums); hidden states are cast to it.
+    Block sizes are not autotuned.
+    """
+    if triton is None:
+        raise RuntimeError("The triton backend needs Triton: pip install 'trl-mrtpo[kernels]'.")
+    if not (hidden_all.is_cuda or interpreting()):
+        raise ValueError("The triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU).")
+    num_removed, num_tokens, hidden_size = hidden_removed.shape
+    vocab_size = lm_head_weight.shape[0]
+    weight = lm_head_weight.contiguous()
+    stacked = torch.cat([hidden_all[None], hidden_removed]).to(weight.dtype).reshape(-1, hidden_size).contiguous()
+    bias = lm_head_bias.contiguous() if lm_head_bias is not None else weight  # dummy pointer when HAS_BIAS is False
+    meta = {
+        "HAS_BIAS": lm_head_bias is not None,
+        "FP32_DOT": interpreting() or weight.dtype == torch.float32,
+        "BLOCK_N": block_n,
+        "BLOCK_V": block_v,
+        "BLOCK_H": block_h,
+    }
+    device = hidden_all.device
+    log_normaliser = torch.empty(stacked.shape[0], dtype=torch.float32, device=device)
+    out = torch.zeros(num_removed, num_tokens, dtype=torch.float32, device=device)
+    inv_temperature = 1.0 / temperature
+    _log_normaliser_kernel[(triton.cdiv(stacked.shape[0], block_n),)](
+        stacked, weight, bias, log_normaliser, stacked.shape[0], vocab_size, hidden_size, inv_temperature, **meta
+    )
+    _js_kernel[(triton.cdiv(num_tokens, block_n),)](
+        stacked, weight, bias, log_normaliser, out, num_tokens, num_removed, vocab_size, hidden_size,
+        inv_temperature, **meta,
+    )  # fmt: skip
+    return out.mul_(0.5 / LN2).clamp_(0.0, 1.0)
