@@ -130,5 +130,6 @@ def main() -> None:
             ratio = f"{mean[method] / mean['gdpo']:.3f}x" if "gdpo" in mean else "-"
             print(f"| {task} | {method} | {mean[method]:.2f} | {replay:.2f} | {replayed:.0%} | {ratio} |")
 
+
 if __name__ == "__main__":
     main()

@@ -260,6 +260,8 @@ def test_cort_trains_and_matches_plain_forwards(tiny_model, tiny_tokenizer, tmp_
     assert len(ratios) > 1
     torch.testing.assert_close(torch.stack(ratios), ratios[0].expand(len(ratios)), rtol=1e-4, atol=0)
     assert trainer.cort_replayed.any()
+    logged = [key for entry in trainer.state.log_history for key in entry]
+    assert "mrtpo/replayed_fraction" in logged and not any(key.startswith("mrtpo/q_mean") for key in logged)
     advantages = trainer.batches[0]["advantages"]
     mask = trainer.batches[0]["completion_mask"].bool()
     assert any(row[m].unique().numel() > 1 for row, m in zip(advantages, mask))  # not uniform any more

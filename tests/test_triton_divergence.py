@@ -96,3 +96,29 @@ def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):
         replay_divergence(torch.zeros(2, 4), torch.zeros(1, 2, 4), torch.zeros(8, 4), backend="triton")
+
+
+def test_automatic_triton_failure_falls_back_to_torch_once(monkeypatch):
+    """`auto` must never crash a training step on a GPU where the (interpreter-validated) kernel fails."""
+    from trl_mrtpo.ops import divergence
+
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(triton_divergence, "fused_replay_divergence", failing)
+    monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
+    monkeypatch.setattr(divergence, "_auto_triton", True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend to be on a GPU
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(3, 8, generator=gen), torch.randn(2, 3, 8, generator=gen), torch.randn(20, 8, generator=gen))
+    with pytest.warns(RuntimeWarning, match="Triton JS kernel failed"):
+        q = replay_divergence(*args, backend="auto")
+    again = replay_divergence(*args, backend="auto")  # no second attempt, no second warning
+    assert len(calls) == 1
+    torch.testing.assert_close(q, again)
+    torch.testing.assert_close(q, replay_divergence(*args, backend="torch"))
+    with pytest.raises(RuntimeError, match="no kernel"):
+        replay_divergence(*args, backend="triton")  # an explicit choice raises

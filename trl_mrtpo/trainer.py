@@ -370,8 +370,10 @@ class MRTPOTrainer(GRPOTrainer):
         metrics["mrtpo/replay_share"].append(replay_seconds / total_seconds if total_seconds > 0 else 0.0)
         lengths = mask.sum(-1).long()
         q_means = {}
+        # CoRT replays without computing q (its weights come from a log-likelihood contrast): no q statistics.
+        with_q = replayed if self.args.credit_assignment != "cort" else torch.zeros_like(replayed)
         for k, name in enumerate(self.reward_func_names):
-            rows = replayed[:, k].nonzero(as_tuple=True)[0].tolist()
+            rows = with_q[:, k].nonzero(as_tuple=True)[0].tolist()
             if not rows:
                 continue
             profiles = [relevance[i, k, : lengths[i]] for i in rows]
@@ -399,7 +401,7 @@ class MRTPOTrainer(GRPOTrainer):
                 length = int(lengths[j])
                 tokens = token_strings(self.processing_class, self.last_credit.completion_ids[j, :length].tolist())
                 profiles = [
-                    relevance[j, k, :length].tolist() if replayed[j, k] else [] for k in range(relevance.shape[1])
+                    relevance[j, k, :length].tolist() if with_q[j, k] else [] for k in range(relevance.shape[1])
                 ]
                 advantages = credit.advantages[j, :length].tolist()
                 summaries.append(credit_summary(tokens, advantages, profiles, self.reward_func_names))

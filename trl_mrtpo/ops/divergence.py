@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -49,6 +50,20 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
     return ((0.5 / LN2) * larger.mul_(terms).sum(-1)).clamp_(0.0, 1.0)
 
 
+_auto_triton = True  # turned off for the process if the automatically chosen Triton kernel fails
+
+
+def _disable_auto_triton(error: Exception) -> None:
+    global _auto_triton
+    _auto_triton = False
+    warnings.warn(
+        f"The fused Triton JS kernel failed ({type(error).__name__}: {error}); using the chunked torch path from now "
+        "on. Set divergence_backend='torch' to silence this, or 'triton' to make it an error.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def replay_divergence(
     hidden_all: torch.Tensor,
     hidden_removed: torch.Tensor,
@@ -68,7 +83,9 @@ def replay_divergence(
     - ``triton`` (CUDA): :func:`trl_mrtpo.ops.triton_divergence.fused_replay_divergence` tiles the vocabulary, with
       fp32 accumulation and one log-normaliser per context shared across rewards.
 
-    ``auto`` picks ``triton`` for CUDA tensors when Triton is installed, ``torch`` otherwise.
+    ``auto`` picks ``triton`` for CUDA tensors when Triton is installed, ``torch`` otherwise; if the kernel fails
+    (it has been validated in Triton's interpreter, not yet on every GPU), ``auto`` warns once and uses ``torch``
+    for the rest of the process, while an explicit ``triton`` raises.
 
     Args:
         hidden_all: ``[N, H]`` last hidden states at the N completion positions after ``P_all``.
@@ -91,12 +108,17 @@ def replay_divergence(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        backend = "triton" if hidden_all.is_cuda and triton_divergence.is_available() else "torch"
-    if backend == "triton":
-        return triton_divergence.fused_replay_divergence(
-            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
-        )
+    if backend == "triton" or (
+        backend == "auto" and _auto_triton and hidden_all.is_cuda and triton_divergence.is_available()
+    ):
+        try:
+            return triton_divergence.fused_replay_divergence(
+                hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
+            )
+        except Exception as error:  # noqa: BLE001 - any compile/launch failure of an automatic choice
+            if backend == "triton":
+                raise
+            _disable_auto_triton(error)
     num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
