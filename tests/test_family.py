@@ -51,7 +51,8 @@ def test_cort_weights_invariants(seed, strength, sharpness, offset):
     for row, m in zip(w, mask.bool()):
         real = row[m]
         assert (real > 0).all()
-        assert real.max() / real.min() <= (1 + strength / 2) / (1 - strength / 2) + 1e-5
+        # relative fp32 tolerance: near strength 2 the smallest weight is a difference of two numbers near 1
+        assert real.max() / real.min() <= (1 + strength / 2) / (1 - strength / 2) * (1 + 1e-5)
 
 
 def test_cort_strength_zero_is_gdpo_and_bad_strength_is_refused():
