@@ -145,7 +145,7 @@ def completion_hidden_states(
     return out
 
 
-def _replayed_states(
+def replayed_hidden_states(
     model: nn.Module,
     contexts: Sequence[Sequence[Sequence[int]]],
     completions: Sequence[Sequence[int]],
@@ -222,7 +222,9 @@ def replay_relevance(
     Returns:
         per response j, ``[m_j, L_j]`` fp32 q (``[0, L_j]`` when nothing is replayed).
     """
-    hidden, owners = _replayed_states(model, contexts, completions, batch_size, min_shared_prefix, min_contexts=2)
+    hidden, owners = replayed_hidden_states(
+        model, contexts, completions, batch_size, min_shared_prefix, min_contexts=2
+    )
     results = [torch.zeros(0, len(c)) for c in completions]
     by_count: dict[int, list[tuple[int, int]]] = {}
     for j, count, first in owners:
@@ -258,11 +260,20 @@ def replay_logprobs(
     Returns:
         per response j, ``[len(contexts[j]), L_j]`` fp32 log-probabilities (``[0, L_j]`` when skipped).
     """
-    hidden, owners = _replayed_states(model, contexts, completions, batch_size, min_shared_prefix, min_contexts=1)
+    hidden, owners = replayed_hidden_states(
+        model, contexts, completions, batch_size, min_shared_prefix, min_contexts=1
+    )
     results = [torch.zeros(0, len(c)) for c in completions]
+    if not owners:
+        return results
+    # One call over every sequence of the batch (the lm_head weight is read, and upcast, once).
+    states = torch.cat(hidden)
+    token_ids = torch.tensor(
+        [token for j, count, _ in owners for token in list(completions[j]) * count], device=states.device
+    )
     with lm_head_parameters(model) as (weight, bias):
-        for j, count, first in owners:
-            states = torch.cat(hidden[first : first + count])
-            token_ids = torch.tensor(list(completions[j]) * count, device=states.device)
-            results[j] = sampled_logprobs(states, token_ids, weight, bias, temperature, chunk_size).view(count, -1)
+        logprobs = sampled_logprobs(states, token_ids, weight, bias, temperature, chunk_size)
+    parts = logprobs.split([count * len(completions[j]) for j, count, _ in owners])
+    for (j, count, _), part in zip(owners, parts):
+        results[j] = part.view(count, -1)
     return results

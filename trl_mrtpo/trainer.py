@@ -41,6 +41,12 @@ REPLAY_MODES = ("mrtpo", "joint", "shuffled", "cort")
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
 
 
+def completion_token_lists(output: dict) -> list[list[int]]:
+    """Each completion's token ids without padding, from TRL's generation output."""
+    lengths = output["completion_mask"].sum(-1).tolist()
+    return [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
+
+
 class CreditPlotCallback(TrainerCallback):
     """Saves ``mrtpo_curves.png`` (per-reward mean and q concentration per step) in ``output_dir`` at the end."""
 
@@ -276,9 +282,7 @@ class MRTPOTrainer(GRPOTrainer):
             count = 1 + len(removed) if removed else 0
             context_ids.append(flat_ids[cursor : cursor + count])
             cursor += count
-        lengths = output["completion_mask"].sum(-1).tolist()
-        completion_ids = [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
-        return wanted, context_ids, completion_ids
+        return wanted, context_ids, completion_token_lists(output)
 
     def _replay_options(self) -> dict:
         return {
@@ -346,12 +350,10 @@ class MRTPOTrainer(GRPOTrainer):
         if output.get("old_per_token_logps") is not None:
             return -output["old_per_token_logps"].float() * mask
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])]
-        lengths = mask.sum(-1).tolist()
-        completion_ids = [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
         logprobs = replay_logprobs(
             self.accelerator.unwrap_model(self.model),
             [[p] for p in prompt_ids],
-            completion_ids,
+            completion_token_lists(output),
             self.temperature,
             **self._replay_options(),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import self_certainty
-from ..replay import MIN_SHARED_PREFIX, completion_hidden_states, lm_head_parameters
+from ..replay import MIN_SHARED_PREFIX, lm_head_parameters, replayed_hidden_states
 
 
 class SelfCertaintyReward:
@@ -44,22 +44,15 @@ class SelfCertaintyReward:
         trainer = self._trainer
         prompt_ids = trainer._tokenize_prompts(prompts)[0]
         model = trainer.accelerator.unwrap_model(trainer.model)
-        # The G completions of a prompt share it: run it once and reuse its key/value cache.
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for i, ids in enumerate(prompt_ids):
-            groups.setdefault(tuple(ids), []).append(i)
-        hidden = completion_hidden_states(
-            model,
-            prompt_ids,
-            completion_ids,
-            self.batch_size,
-            [(len(key) - 1 if len(key) > MIN_SHARED_PREFIX else 0, members) for key, members in groups.items()],
+        # The G completions of a prompt share it: it is run once and reused as a key/value cache.
+        hidden, owners = replayed_hidden_states(
+            model, [[ids] for ids in prompt_ids], completion_ids, self.batch_size, MIN_SHARED_PREFIX, min_contexts=1
         )
-        scores: list[float | None] = []
+        scores: list[float | None] = [None] * len(completion_ids)  # empty completion: nothing to be certain about
+        if not owners:
+            return scores
         with lm_head_parameters(model) as (weight, bias):
-            for states in hidden:
-                if states.shape[0] == 0:
-                    scores.append(None)  # empty completion: no tokens to be certain about
-                    continue
-                scores.append(self_certainty(states, weight, bias, trainer.temperature).mean().item())
+            certainty = self_certainty(torch.cat(hidden), weight, bias, trainer.temperature)
+        for (j, _, _), part in zip(owners, certainty.split([len(h) for h in hidden])):
+            scores[j] = part.mean().item()
         return scores
