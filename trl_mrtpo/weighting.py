@@ -168,7 +168,7 @@ def concur_advantages(
     for k in range(rewards.shape[1]):
         if k == primary:
             continue
-        gated = torch.where(passing, rewards[:, k], torch.where(torch.isnan(rewards[:, k]), rewards[:, k], 0.0))
+        gated = rewards[:, k].where(passing | rewards[:, k].isnan(), 0.0)  # NaN (not applicable) stays NaN
         gated_adv, _ = group_advantages(gated[:, None], num_generations)
         tie = ceiling_mode == "tie"
         if ceiling_mode == "adaptive":
