@@ -18,6 +18,21 @@ def main(report_dir: str, argv: list[str]) -> None:
     def recording(inputs):
         output = original(inputs)
         shapes.append([list(output["advantages"].shape), bool(torch.isfinite(output["advantages"]).all())])
+        credit = trainer.last_credit  # this rank's slice: what a single process recomputes on the merged batch
+        rank = trainer.accelerator.process_index
+        torch.save(
+            {
+                "group_advantages": credit.group_advantages,
+                "relevance": credit.relevance,
+                "replayed": credit.replayed,
+                "mask": credit.mask,
+                "advantages": credit.advantages,
+                "beta": credit.beta,
+                "reward_weights": trainer.reward_weights,
+                "rho": trainer.args.max_second_moment_ratio,
+            },
+            Path(report_dir, f"rank{rank}_generation{len(shapes) - 1}.pt"),
+        )
         return output
 
     trainer._generate_and_score_completions = recording

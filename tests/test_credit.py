@@ -240,3 +240,27 @@ def test_shuffle_keeps_values_and_pads():
             assert sorted(shuffled[b, k].tolist()) == sorted(q[b, k].tolist())
     assert (shuffled[mask[:, None].expand_as(q) == 0] == 0).all()
     assert not torch.equal(shuffled[0], q[0])
+
+
+# ---------------------------------------------------------------- constant groups (decided by equality)
+FRACTIONS = st.sampled_from([0.05, 0.1, 0.2, 0.35, 0.7, 0.9, 1.0 / 3.0, 2.0 / 3.0, 0.123456789])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 16), FRACTIONS, st.integers(1, 3))
+def test_constant_fractional_group_has_exactly_zero_advantage(group_size, value, num_rewards):
+    rewards = torch.full((group_size, num_rewards), value)
+    rewards[0, 0] = float("nan") if group_size > 2 else value  # a NaN member does not make it vary
+    adv, varying = group_advantages(rewards, group_size)
+    assert torch.equal(adv, torch.zeros_like(adv))
+    assert not varying.any()
+
+
+def test_batch_of_constant_groups_gives_all_zero_token_advantages():
+    # one reward returning 0.35 for every response, G = 8: fp32 rounding of the mean must not look like signal
+    rewards = torch.full((16, 1), 0.35)
+    adv, varying = group_advantages(rewards, 8)
+    mask = torch.ones(16, 5)
+    q = torch.rand(16, 1, 5, generator=torch.Generator().manual_seed(0))
+    credit = token_advantages(adv, q, varying, mask, torch.ones(1), beta=0.5)
+    assert torch.equal(credit.advantages, torch.zeros(16, 5))

@@ -83,3 +83,27 @@ def test_check_builders():
         check_builders([None, None, None], ["a", "b"])
     with pytest.raises(TypeError, match="reward 'b'"):
         check_builders([None, "not callable"], ["a", "b"])
+
+
+def test_in_prompt_span_that_occurs_twice_is_refused():
+    prompt = "Use lowercase. Write a poem. Use lowercase."
+    with pytest.raises(InfoBlockError, match=r"reward 'fmt' on sample 3.*occurs 2 times"):
+        _call(lambda **_: InfoBlock("Use lowercase.", "in_prompt"), prompt=prompt)
+    chat = [{"role": "system", "content": "Use lowercase."}, {"role": "user", "content": "Hi. Use lowercase."}]
+    with pytest.raises(InfoBlockError, match="occurs 2 times"):
+        _call(lambda **_: InfoBlock("Use lowercase.", "in_prompt"), prompt=chat)
+
+
+@pytest.mark.parametrize(
+    "prompt, span, expected",
+    [
+        ("Say hi. Use lowercase. Be brief.", "Use lowercase.", "Say hi. Be brief."),
+        ("Use lowercase. Say hi.", "Use lowercase.", "Say hi."),
+        ("Say hi. Use lowercase.", "Use lowercase.", "Say hi."),
+        ("Say hi.\nUse lowercase.\nBe brief.", "Use lowercase.", "Say hi.\nBe brief."),
+        ("Say hi.\n\n- Use lowercase.\n- Be brief.", "- Use lowercase.", "Say hi.\n\n- Be brief."),
+    ],
+)
+def test_removed_span_leaves_no_double_separator(prompt, span, expected):
+    _, (removed,) = build_contexts(prompt, [InfoBlock(span, "in_prompt")], [[0]])
+    assert removed == expected

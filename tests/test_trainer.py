@@ -388,3 +388,64 @@ def test_completions_table_gets_a_credit_column(tiny_model, tiny_tokenizer, tmp_
     assert len(column) == len(trainer._logs["prompt"]) == 4
     assert all(line.startswith("top |A_t|: ") for line in column)
     assert any("end_phrase_reward q peaks at" in line for line in column)
+
+
+# ---------------------------------------------------------------- exactness and refused options
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf")])
+def test_non_finite_reward_names_the_reward_and_sample(tiny_model, tiny_tokenizer, tmp_path, bad):
+    def exploding(completions, **_):
+        return [1.0] * 2 + [bad] + [0.0] * (len(completions) - 3)
+
+    with pytest.raises(ValueError, match=r"reward function 'exploding' returned .*inf.* for sample 2"):
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[exploding, *DEMO_REWARDS[1:]])
+
+
+def test_no_replay_for_a_response_whose_reward_is_none(tiny_model, tiny_tokenizer, tmp_path):
+    def partly(completions, **_):  # varies in every group, but does not apply to odd samples
+        return [None if i % 2 else float(i % 4 == 0) for i in range(len(completions))]
+
+    trainer = train(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[partly, DEMO_REWARDS[3]],
+        blocks=[lambda **_: "A rule.", None],
+        replay_only_varying=True,
+    )
+    assert trainer.replays
+    for replay in trainer.replays:
+        replayed = replay["replayed"][:, 0].tolist()
+        assert replayed[0::2] == [True] * len(replayed[0::2]) and not any(replayed[1::2])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("scale_rewards", "batch"), ("scale_rewards", "none"), ("multi_objective_aggregation", "normalize_then_sum")],
+)
+@pytest.mark.parametrize("mode", ["mrtpo", "gdpo", "cort"])
+def test_grpo_only_options_are_refused_in_other_modes(tmp_path, field, value, mode):
+    with pytest.raises(ValueError, match=rf"{field}.*credit_assignment='grpo'"):
+        make_args(tmp_path, credit_assignment=mode, **{field: value})
+    make_args(tmp_path, credit_assignment="grpo", **{field: value})  # plain GRPOTrainer honours them
+
+
+def test_string_prompt_with_an_assistant_header_refuses_appended_blocks(tiny_model, tiny_tokenizer, tmp_path):
+    # the tiny chat template ends a rendered prompt with "<|assistant|>": an appended block would land after it
+    dataset = Dataset.from_list([{"prompt": "<|user|>Say hi.<|end|><|assistant|>"}] * 8)
+
+    def one(completions, **_):
+        return [float(i % 2) for i in range(len(completions))]
+
+    with pytest.raises(InfoBlockError, match=r"reward 'one' on sample 0.*assistant header '<\|assistant\|>'"):
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[one], blocks=[lambda **_: "A rule."], dataset=dataset)
+    # a plain string prompt (no template applied) takes appended blocks as before
+    trainer = train(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[one],
+        blocks=[lambda **_: "A rule."],
+        dataset=Dataset.from_list([{"prompt": "Say hi."}] * 8),
+        max_steps=1,
+    )
+    assert trainer.replays and trainer.replays[0]["replayed"].any()

@@ -211,6 +211,17 @@ class MRTPOConfig(GRPOConfig):
                 "reward_weighting and taco_strength act on MRTPO's per-reward and token advantages; "
                 "credit_assignment='grpo' is plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
             )
+        if self.credit_assignment != "grpo":
+            # MRTPO's pipeline normalises each reward per group itself (docs/method.md step 1) and rescales by the
+            # token-weighted batch std (step 8): TRL's own aggregation and scaling never run.
+            for name, default in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} only applies to credit_assignment='grpo' (plain "
+                        f"GRPOTrainer). In {self.credit_assignment!r} mode every reward is normalised per group and "
+                        f"the token advantages are rescaled by the batch std; leave {name} at {default!r}, or use "
+                        "credit_assignment='grpo' for TRL's own behaviour."
+                    )
         if self.replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.collapse_warning_steps < 0:

@@ -11,9 +11,12 @@ on real tokens).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+ReduceSum = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over data-parallel processes
 
 GROUP_STD_EPS = 1e-4  # same epsilon as TRL's normalize_then_sum
 QBAR_FLOOR = 1e-8  # below this mean relevance a reward keeps uniform credit (step 5)
@@ -42,8 +45,10 @@ def group_advantages(
     Returns:
         ``(advantages, varying)``: ``advantages[N, K] = (r - mean_k) / (std_k + eps)`` with NaN-aware group
         statistics and NaN counted as 0; ``varying[N, K]`` is True where reward k is not constant in the row's group
-        (std_k > 0), the precondition of a replay (step 3). A reward that is None for a whole group gives that group
-        zero advantage and is never replayed.
+        (its non-NaN values are not all equal), the precondition of a replay (step 3). Constancy is decided by
+        equality, not by ``std > 0``: fp32 rounding gives eight equal fractional values a std of ~1e-8, which the
+        batch rescale would blow up to order 1. A constant group, and a reward that is None for a whole group, get
+        exactly zero advantage and are never replayed.
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [N, K], got shape {tuple(rewards.shape)}")
@@ -53,8 +58,11 @@ def group_advantages(
     grouped = rewards.view(-1, num_generations, k)
     mean = torch.nanmean(grouped, dim=1, keepdim=True)
     std = _nan_std(grouped, dim=1)
-    advantages = torch.nan_to_num((grouped - mean) / (std + eps), nan=0.0)
-    varying = (torch.nan_to_num(std, nan=0.0) > 0).expand_as(grouped)
+    missing = torch.isnan(grouped)
+    highest = torch.where(missing, float("-inf"), grouped).amax(dim=1, keepdim=True)
+    lowest = torch.where(missing, float("inf"), grouped).amin(dim=1, keepdim=True)
+    varying = (highest > lowest).expand_as(grouped)  # False for all-NaN groups too (-inf > inf is False)
+    advantages = torch.where(varying, torch.nan_to_num((grouped - mean) / (std + eps), nan=0.0), 0.0)
     return advantages.reshape(n, k), varying.reshape(n, k)
 
 
@@ -108,22 +116,34 @@ def combine(
     return uniform, (summed - uniform[:, None]) * mask.to(advantages)
 
 
+def _reduced(values: list[torch.Tensor], reduce_sum: ReduceSum | None) -> torch.Tensor:
+    """The given scalars in float64, summed over processes when ``reduce_sum`` is given."""
+    stacked = torch.stack([v.double() for v in values])
+    return reduce_sum(stacked) if reduce_sum is not None else stacked
+
+
 def cap_redistribution(
-    uniform: torch.Tensor, redistributed: torch.Tensor, mask: torch.Tensor, max_second_moment_ratio: float
+    uniform: torch.Tensor,
+    redistributed: torch.Tensor,
+    mask: torch.Tensor,
+    max_second_moment_ratio: float,
+    reduce_sum: ReduceSum | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Step 7: ``S_t = U + s R_t`` with ``s = min(1, sqrt((rho - 1) sum_j T_j U_j^2 / sum R^2))``.
 
     Because R sums to 0 per response, the capped batch second moment ``sum S^2`` is at most ``rho`` times the
     uniform one ``sum_j T_j U_j^2``. A redistribution whose moment is below ``1e-12`` of the uniform one is rounding
-    (e.g. one-token responses) and gets ``s = 1``.
+    (e.g. one-token responses) and gets ``s = 1``. Under data parallelism ``reduce_sum`` sums both moments over
+    the processes, so every rank uses the same s for the whole generation batch.
 
     Returns:
         ``(token_scores [B, C], s)``; padded positions are exactly 0.
     """
     mask = mask.to(uniform)
     lengths = mask.sum(-1)
-    uniform_moment = (lengths * uniform**2).sum()
-    redistributed_moment = (redistributed**2).sum()
+    uniform_moment, redistributed_moment = _reduced(
+        [(lengths * uniform**2).sum(), (redistributed**2).sum()], reduce_sum
+    )
     # R below fp32 rounding of S (e.g. one-token responses, whose weights are exactly 1) is no redistribution.
     if redistributed_moment > ROUNDING_MOMENT * uniform_moment:
         ratio = max(max_second_moment_ratio - 1.0, 0.0) * uniform_moment.item() / redistributed_moment.item()
@@ -133,14 +153,20 @@ def cap_redistribution(
     return (uniform[:, None] + s * redistributed) * mask, s
 
 
-def batch_rescale(token_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def batch_rescale(token_scores: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum | None = None) -> torch.Tensor:
     """Step 8: divide by the token-weighted std (Bessel) over all completion tokens; unscaled if that std is 0.
 
     No mean is subtracted (per-reward advantages are already centred per group). Padded positions are exactly 0.
+    Under data parallelism ``reduce_sum`` sums the token count and the (centred) sums over the processes: the std
+    is the whole generation batch's, the same on every rank. Computed in float64, two passes.
     """
     mask = mask.bool()
-    values = token_scores[mask]
-    std = values.std() if values.numel() > 1 else values.new_zeros(())
+    values = token_scores[mask].double()
+    count, total = _reduced([values.new_tensor(values.numel()), values.sum()], reduce_sum)
+    if count < 2:
+        return torch.where(mask, token_scores, torch.zeros_like(token_scores))
+    (squares,) = _reduced([((values - total / count) ** 2).sum()], reduce_sum)
+    std = (squares / (count - 1)).sqrt().to(token_scores.dtype)
     if not torch.isfinite(std) or std == 0:
         return torch.where(mask, token_scores, torch.zeros_like(token_scores))
     return torch.where(mask, token_scores / std, torch.zeros_like(token_scores))
@@ -181,6 +207,7 @@ def token_advantages(
     reward_weights: torch.Tensor,
     beta: float,
     max_second_moment_ratio: float | None = 2.0,
+    reduce_sum: ReduceSum | None = None,
 ) -> TokenCredit:
     """Steps 5-8 end to end: weights, combine, cap, batch rescale.
 
@@ -192,10 +219,12 @@ def token_advantages(
         reward_weights: ``[K]`` c_k.
         beta: beta_n in effect (0 gives uniform GDPO: every token of response j gets ``U_j / std_B(U)``).
         max_second_moment_ratio: rho of step 7.
+        reduce_sum: under data parallelism, sums a tensor over the processes (steps 7 and 8 then see the whole
+            generation batch); None for a single process.
     """
     weights = token_weights(relevance, mask[:, None, :], beta)
     weights = torch.where(replayed[..., None], weights, torch.ones_like(weights))
-    return weighted_token_advantages(advantages, weights, mask, reward_weights, max_second_moment_ratio)
+    return weighted_token_advantages(advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum)
 
 
 def weighted_token_advantages(
@@ -204,14 +233,15 @@ def weighted_token_advantages(
     mask: torch.Tensor,
     reward_weights: torch.Tensor,
     max_second_moment_ratio: float | None,
+    reduce_sum: ReduceSum | None = None,
 ) -> TokenCredit:
     """Steps 6-8 for given ``[B, K, C]`` token weights: combine, cap (``None``: no cap), batch rescale."""
     uniform, redistributed = combine(advantages, weights, reward_weights, mask)
     if max_second_moment_ratio is None:
         scores, s = (uniform[:, None] + redistributed) * mask.to(uniform), 1.0
     else:
-        scores, s = cap_redistribution(uniform, redistributed, mask, max_second_moment_ratio)
-    return TokenCredit(batch_rescale(scores, mask), weights, s)
+        scores, s = cap_redistribution(uniform, redistributed, mask, max_second_moment_ratio, reduce_sum)
+    return TokenCredit(batch_rescale(scores, mask, reduce_sum), weights, s)
 
 
 def cort_weights(

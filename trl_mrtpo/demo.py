@@ -89,7 +89,7 @@ DEMO_INFO_BLOCKS = [
 ]
 
 
-DEMO_TASKS = ("basic", "sql", "if", "tools")
+DEMO_TASKS = ("basic", "sql", "if", "tools", "short")
 
 
 def _check_task(name: str) -> None:
@@ -98,8 +98,13 @@ def _check_task(name: str) -> None:
 
 
 def task_kit(name: str) -> tuple[list, list]:
-    """``(reward_funcs, info_blocks)`` of a built-in task: ``basic`` (above), ``sql``, ``if`` or ``tools``."""
+    """``(reward_funcs, info_blocks)`` of a built-in task: ``basic`` (above), ``sql``, ``if``, ``tools`` or ``short``
+    (short answers under four constraints, the real-model convergence benchmark's task)."""
     _check_task(name)
+    if name == "short":
+        from .reward_funcs.short_answers import SHORT_ANSWER_INFO_BLOCKS, SHORT_ANSWER_REWARDS
+
+        return SHORT_ANSWER_REWARDS, SHORT_ANSWER_INFO_BLOCKS
     if name == "sql":
         from .reward_funcs.sql import SQL_INFO_BLOCKS, SQL_REWARDS
 
@@ -128,6 +133,10 @@ def builtin_dataset(name: str, num_prompts: int, seed: int, cache_dir: str | Non
         from .reward_funcs.instruction_following import make_if_dataset
 
         return make_if_dataset(num_prompts, seed=seed)
+    if name == "short":
+        from .reward_funcs.short_answers import make_short_answer_dataset
+
+        return make_short_answer_dataset(num_prompts, seed=seed)
     if name == "tools":
         from .reward_funcs.tool_calling import make_tool_dataset
 

@@ -79,11 +79,25 @@ def build_block(
         )
     if not result.text.strip():
         return None
-    if result.placement == "in_prompt" and not _find_span(prompt, result.text):
-        raise InfoBlockError(
-            f"The {where} returned an in_prompt block whose text {result.text[:60]!r} is not a span of the prompt."
-        )
+    if result.placement == "in_prompt":
+        count = _span_count(prompt, result.text)
+        if count == 0:
+            raise InfoBlockError(
+                f"The {where} returned an in_prompt block whose text {result.text[:60]!r} is not a span of the prompt."
+            )
+        if count > 1:
+            raise InfoBlockError(
+                f"The {where} returned an in_prompt block whose text {result.text[:60]!r} occurs {count} times in the "
+                "prompt; it must occur once, so that removing it is unambiguous (include more of its sentence)."
+            )
     return result
+
+
+def _span_count(prompt: Prompt, text: str) -> int:
+    """How often ``text`` occurs in the prompt (over every message with string content)."""
+    if isinstance(prompt, str):
+        return prompt.count(text)
+    return sum(m.get("content").count(text) for m in prompt if isinstance(m.get("content"), str))
 
 
 def _find_span(prompt: Prompt, text: str) -> tuple[int, ...] | None:
@@ -103,10 +117,23 @@ def _remove_span(prompt: Prompt, text: str) -> Prompt:
     if location is None:  # validated by build_block; kept as a guard for direct callers
         raise ValueError(f"{text[:60]!r} is not a span of the prompt")
     if isinstance(prompt, str):
-        return prompt.replace(text, "", 1)
+        return _cut(prompt, text)
     out = copy.deepcopy(prompt)
-    out[location[0]]["content"] = out[location[0]]["content"].replace(text, "", 1)
+    out[location[0]]["content"] = _cut(out[location[0]]["content"], text)
     return out
+
+
+def _cut(content: str, text: str) -> str:
+    """``content`` without the first occurrence of ``text``, leaving one separator where two would meet: the
+    longer of the whitespace runs on either side ("A. B. C." without "B." reads "A. C.")."""
+    start = content.index(text)
+    left, right = content[:start], content[start + len(text) :]
+    if not left.strip():
+        return right.lstrip()
+    if not right.strip():
+        return left.rstrip()
+    gap_left, gap_right = left[len(left.rstrip()) :], right[: len(right) - len(right.lstrip())]
+    return left.rstrip() + max(gap_left, gap_right, key=len) + right.lstrip()
 
 
 def _append(prompt: Prompt, texts: Sequence[str], separator: str) -> Prompt:

@@ -29,7 +29,7 @@ from .credit import (
     weighted_token_advantages,
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
-from .info_blocks import InfoBlock, build_block, build_contexts, check_builders
+from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, replay_logprobs, replay_relevance
 from .reward_funcs.self_certainty import SelfCertaintyReward
 from .utils import completion_text
@@ -139,6 +139,14 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = torch.isinf(rewards).nonzero().tolist()
+        if infinite:  # NaN means "does not apply"; an infinity would silently turn its group's advantages to 0
+            sample, k = infinite[0]
+            raise ValueError(
+                f"reward function '{self.reward_func_names[k]}' returned {rewards[sample, k].item()} for sample "
+                f"{sample} of the generation batch; rewards must be finite (return None where a reward does not "
+                "apply)."
+            )
         # TRL does not expose per-reward advantages: keep what they are computed from.
         self._scored = (inputs, prompts, completions, rewards)
         return rewards
@@ -197,14 +205,21 @@ class MRTPOTrainer(GRPOTrainer):
                 )
                 weights = torch.where(cort_replayed[:, None, None], token_weights[:, None, :], weights)
                 replayed = cort_replayed[:, None] & varying
-            credit = weighted_token_advantages(group_adv, weights, mask, reward_weights, None)
+            credit = weighted_token_advantages(group_adv, weights, mask, reward_weights, None, self._reduce_sum())
         else:
             if self._replays and beta > 0:  # at beta 0 the weights are uniform whatever q is
                 replay_started = time.perf_counter()
                 relevance, replayed = self._replay(inputs, prompts, completions, rewards, varying, output)
                 replay_seconds += time.perf_counter() - replay_started
             credit = token_advantages(
-                group_adv, relevance, replayed, mask, reward_weights, beta, self.args.max_second_moment_ratio
+                group_adv,
+                relevance,
+                replayed,
+                mask,
+                reward_weights,
+                beta,
+                self.args.max_second_moment_ratio,
+                self._reduce_sum(),
             )
         if self.args.taco_strength > 0:
             replay_started = time.perf_counter()
@@ -235,6 +250,12 @@ class MRTPOTrainer(GRPOTrainer):
         self._log_credit(mode, credit, relevance, replayed, mask, beta, replay_seconds, time.perf_counter() - started)
         return output
 
+    def _reduce_sum(self):
+        """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
+        if self.accelerator.num_processes == 1:
+            return None
+        return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
+
     def _replay_inputs(self, inputs, prompts, completions, rewards, varying, output, joint: bool):
         """Info blocks, replayed pairs and token ids of the local batch's replay.
 
@@ -254,11 +275,15 @@ class MRTPOTrainer(GRPOTrainer):
             ]
             for i in range(num_samples)
         ]
+        self._check_appendable(prompts, blocks)
         wanted = [
             [
                 k
                 for k in range(num_rewards)
-                if blocks[i][k] is not None and (varying[i, k] or not self.args.replay_only_varying)
+                # a reward that is None for this response gives it no advantage: nothing to place
+                if blocks[i][k] is not None
+                and not torch.isnan(rewards[i, k])
+                and (varying[i, k] or not self.args.replay_only_varying)
             ]
             for i in range(num_samples)
         ]
@@ -283,6 +308,41 @@ class MRTPOTrainer(GRPOTrainer):
             context_ids.append(flat_ids[cursor : cursor + count])
             cursor += count
         return wanted, context_ids, completion_token_lists(output)
+
+    def _assistant_header(self) -> str | None:
+        """What the chat template adds for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant``), or None."""
+        if not hasattr(self, "_generation_header"):
+            self._generation_header = None
+            if getattr(self.processing_class, "chat_template", None):
+                messages = [{"role": "user", "content": "x"}]
+                try:
+                    closed = self.processing_class.apply_chat_template(messages, tokenize=False)
+                    opened = self.processing_class.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=True
+                    )
+                except Exception:  # a template that cannot render a bare user turn: nothing to compare with
+                    return None
+                if opened.startswith(closed) and opened[len(closed) :].strip():
+                    self._generation_header = opened[len(closed) :].strip()
+        return self._generation_header
+
+    def _check_appendable(self, prompts, blocks) -> None:
+        """A string prompt that already holds the assistant header cannot take appended blocks: they would land
+        in the assistant's turn, not the user's."""
+        header = self._assistant_header()
+        if header is None:
+            return
+        for i, (prompt, sample_blocks) in enumerate(zip(prompts, blocks)):
+            if not isinstance(prompt, str) or header not in prompt:
+                continue
+            for name, block in zip(self.reward_func_names, sample_blocks):
+                if block is not None and block.placement == "appended":
+                    raise InfoBlockError(
+                        f"The info block builder of reward '{name}' on sample {i} returned an appended block, but "
+                        f"the sample's prompt is a string that already contains the chat template's assistant "
+                        f"header {header!r}: the block would be appended after it, in the assistant's turn. Pass "
+                        "conversational prompts (a list of messages), or make the block in_prompt."
+                    )
 
     def _replay_options(self) -> dict:
         return {

@@ -1,0 +1,47 @@
+"""Credit gym: a synthetic multi-constraint task where the tokens each reward depends on are known (see
+:mod:`trl_mrtpo.gym.task`), RL runs of every credit mode on it, and the paired comparison that
+``trl-mrtpo gym`` writes."""
+
+from .grid import METHODS, Grid, Run, quick_grid, run_all, steps_to_threshold, wilcoxon_signed_rank
+from .runs import RunSettings, localisation, mass_ratio, step_record, train_run
+from .task import (
+    KINDS,
+    Constraint,
+    GymSpec,
+    build_tokenizer,
+    constraint_blocks,
+    constraint_rewards,
+    parse_constraints,
+    prompt_text,
+    relevant_positions,
+    sample_constraints,
+    supervised_policy,
+    supervised_response,
+)
+
+__all__ = [
+    "KINDS",
+    "METHODS",
+    "Constraint",
+    "Grid",
+    "GymSpec",
+    "Run",
+    "RunSettings",
+    "build_tokenizer",
+    "constraint_blocks",
+    "constraint_rewards",
+    "localisation",
+    "mass_ratio",
+    "parse_constraints",
+    "prompt_text",
+    "quick_grid",
+    "relevant_positions",
+    "run_all",
+    "sample_constraints",
+    "step_record",
+    "steps_to_threshold",
+    "supervised_policy",
+    "supervised_response",
+    "train_run",
+    "wilcoxon_signed_rank",
+]

@@ -1,0 +1,270 @@
+"""The gym's written results: CSV files, curves and the markdown tables quoted in README."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+from .grid import MOVING_WINDOW, Grid, Run, moving_mean, paired, summarise
+from .task import KINDS
+
+
+def _fmt(value: float, digits: int = 3) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _mean_std(values: Sequence[float]) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return "n/a"
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
+
+
+def _write_csv(path: Path, rows: Sequence[dict]) -> None:
+    if not rows:
+        return
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def comparison_rows(summary: Sequence[dict], methods: Sequence[str], steps: int, baseline: str = "gdpo") -> list:
+    """Every method against ``baseline``, paired by seed, on final reward and on steps to threshold."""
+    rows = []
+    for method in methods:
+        if method == baseline:
+            continue
+        final = paired(summary, method, baseline, "final_reward")
+        speed = paired(summary, method, baseline, "steps_to_threshold", missing=float(steps))
+        rows.append(
+            {
+                "method": method,
+                "baseline": baseline,
+                "pairs": final["pairs"],
+                "final_reward_difference": final["mean_difference"],
+                "final_wins": final["wins"],
+                "final_ties": final["ties"],
+                "final_losses": final["losses"],
+                "final_p_value": final["p_value"],
+                # fewer steps is better: a "win" on speed is a negative difference
+                "steps_difference": speed["mean_difference"],
+                "faster": speed["losses"],
+                "same_speed": speed["ties"],
+                "slower": speed["wins"],
+                "steps_p_value": speed["p_value"],
+            }
+        )
+    return rows
+
+
+def localisation_rows(records: Sequence[dict]) -> list[dict]:
+    """Per constraint kind (and satisfied or not): mean mass ratio on the true positions, and the control's."""
+    rows = []
+    for kind in KINDS:
+        for label, keep in (("all", lambda r: True), ("satisfied", lambda r: r["satisfied"] == 1)):
+            chosen = [r for r in records if r["kind"] == kind and keep(r) and not math.isnan(r["ratio"])]
+            if not chosen:
+                continue
+            controls = [r["control"] for r in chosen if not math.isnan(r["control"])]
+            rows.append(
+                {
+                    "kind": kind,
+                    "responses": label,
+                    "pairs": len(chosen),
+                    "relevant_token_share": statistics.fmean(r["relevant_share"] for r in chosen),
+                    "mass_ratio": statistics.fmean(r["ratio"] for r in chosen),
+                    "control_mass_ratio": statistics.fmean(controls) if controls else float("nan"),
+                }
+            )
+    return rows
+
+
+def plot_curves(runs: Sequence[Run], results: dict, methods: Sequence[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for method in methods:
+        curves = [
+            moving_mean([r["mean_reward"] for r in results[run.key()]], MOVING_WINDOW)
+            for run in runs
+            if run.settings.method == method
+        ]
+        if not curves:
+            continue
+        length = min(len(c) for c in curves)
+        mean = [statistics.fmean(c[i] for c in curves) for i in range(length)]
+        std = [statistics.pstdev([c[i] for c in curves]) for i in range(length)]
+        (line,) = axes.plot(range(length), mean, label=f"{method} ({len(curves)} seeds)")
+        axes.fill_between(
+            range(length),
+            [m - s for m, s in zip(mean, std)],
+            [m + s for m, s in zip(mean, std)],
+            alpha=0.15,
+            color=line.get_color(),
+        )
+    axes.set_xlabel("RL step")
+    axes.set_ylabel(f"mean reward ({MOVING_WINDOW}-step moving mean)")
+    axes.set_title(title)
+    axes.legend(loc="lower right", fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_results(
+    grid: Grid,
+    main: Sequence[Run],
+    sweeps: Sequence[Run],
+    results: dict,
+    localisation: Sequence[dict],
+    output_dir: str | Path,
+    command: str,
+) -> str:
+    """Write ``runs.csv``, ``summary.csv``, ``comparison.csv``, ``localisation.csv``, ``sweeps.csv``,
+    ``curves.png`` and ``results.md`` in ``output_dir``; return the markdown."""
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    steps = grid.settings.steps
+    _write_csv(
+        output / "runs.csv",
+        [
+            {"sweep": run.sweep, "value": run.value, "method": run.settings.method, "seed": run.seed, **record}
+            for run in (*main, *sweeps)
+            for record in results[run.key()]
+        ],
+    )
+    summary = [summarise(run, results[run.key()], grid.threshold) for run in main]
+    _write_csv(output / "summary.csv", summary)
+    comparison = comparison_rows(summary, grid.methods, steps)
+    _write_csv(output / "comparison.csv", comparison)
+    located = localisation_rows(localisation)
+    _write_csv(output / "localisation.csv", located)
+    plot_curves(
+        main,
+        results,
+        grid.methods,
+        output / "curves.png",
+        f"credit gym: K={grid.spec.num_constraints}, {grid.spec.placement}, lr {grid.settings.learning_rate:g}",
+    )
+
+    lines = [
+        "# Credit gym results",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Task: K={grid.spec.num_constraints} constraints per prompt, {grid.spec.length}-word responses, "
+        f"{grid.spec.placement} info blocks; {grid.settings.prompts_per_step} prompts x "
+        f"{grid.settings.num_generations} responses per step, {steps} steps, learning rate "
+        f"{grid.settings.learning_rate:g}, credit_beta "
+        f"{grid.settings.credit_beta:g}, cap rho {grid.settings.max_second_moment_ratio:g}; seeds "
+        f"{', '.join(map(str, grid.seeds))}. Threshold: the {MOVING_WINDOW}-step moving mean of the mean reward "
+        f"reaches {grid.threshold:g} (a run that never does counts as {steps} steps in the paired test).",
+        "",
+        "## Learning, per method",
+        "",
+        "| method | final reward | steps to threshold | reached | Δ final vs gdpo | W/T/L | p "
+        "| Δ steps vs gdpo | faster/same/slower | p |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_method = {row["method"]: row for row in comparison}
+    for method in grid.methods:
+        rows = [r for r in summary if r["method"] == method]
+        reached = [float(r["steps_to_threshold"]) for r in rows if r["steps_to_threshold"] != ""]
+        cells = [
+            method,
+            _mean_std([r["final_reward"] for r in rows]),
+            _mean_std(reached) if reached else "not reached",
+            f"{len(reached)}/{len(rows)}",
+        ]
+        c = by_method.get(method)
+        if c is None:
+            cells += ["(baseline)"] + [""] * 5
+        else:
+            cells += [
+                f"{c['final_reward_difference']:+.3f}",
+                f"{c['final_wins']}/{c['final_ties']}/{c['final_losses']}",
+                _fmt(c["final_p_value"]),
+                f"{c['steps_difference']:+.1f}",
+                f"{c['faster']}/{c['same_speed']}/{c['slower']}",
+                _fmt(c["steps_p_value"]),
+            ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "W/T/L: seeds where the method's final reward is higher / equal / lower than gdpo's. p: two-sided exact "
+        "Wilcoxon signed-rank test over seeds.",
+        "",
+        "## Final reward per constraint kind",
+        "",
+        "| method | " + " | ".join(KINDS) + " |",
+        "|---|" + "---|" * len(KINDS),
+    ]
+    for method in grid.methods:
+        rows = [r for r in summary if r["method"] == method]
+        lines.append(
+            f"| {method} | " + " | ".join(_mean_std([r[f"final_{kind}"] for r in rows]) for kind in KINDS) + " |"
+        )
+    lines += [
+        "",
+        "## Where q lands (supervised policy, before RL)",
+        "",
+        "Mass ratio: share of a reward's q mass on the positions whose word can flip that reward, divided by their "
+        "share of the tokens (1 = no localisation). Control: the same positions under the removal of another "
+        "constraint of the prompt, which that reward does not depend on.",
+        "",
+        "| kind | responses | pairs | relevant token share | mass ratio | control |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in located:
+        lines.append(
+            f"| {row['kind']} | {row['responses']} | {row['pairs']} | {row['relevant_token_share']:.2f} | "
+            f"{row['mass_ratio']:.2f} | {_fmt(row['control_mass_ratio'], 2)} |"
+        )
+    if sweeps:
+        sweep_rows = []
+        for sweep, value in dict.fromkeys((run.sweep, run.value) for run in sweeps):
+            chosen = [run for run in sweeps if (run.sweep, run.value) == (sweep, value)]
+            rows = [summarise(run, results[run.key()], grid.threshold) for run in chosen]
+            final = paired(rows, "mrtpo", "gdpo", "final_reward")
+            speed = paired(rows, "mrtpo", "gdpo", "steps_to_threshold", missing=float(chosen[0].settings.steps))
+            sweep_rows.append(
+                {
+                    "sweep": sweep,
+                    "value": value,
+                    "gdpo_final": statistics.fmean(r["final_reward"] for r in rows if r["method"] == "gdpo"),
+                    "mrtpo_final": statistics.fmean(r["final_reward"] for r in rows if r["method"] == "mrtpo"),
+                    "final_difference": final["mean_difference"],
+                    "final_wins": final["wins"],
+                    "final_losses": final["losses"],
+                    "final_p_value": final["p_value"],
+                    "steps_difference": speed["mean_difference"],
+                    "steps_p_value": speed["p_value"],
+                }
+            )
+        _write_csv(output / "sweeps.csv", sweep_rows)
+        lines += [
+            "",
+            "## Sweeps: mrtpo vs gdpo, one setting changed at a time",
+            "",
+            "| setting | value | gdpo final | mrtpo final | Δ final | W/L | p | Δ steps | p |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in sweep_rows:
+            lines.append(
+                f"| {r['sweep']} | {r['value']} | {r['gdpo_final']:.3f} | {r['mrtpo_final']:.3f} | "
+                f"{r['final_difference']:+.3f} | {r['final_wins']}/{r['final_losses']} | {_fmt(r['final_p_value'])} | "
+                f"{r['steps_difference']:+.1f} | {_fmt(r['steps_p_value'])} |"
+            )
+    markdown = "\n".join(lines) + "\n"
+    (output / "results.md").write_text(markdown)
+    return markdown

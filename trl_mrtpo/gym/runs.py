@@ -1,0 +1,216 @@
+"""Runs on the credit gym: RL with :class:`~trl_mrtpo.MRTPOTrainer` per method, and q localisation measured
+against the ground-truth relevant positions."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..info_blocks import build_contexts
+from ..replay import replay_relevance
+from .task import (
+    KINDS,
+    Constraint,
+    GymSpec,
+    chat_prompt_ids,
+    constraint_blocks,
+    constraint_rewards,
+    gym_example,
+    relevant_positions,
+    response_words,
+    row_constraints,
+    supervised_policy,
+)
+
+SEPARATOR = " "  # between the prompt and an appended note (the gym's tokenizer splits on whitespace)
+
+
+def gym_dataset(spec: GymSpec, num_prompts: int, seed: int):
+    """``num_prompts`` prompts drawn from ``seed`` (identical for every method run with that seed)."""
+    from datasets import Dataset
+
+    rng = random.Random(f"prompts-{seed}")
+    return Dataset.from_list([gym_example(rng, spec) for _ in range(num_prompts)])
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What one RL run of the gym uses besides the task and its seed."""
+
+    method: str = "mrtpo"
+    steps: int = 150
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    learning_rate: float = 1e-4
+    credit_beta: float = 0.5
+    credit_warmup_steps: int = 10
+    max_second_moment_ratio: float = 2.0
+    reward_weighting: str = "static"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gym_trainer_class():
+    from ..trainer import MRTPOTrainer
+
+    class GymTrainer(MRTPOTrainer):
+        """Records every generation's rewards with the constraints they were scored against."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scored_batches: list[tuple[torch.Tensor, list]] = []
+
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            self.scored_batches.append((rewards.detach().cpu().clone(), [row["constraints"] for row in inputs]))
+            return rewards
+
+    return GymTrainer
+
+
+def step_record(rewards: torch.Tensor, constraints: Sequence[Sequence[Sequence[str]]]) -> dict[str, float]:
+    """One step's mean reward overall, per slot and per constraint kind (NaN for a kind the batch lacks)."""
+    record = {"mean_reward": rewards.mean().item()}
+    for k in range(rewards.shape[1]):
+        record[f"constraint_{k}"] = rewards[:, k].mean().item()
+    for kind in KINDS:
+        values = [rewards[i, k].item() for i, row in enumerate(constraints) for k, c in enumerate(row) if c[0] == kind]
+        record[f"kind/{kind}"] = sum(values) / len(values) if values else float("nan")
+    return record
+
+
+def train_run(
+    spec: GymSpec, settings: RunSettings, seed: int, cache_dir: str | Path, output_dir: str | Path
+) -> list[dict]:
+    """One RL run of ``MRTPOTrainer`` on the gym from the seed's supervised policy; one record per step.
+
+    The seed fixes the supervised policy, the prompts and their order, and the sampling seed, so every method
+    starts from the same policy and sees the same prompts.
+    """
+    from transformers import set_seed
+
+    from ..config import MRTPOConfig
+
+    model, tokenizer = supervised_policy(spec, seed, cache_dir)
+    config = MRTPOConfig(
+        output_dir=str(output_dir),
+        credit_assignment=settings.method,
+        credit_beta=settings.credit_beta,
+        credit_warmup_steps=settings.credit_warmup_steps,
+        max_second_moment_ratio=settings.max_second_moment_ratio,
+        reward_weighting=settings.reward_weighting,
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.prompts_per_step * settings.num_generations,
+        num_generations=settings.num_generations,
+        max_completion_length=spec.length + 1,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="constant",
+        seed=seed,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10_000,
+        disable_tqdm=True,
+        save_credit_plots=False,
+        collapse_warning_steps=0,
+        replay_batch_size=64,
+        replay_min_shared_prefix=4,
+        info_block_separator=SEPARATOR,
+    )
+    set_seed(seed)
+    trainer = _gym_trainer_class()(
+        model=model,
+        reward_funcs=constraint_rewards(spec.num_constraints),
+        info_blocks=constraint_blocks(spec.num_constraints, spec.placement),
+        args=config,
+        train_dataset=gym_dataset(spec, settings.steps * settings.prompts_per_step, seed),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return [
+        {"step": step, **step_record(rewards, constraints)}
+        for step, (rewards, constraints) in enumerate(trainer.scored_batches)
+    ]
+
+
+def mass_ratio(profile: torch.Tensor, positions: Sequence[int]) -> float:
+    """Share of a q profile's mass on ``positions`` divided by their share of the tokens (1: no localisation);
+    NaN for a profile without mass."""
+    total = profile.sum().item()
+    if total <= 0:
+        return float("nan")
+    return (profile[list(positions)].sum().item() / total) / (len(positions) / profile.numel())
+
+
+@torch.no_grad()
+def localisation(
+    spec: GymSpec, seed: int, cache_dir: str | Path, num_prompts: int = 32, num_generations: int = 4
+) -> list[dict]:
+    """Where the supervised policy's q lands, against the ground truth, on its own sampled responses.
+
+    For every response and constraint k whose relevant positions are a proper subset of the response: the mass
+    ratio of q_k on them (``ratio``) and, as a control, the mass ratio on the same positions of q_j for the next
+    constraint j of the prompt, which the reward of k does not depend on (``control``).
+    """
+    model, tokenizer = supervised_policy(spec, seed, cache_dir)
+    blocks = constraint_blocks(spec.num_constraints, spec.placement)
+    rows = gym_dataset(spec, num_prompts, seed + 1_000_000).to_list()  # prompts no run trains on
+    torch.manual_seed(seed)
+    contexts, completions, owners = [], [], []
+    for row in rows:
+        constraints = row_constraints(row["constraints"])
+        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
+        sampled = model.generate(
+            torch.tensor([prompt_ids] * num_generations),
+            attention_mask=torch.ones(num_generations, len(prompt_ids), dtype=torch.long),
+            do_sample=True,
+            max_new_tokens=spec.length + 1,
+            pad_token_id=tokenizer.pad_token_id,
+            top_k=0,
+            top_p=1.0,
+        )[:, len(prompt_ids) :].tolist()
+        info = [block(row=row) for block in blocks]
+        p_all, removed = build_contexts(row["prompt"], info, [[k] for k in range(len(info))], SEPARATOR)
+        context_ids = [chat_prompt_ids(tokenizer, p) for p in (p_all, *removed)]
+        for ids in sampled:
+            if tokenizer.eos_token_id in ids:
+                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+            contexts.append(context_ids)
+            completions.append(ids)
+            owners.append(constraints)
+    q = replay_relevance(model, contexts, completions, temperature=1.0, batch_size=64, min_shared_prefix=4)
+    records = []
+    for profiles, ids, constraints in zip(q, completions, owners):
+        words = response_words(tokenizer.decode(ids, skip_special_tokens=False))
+        for k, constraint in enumerate(constraints):
+            positions = relevant_positions(constraint, words)
+            if not 0 < len(positions) < len(ids):
+                continue
+            records.append(
+                {
+                    "seed": seed,
+                    "kind": constraint.kind,
+                    "satisfied": int(constraint.satisfied(words)),
+                    "relevant_share": len(positions) / len(ids),
+                    "ratio": mass_ratio(profiles[k], positions),
+                    "control": mass_ratio(profiles[(k + 1) % len(constraints)], positions),
+                }
+            )
+    return records
+
+
+__all__ = [
+    "Constraint",
+    "RunSettings",
+    "gym_dataset",
+    "localisation",
+    "mass_ratio",
+    "step_record",
+    "train_run",
+]

@@ -1,0 +1,362 @@
+"""Credit gym: a synthetic multi-constraint task where the tokens each reward depends on are known.
+
+A prompt lists ``K`` constraints on a response of ``length`` words drawn from a small vocabulary; one 0/1 reward
+per constraint. Because the language is built in code, every (response, reward) pair has a ground truth: the
+positions whose word, changed alone, can flip the reward (:func:`relevant_positions`). That is what lets the gym
+check where MRTPO's q lands and whether landing there makes learning faster than uniform credit.
+
+Constraint kinds, chosen so their relevant positions differ:
+
+========  ===================  ==============================================
+kind      prompt text          relevant positions
+========  ===================  ==============================================
+first     ``first red``        position-bound: the first word
+last      ``last red``         position-bound: the last word
+has       ``has red``          free: where ``red`` stands (or every word)
+pair      ``red before cat``   spans several tokens: an ordered pair
+twice     ``twice red``        spans several tokens: a count
+========  ===================  ==============================================
+
+Info blocks are either each constraint's own span of the prompt (``in_prompt``, as in instruction following) or
+a ``note`` restating it, appended only in the replay (``appended``, as with a rule text or a reference answer).
+The policy is a tiny Llama taught by a short supervised phase to satisfy each constraint only part of the time
+(and more often when it is noted), so it conditions on the constraints but has much to learn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ..info_blocks import InfoBlock
+
+KEY_WORDS = (
+    "red", "blue", "green", "gold", "pink", "gray", "black", "white",
+    "cat", "dog", "fox", "owl", "bee", "cow", "elk", "ant",
+    "sun", "moon", "star", "rain", "snow", "wind", "fog", "ice",
+)  # fmt: skip
+FILLER_WORDS = (
+    "tree", "leaf", "rock", "sand", "lake", "hill", "cave", "reef",
+    "road", "door", "wall", "roof", "boat", "ship", "cart", "bell",
+)  # fmt: skip
+CONTENT_WORDS = KEY_WORDS + FILLER_WORDS
+KINDS = ("first", "last", "has", "pair", "twice")
+PLACEMENTS = ("in_prompt", "appended")
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<user>", "<assistant>")
+STRUCTURE_WORDS = ("first", "last", "has", "before", "twice", "note", ";")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One checkable constraint on a response's words."""
+
+    kind: str
+    word: str
+    other: str = ""  # the second word of a ``pair``
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown constraint kind {self.kind!r}; kinds are {', '.join(KINDS)}")
+        if (self.kind == "pair") != bool(self.other):
+            raise ValueError(f"a {self.kind!r} constraint takes {'two words' if self.kind == 'pair' else 'one word'}")
+
+    @property
+    def text(self) -> str:
+        """How the prompt states it."""
+        if self.kind == "pair":
+            return f"{self.word} before {self.other}"
+        return f"{self.kind} {self.word}"
+
+    @property
+    def span(self) -> str:
+        """The constraint's span of the prompt (its in-prompt info block)."""
+        return f"{self.text} ;"
+
+    def satisfied(self, words: Sequence[str]) -> bool:
+        if not words:
+            return False
+        if self.kind == "first":
+            return words[0] == self.word
+        if self.kind == "last":
+            return words[-1] == self.word
+        if self.kind == "has":
+            return self.word in words
+        if self.kind == "twice":
+            return sum(w == self.word for w in words) == 2
+        first_a = next((i for i, w in enumerate(words) if w == self.word), None)
+        return first_a is not None and self.other in words[first_a + 1 :]
+
+
+def relevant_positions(constraint: Constraint, words: Sequence[str]) -> list[int]:
+    """Ground truth: the positions where replacing the word alone (by any vocabulary word) flips the reward."""
+    before = constraint.satisfied(words)
+    relevant = []
+    for t in range(len(words)):
+        edited = list(words)
+        for replacement in CONTENT_WORDS:
+            if replacement == words[t]:
+                continue
+            edited[t] = replacement
+            if constraint.satisfied(edited) != before:
+                relevant.append(t)
+                break
+    return relevant
+
+
+def sample_constraints(rng: random.Random, num_constraints: int) -> list[Constraint]:
+    """``K`` compatible constraints on distinct words: at most one ``first`` and one ``last``; kinds are balanced
+    (the pool is every kind in turn, the position-bound ones once)."""
+    if not 1 <= num_constraints <= 12:
+        raise ValueError(f"the gym supports 1 to 12 constraints per prompt, got {num_constraints}")
+    pool = ["first", "last"] + [("has", "pair", "twice")[i % 3] for i in range(num_constraints)]
+    kinds = rng.sample(pool, num_constraints)
+    words = rng.sample(KEY_WORDS, num_constraints + kinds.count("pair"))
+    out = []
+    for kind in kinds:
+        other = words.pop() if kind == "pair" else ""
+        out.append(Constraint(kind, words.pop(), other))
+    return out
+
+
+def parse_constraints(text: str) -> list[Constraint]:
+    """The constraints a prompt's text states (inverse of :func:`prompt_text`; notes are ignored)."""
+    out = []
+    for part in text.split(";"):
+        tokens = part.split()
+        if not tokens or tokens[0] == "note":
+            continue
+        if len(tokens) == 3 and tokens[1] == "before":
+            out.append(Constraint("pair", tokens[0], tokens[2]))
+        elif len(tokens) == 2:
+            out.append(Constraint(tokens[0], tokens[1]))
+        else:
+            raise ValueError(f"cannot read a constraint from {part.strip()!r}")
+    return out
+
+
+def prompt_text(constraints: Sequence[Constraint]) -> str:
+    return " ".join(c.span for c in constraints)
+
+
+def note_text(constraint: Constraint) -> str:
+    """The appended info block of a constraint."""
+    return f"note {constraint.text} ;"
+
+
+def build_tokenizer():
+    """A word-level tokenizer over the gym's language, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *STRUCTURE_WORDS, *CONTENT_WORDS))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        additional_special_tokens=["<user>", "<assistant>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation with the generation prompt, as TRL builds them."""
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
+
+
+def response_words(text: str) -> list[str]:
+    """A completion's words (anything after an end token is not part of it)."""
+    return text.split("<eos>")[0].split()
+
+
+@dataclass(frozen=True)
+class GymSpec:
+    """What defines one gym task and its supervised policy."""
+
+    num_constraints: int = 3
+    length: int = 8
+    placement: str = "in_prompt"
+    hidden_size: int = 64
+    num_layers: int = 2
+    # Share of supervised responses meeting a stated constraint, per kind (KINDS order): the two-word kinds are
+    # harder for the tiny policy, so they are shown more often to start RL near the others.
+    sft_rates: tuple[float, ...] = (0.25, 0.25, 0.25, 0.5, 0.5)
+    sft_noted_rate: float = 0.75  # ... for a constraint that is also noted (appended placement)
+    sft_teach_steps: int = 800  # supervised steps at high rates: the policy learns what each constraint asks
+    sft_calibrate_steps: int = 300  # ... then at sft_rates: it meets them only part of the time
+
+    def __post_init__(self):
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
+        if self.length < 3:
+            raise ValueError(f"responses need at least 3 words, got length={self.length}")
+
+    def key(self) -> str:
+        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+
+def supervised_response(
+    rng: random.Random, constraints: Sequence[Constraint], length: int, rates: Sequence[float]
+) -> list[str]:
+    """A response that meets constraint i with probability ``rates[i]`` (where the positions allow). The other
+    words are filler, never a constraint's key word: key words appear only where a constraint placed them."""
+    words = [rng.choice(FILLER_WORDS) for _ in range(length)]
+    free = list(range(1, length - 1))  # middle positions not yet claimed
+    rng.shuffle(free)
+    for constraint, rate in zip(constraints, rates):
+        if rng.random() >= rate:
+            continue
+        if constraint.kind == "first":
+            words[0] = constraint.word
+        elif constraint.kind == "last":
+            words[-1] = constraint.word
+        elif constraint.kind == "has" and free:
+            words[free.pop()] = constraint.word
+        elif constraint.kind in ("twice", "pair") and len(free) >= 2:
+            a, b = sorted((free.pop(), free.pop()))
+            words[a] = constraint.word
+            words[b] = constraint.other or constraint.word
+    return words
+
+
+def build_policy(tokenizer, spec: GymSpec, seed: int):
+    """A tiny Llama-style causal LM over the gym's vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=2 * spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+def gym_example(rng: random.Random, spec: GymSpec) -> dict:
+    """One prompt: its conversational prompt and its constraints (as the dataset row the rewards read)."""
+    constraints = sample_constraints(rng, spec.num_constraints)
+    return {
+        "prompt": [{"role": "user", "content": prompt_text(constraints)}],
+        "constraints": [[c.kind, c.word, c.other] for c in constraints],
+    }
+
+
+def row_constraints(row_value: Sequence[Sequence[str]]) -> list[Constraint]:
+    return [Constraint(*item) for item in row_value]
+
+
+def _sft_batch(rng: random.Random, spec: GymSpec, tokenizer, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt + response token ids with labels on the response only (-100 elsewhere)."""
+    sequences, labels = [], []
+    for _ in range(size):
+        example = gym_example(rng, spec)
+        constraints = row_constraints(example["constraints"])
+        messages = example["prompt"]
+        rates = [spec.sft_rates[KINDS.index(c.kind)] for c in constraints]
+        if spec.placement == "appended":  # each constraint noted half the time, and then met more often
+            noted = [rng.random() < 0.5 for _ in constraints]
+            rates = [max(spec.sft_noted_rate, r) if n else r for n, r in zip(noted, rates)]
+            notes = [note_text(c) for c, n in zip(constraints, noted) if n]
+            if notes:
+                messages = [{"role": "user", "content": messages[0]["content"] + " " + " ".join(notes)}]
+        prompt_ids = chat_prompt_ids(tokenizer, messages)
+        words = supervised_response(rng, constraints, spec.length, rates)
+        response_ids = tokenizer.convert_tokens_to_ids(words) + [tokenizer.eos_token_id]
+        sequences.append(list(prompt_ids) + response_ids)
+        labels.append([-100] * len(prompt_ids) + response_ids)
+    width = max(len(s) for s in sequences)
+    ids = torch.full((size, width), tokenizer.pad_token_id)
+    target = torch.full((size, width), -100)
+    for i, (s, y) in enumerate(zip(sequences, labels)):
+        ids[i, : len(s)] = torch.tensor(s)
+        target[i, : len(y)] = torch.tensor(y)
+    return ids, target
+
+
+def supervised_policy(spec: GymSpec, seed: int, cache_dir: str | Path | None = None, batch_size: int = 64):
+    """``(policy, tokenizer)`` after the supervised phase, trained once per (spec, seed) and cached in ``cache_dir``.
+
+    Two stages: at high rates (0.9, noted 0.95) the policy learns what each constraint asks, which it would not
+    from rare examples alone; then at ``spec.sft_rates`` it learns to meet them only part of the time.
+    """
+    from transformers import LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    folder = Path(cache_dir) / f"sft-{spec.key()}-seed{seed}" if cache_dir is not None else None
+    if folder is not None and (folder / "config.json").exists():
+        return LlamaForCausalLM.from_pretrained(folder).eval(), tokenizer
+    model = build_policy(tokenizer, spec, seed)
+    rng = random.Random(f"sft-{seed}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    teach = replace(spec, sft_rates=(0.9,) * len(KINDS), sft_noted_rate=0.95)
+    model.train()
+    for stage, steps, lr in ((teach, spec.sft_teach_steps, 3e-3), (spec, spec.sft_calibrate_steps, 1e-3)):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for _ in range(steps):
+            ids, labels = _sft_batch(rng, stage, tokenizer, batch_size)
+            loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    model.eval()
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model, tokenizer
+
+
+def constraint_rewards(num_constraints: int) -> list[Callable]:
+    """One 0/1 reward per constraint slot, named ``constraint_<i>``; each reads the row's ``constraints``."""
+
+    def make(slot: int):
+        def reward(completions, constraints, **kwargs) -> list[float]:
+            out = []
+            for completion, row in zip(completions, constraints):
+                text = completion[-1]["content"] if isinstance(completion, list) else completion
+                out.append(float(Constraint(*row[slot]).satisfied(response_words(text))))
+            return out
+
+        reward.__name__ = f"constraint_{slot}"
+        return reward
+
+    return [make(i) for i in range(num_constraints)]
+
+
+def constraint_blocks(num_constraints: int, placement: str) -> list[Callable]:
+    """One info block builder per constraint slot: its span of the prompt, or its appended note."""
+
+    def make(slot: int):
+        def block(*, row, **kwargs) -> InfoBlock:
+            constraint = Constraint(*row["constraints"][slot])
+            if placement == "in_prompt":
+                return InfoBlock(constraint.span, placement="in_prompt")
+            return InfoBlock(note_text(constraint))
+
+        return block
+
+    return [make(i) for i in range(num_constraints)]
