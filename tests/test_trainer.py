@@ -449,3 +449,54 @@ def test_string_prompt_with_an_assistant_header_refuses_appended_blocks(tiny_mod
         max_steps=1,
     )
     assert trainer.replays and trainer.replays[0]["replayed"].any()
+
+
+def graded_length(completions, **_):
+    """A fractional primary reward, so that CONCUR-A takes concordance readings (binary primaries give none)."""
+    return [min(len(c if isinstance(c, str) else c[-1]["content"]) % 7 / 6, 1.0) for c in completions]
+
+
+def graded_length_too(completions, **_):
+    """An auxiliary reward that always orders responses like the primary: CONCUR-A comes to trust it."""
+    return graded_length(completions)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"credit_assignment": "shuffled"},
+        {
+            "credit_assignment": "mrtpo",
+            "reward_weighting": "concur",
+            "concur_min_readings": 2,
+            "concur_pass_threshold": 0.3,
+            "concur_ceiling": 0.5,
+        },
+    ],
+    ids=["shuffled", "concur-adaptive"],
+)
+def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
+    from tests.conftest import build_tiny_model
+
+    def run(output_dir, resume=None):
+        trainer = RecordingTrainer(
+            model=build_tiny_model(tiny_tokenizer),
+            reward_funcs=[graded_length, graded_length_too, *DEMO_REWARDS[:3]],
+            info_blocks=[None, lambda **_: "Be long.", *DEMO_INFO_BLOCKS[:3]],
+            args=make_args(output_dir, max_steps=4, save_strategy="steps", save_steps=2, **overrides),
+            train_dataset=make_demo_dataset(16),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert len(full.batches) == 4 and len(resumed.batches) == 2
+    if overrides.get("reward_weighting") == "concur":  # the state that must survive the checkpoint is not empty
+        assert not full._concur_trust[1].tie_ceiling()  # trusted: the tie is released
+        # the cumulative readings continue from the checkpoint's, not from zero
+        assert resumed._concur_trust[1] == full._concur_trust[1]
+    for after, before in zip(resumed.batches, full.batches[2:]):
+        torch.testing.assert_close(after["completion_ids"], before["completion_ids"], rtol=0, atol=0)
+        torch.testing.assert_close(after["advantages"], before["advantages"], rtol=0, atol=0)

@@ -137,6 +137,37 @@ class MRTPOTrainer(GRPOTrainer):
                 )
             self._concur_primary = self.reward_func_names.index(args.concur_primary)
 
+    def _credit_state_path(self, checkpoint: str) -> str:
+        return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        """Checkpoint MRTPO's own state beside TRL's (each process its own): CONCUR-A's trust readings, the
+        ``shuffled`` ablation's generator and the collapse monitor, so that a resumed run continues exactly."""
+        super()._save_rng_state(output_dir)
+        state = {
+            "concur_trust": copy.deepcopy(self._concur_trust),
+            "shuffle_generator": self._shuffle_generator.get_state(),
+            "collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {},
+        }
+        torch.save(state, self._credit_state_path(output_dir))
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = self._credit_state_path(checkpoint)
+        if not os.path.isfile(path):
+            logger.warning(
+                f"{path} is missing: MRTPO's CONCUR trust, shuffle generator and collapse monitor start afresh, so "
+                "the resumed run will not continue exactly as an uninterrupted one."
+            )
+            return
+        state = torch.load(path, weights_only=False)  # our own file, written by _save_rng_state
+        self._concur_trust = state["concur_trust"]
+        self._shuffle_generator.set_state(state["shuffle_generator"])
+        if self._collapse_monitor is not None:
+            self._collapse_monitor.streaks = dict(state["collapse_streaks"])
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         infinite = torch.isinf(rewards).nonzero().tolist()
