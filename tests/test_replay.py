@@ -83,3 +83,74 @@ def test_shared_prefix_is_run_once(tiny_model, batch, monkeypatch):
     # 11 sequences share the 40-token prompt and 2 the 30-token one: each prefix is computed once.
     assert new_tokens(16) == plain - 10 * 40 - 1 * 30
     assert new_tokens(41) == plain  # no prefix that long: no reuse
+
+
+def _scaled_model(kind):
+    """Tiny random models whose forward scales the logits: Granite divides by logits_scaling, Cohere multiplies
+    by logit_scale."""
+    common = dict(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    if kind == "granite":
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        return GraniteForCausalLM(GraniteConfig(logits_scaling=4.0, **common)).eval(), 0.25
+    from transformers import CohereConfig, CohereForCausalLM
+
+    return CohereForCausalLM(CohereConfig(logit_scale=3.0, tie_word_embeddings=False, **common)).eval(), 3.0
+
+
+@pytest.mark.parametrize("kind", ["granite", "cohere"])
+def test_models_that_scale_logits_in_forward_are_replayed_at_their_temperature(batch, kind):
+    from trl_mrtpo.replay import logit_multiplier
+
+    model, multiplier = _scaled_model(kind)
+    assert logit_multiplier(model) == pytest.approx(multiplier, rel=1e-4)
+    contexts, completions = batch
+    q = replay_relevance(model, contexts, completions, 0.9 / logit_multiplier(model), backend="torch")
+    for ctx, completion, got in zip(contexts, completions, q):
+        torch.testing.assert_close(got.double(), full_logits_relevance(model, ctx, completion, 0.9), atol=2e-6, rtol=0)
+
+
+def test_non_linear_logit_transform_is_refused(tiny_tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.replay import logit_multiplier
+
+    class SoftCapped(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = 0.05 * torch.tanh(out.logits / 0.05)
+            return out
+
+    model = build_tiny_model(tiny_tokenizer)
+    capped = SoftCapped(model.config)
+    capped.load_state_dict(model.state_dict())
+    assert logit_multiplier(model) == pytest.approx(1.0, rel=1e-6)
+    with pytest.raises(ValueError, match="SoftCapped transforms its logits non-linearly"):
+        logit_multiplier(capped)
+
+
+def test_trainer_replays_a_granite_model_at_the_scaled_temperature(tmp_path, tiny_tokenizer):
+    from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+    from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+
+    model, multiplier = _scaled_model("granite")
+    model.resize_token_embeddings(len(tiny_tokenizer))
+    trainer = MRTPOTrainer(
+        model=model,
+        reward_funcs=DEMO_REWARDS,
+        info_blocks=DEMO_INFO_BLOCKS,
+        args=MRTPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", temperature=0.8),
+        train_dataset=make_demo_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    assert trainer._replay_temperature == pytest.approx(0.8 / multiplier, rel=1e-4)

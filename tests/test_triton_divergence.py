@@ -21,6 +21,39 @@ RUNS_KERNELS = triton_divergence.interpreting() or torch.cuda.is_available()
 DEVICE = "cuda" if torch.cuda.is_available() and not triton_divergence.interpreting() else "cpu"
 needs_kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="runs in the interpreter subprocess")
 
+if triton_divergence.is_available():
+    import triton
+    import triton.language as tl
+
+    from trl_mrtpo.ops.triton_divergence import _row_offsets
+
+    @triton.jit
+    def _offsets_probe(out_ptr, start, stride, BLOCK: tl.constexpr):
+        rows = start + tl.arange(0, BLOCK)  # int32 row indices, as in the kernels
+        tl.store(out_ptr + tl.arange(0, BLOCK), _row_offsets(rows, stride))
+
+
+@needs_kernels
+@pytest.mark.parametrize(("start", "stride"), [(2**20, 4096), (630_000, 3584), (7, 576)])
+def test_row_offsets_do_not_wrap_at_32_bits(start, stride):
+    """Offsets of rows whose element offset passes 2^31 (e.g. 7 contexts x 90k tokens x H=3584)."""
+    out = torch.zeros(8, dtype=torch.int64, device=DEVICE)
+    _offsets_probe[(1,)](out, start, stride, BLOCK=8)
+    assert out.tolist() == [(start + i) * stride for i in range(8)]
+
+
+@needs_kernels
+def test_strided_lm_head_is_read_by_its_stride():
+    hidden_all, hidden_removed, weight, bias = inputs(2, 9, 16, 70)
+    wide = torch.zeros(70, 40, device=DEVICE)
+    wide[:, :16] = weight
+    strided = wide[:, :16]  # row stride 40, not 16: addressed in place, no copy
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(
+        triton_divergence.fused_replay_divergence(hidden_all, hidden_removed, strided, bias),
+        triton_divergence.fused_replay_divergence(hidden_all, hidden_removed, weight, bias),
+    )
+
 
 @pytest.mark.skipif(RUNS_KERNELS, reason="kernels run directly here")
 def test_kernels_under_interpreter():

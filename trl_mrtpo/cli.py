@@ -338,6 +338,7 @@ def run_gym(args: argparse.Namespace) -> str:
         grid.seeds = tuple(range(args.seeds))
     if args.methods:
         grid.methods = tuple(args.methods)
+    grid.sweep_seeds = args.sweep_seeds
     main_runs = grid.main_runs()
     sweep_runs = grid.sweep_runs() if args.sweeps else []
     results = run_all([*main_runs, *sweep_runs], args.work_dir, jobs=args.jobs)
@@ -349,6 +350,8 @@ def run_gym(args: argparse.Namespace) -> str:
         )
     ]
     command = "trl-mrtpo gym" + (" --quick" if args.quick else "") + (" --sweeps" if args.sweeps else "")
+    if args.sweeps and args.sweep_seeds != 4:
+        command += f" --sweep-seeds {args.sweep_seeds}"
     markdown = write_results(grid, main_runs, sweep_runs, results, located, args.output_dir, command)
     print(markdown)
     return markdown
@@ -427,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     gym.add_argument("--quick", action="store_true", help="smoke-sized grid (CI)")
     gym.add_argument("--sweeps", action="store_true", help="also run the gdpo vs mrtpo sweeps (K, placement, ...)")
     gym.add_argument("--seeds", type=int, default=None, help="number of seeds (default 8; --quick: 2)")
+    gym.add_argument("--sweep-seeds", type=int, default=4, help="seeds per sweep point (default 4)")
     gym.add_argument("--methods", nargs="+", default=None, choices=GYM_METHODS, help="default: all six modes")
     gym.add_argument("--jobs", type=int, default=2, help="parallel runs, one core each (default 2)")
     gym.add_argument("--work-dir", default="gym_runs", help="finished runs and cached supervised policies (resumable)")

@@ -49,6 +49,31 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return decoder, head
 
 
+@torch.no_grad()
+def logit_multiplier(model: nn.Module) -> float:
+    """The factor ``m`` with ``model(x).logits == m * lm_head(decoder(x))``, measured on a two-token input.
+
+    The replay applies the lm_head itself, so a model that scales its logits inside ``forward`` (Granite's
+    ``logits_scaling``, Cohere's ``logit_scale``, ...) is replayed at temperature ``T / m`` to see the distribution
+    it samples from. A non-linear transform (soft-capping) has no such factor and is refused with a clear error.
+    """
+    decoder, _ = causal_lm_parts(model)
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([[1, 2]], device=device)
+    with eval_mode(model), lm_head_parameters(model) as (weight, bias):
+        logits = model(input_ids=input_ids, use_cache=False).logits.double()
+        hidden = decoder(input_ids=input_ids).last_hidden_state.double()
+        raw = hidden @ weight.double().T + (bias.double() if bias is not None else 0.0)
+    scale = ((logits * raw).sum() / (raw * raw).sum().clamp(min=1e-30)).item()
+    if not torch.allclose(logits, scale * raw, rtol=1e-3, atol=1e-4 * logits.abs().max().item() + 1e-12):
+        raise ValueError(
+            f"MRTPO replay computes logits from the last hidden state and the lm_head weight, but "
+            f"{type(model).__name__} transforms its logits non-linearly inside forward (e.g. soft-capping), so the "
+            "replay would not see the sampling distribution. Such models are not supported yet."
+        )
+    return scale
+
+
 @contextmanager
 def eval_mode(model: nn.Module):
     """Dropout off for the replay, restoring the previous mode afterwards."""

@@ -30,7 +30,7 @@ from .credit import (
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
-from .replay import causal_lm_parts, replay_logprobs, replay_relevance
+from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
 from .reward_funcs.self_certainty import SelfCertaintyReward
 from .utils import completion_text
 from .viz import credit_summary, token_strings
@@ -119,6 +119,10 @@ class MRTPOTrainer(GRPOTrainer):
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
+        # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
+        self._replay_temperature = self.temperature
+        if self._replays or args.taco_strength > 0:
+            self._replay_temperature = self.temperature / logit_multiplier(self.accelerator.unwrap_model(self.model))
         self._scored: tuple | None = None
         self.last_credit: CreditRecord | None = None
         patience = args.collapse_warning_steps
@@ -397,7 +401,7 @@ class MRTPOTrainer(GRPOTrainer):
             self.accelerator.unwrap_model(self.model),
             context_ids,
             completion_ids,
-            self.temperature,
+            self._replay_temperature,
             backend=self.args.divergence_backend,
             **self._replay_options(),
         )
@@ -425,7 +429,7 @@ class MRTPOTrainer(GRPOTrainer):
             self.accelerator.unwrap_model(self.model),
             context_ids,
             completion_ids,
-            self.temperature,
+            self._replay_temperature,
             **self._replay_options(),
         )
         for i, lp in enumerate(logprobs):
@@ -445,7 +449,7 @@ class MRTPOTrainer(GRPOTrainer):
             self.accelerator.unwrap_model(self.model),
             [[p] for p in prompt_ids],
             completion_token_lists(output),
-            self.temperature,
+            self._replay_temperature,
             **self._replay_options(),
         )
         surprisal = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)

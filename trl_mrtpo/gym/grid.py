@@ -50,6 +50,7 @@ class Grid:
     seeds: Sequence[int] = tuple(range(8))
     threshold: float = 0.75
     localisation_prompts: int = 32
+    sweep_seeds: int = 4  # the first seeds of ``seeds`` that every sweep point runs (gdpo and mrtpo each)
 
     def main_runs(self) -> list[Run]:
         return [Run(self.spec, replace(self.settings, method=m), seed) for m in self.methods for seed in self.seeds]
@@ -71,7 +72,7 @@ class Grid:
             )
         for sweep, value, spec, settings in variations:
             # credit_beta and the cap do not change gdpo: its main-grid runs are the baseline (same key)
-            for method, seed in itertools.product(("gdpo", "mrtpo"), self.seeds):
+            for method, seed in itertools.product(("gdpo", "mrtpo"), self.seeds[: self.sweep_seeds]):
                 runs.append(Run(spec, replace(settings, method=method), seed, sweep, value))
         return runs
 

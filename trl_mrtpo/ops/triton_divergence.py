@@ -43,6 +43,12 @@ def interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _row_offsets(rows, stride):
+        """Element offsets of rows in 64 bits: ``rows * stride`` passes 2^31 with many replayed tokens (e.g. 7
+        contexts x 90k tokens x H=3584), where int32 arithmetic would wrap."""
+        return rows.to(tl.int64) * stride
+
+    @triton.jit
     def _logits_tile(
         hidden_ptr,
         rows,
@@ -52,6 +58,8 @@ if triton is not None:
         cols,
         col_mask,
         hidden_size,
+        hidden_stride,
+        weight_stride,
         inv_temperature,
         HAS_BIAS: tl.constexpr,
         FP32_DOT: tl.constexpr,
@@ -64,12 +72,12 @@ if triton is not None:
             hs = h_start + tl.arange(0, BLOCK_H)
             h_mask = hs < hidden_size
             a = tl.load(
-                hidden_ptr + rows[:, None] * hidden_size + hs[None, :],
+                hidden_ptr + _row_offsets(rows, hidden_stride)[:, None] + hs[None, :],
                 mask=row_mask[:, None] & h_mask[None, :],
                 other=0.0,
             )
             b = tl.load(
-                weight_ptr + cols[None, :] * hidden_size + hs[:, None],
+                weight_ptr + _row_offsets(cols, weight_stride)[None, :] + hs[:, None],
                 mask=col_mask[None, :] & h_mask[:, None],
                 other=0.0,
             )
@@ -90,6 +98,8 @@ if triton is not None:
         num_rows,
         vocab_size,
         hidden_size,
+        hidden_stride,
+        weight_stride,
         inv_temperature,
         HAS_BIAS: tl.constexpr,
         FP32_DOT: tl.constexpr,
@@ -105,8 +115,8 @@ if triton is not None:
             cols = v_start + tl.arange(0, BLOCK_V)
             col_mask = cols < vocab_size
             logits = _logits_tile(
-                hidden_ptr, rows, row_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, inv_temperature,
-                HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+                hidden_ptr, rows, row_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
+                weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
             )  # fmt: skip
             logits = tl.where(col_mask[None, :], logits, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(logits, 1))
@@ -125,6 +135,8 @@ if triton is not None:
         num_removed,
         vocab_size,
         hidden_size,
+        hidden_stride,
+        weight_stride,
         inv_temperature,
         HAS_BIAS: tl.constexpr,
         FP32_DOT: tl.constexpr,
@@ -139,15 +151,15 @@ if triton is not None:
             cols = v_start + tl.arange(0, BLOCK_V)
             col_mask = cols < vocab_size
             logprobs_all = _logits_tile(
-                hidden_ptr, tokens, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, inv_temperature,
-                HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+                hidden_ptr, tokens, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
+                weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
             ) - normaliser_all[:, None]  # fmt: skip
             for m in range(num_removed):
-                rows = (m + 1) * num_tokens + tokens
+                rows = (m + 1) * num_tokens + tokens  # < the row count; offsets go 64-bit in _row_offsets
                 normaliser = tl.load(log_normaliser_ptr + rows, mask=token_mask, other=0.0)
                 logprobs = _logits_tile(
-                    hidden_ptr, rows, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size,
-                    inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+                    hidden_ptr, rows, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
+                    weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
                 ) - normaliser[:, None]  # fmt: skip
                 gap = tl.minimum(tl.abs(logprobs - logprobs_all), MAX_LOG_RATIO)
                 smaller_share = tl.exp(-gap)
@@ -181,8 +193,10 @@ def fused_replay_divergence(
         raise ValueError("The triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU).")
     num_removed, num_tokens, hidden_size = hidden_removed.shape
     vocab_size = lm_head_weight.shape[0]
-    weight = lm_head_weight.contiguous()
-    stacked = torch.cat([hidden_all[None], hidden_removed]).to(weight.dtype).reshape(-1, hidden_size).contiguous()
+    # rows are addressed by stride: only the hidden dimension must be contiguous (no copy of a strided lm_head)
+    weight = lm_head_weight if lm_head_weight.stride(-1) == 1 else lm_head_weight.contiguous()
+    stacked = torch.cat([hidden_all[None], hidden_removed]).to(weight.dtype).reshape(-1, hidden_size)
+    stacked = stacked if stacked.stride(-1) == 1 else stacked.contiguous()
     bias = lm_head_bias.contiguous() if lm_head_bias is not None else weight  # dummy pointer when HAS_BIAS is False
     meta = {
         "HAS_BIAS": lm_head_bias is not None,
@@ -196,10 +210,11 @@ def fused_replay_divergence(
     out = torch.zeros(num_removed, num_tokens, dtype=torch.float32, device=device)
     inv_temperature = 1.0 / temperature
     _log_normaliser_kernel[(triton.cdiv(stacked.shape[0], block_n),)](
-        stacked, weight, bias, log_normaliser, stacked.shape[0], vocab_size, hidden_size, inv_temperature, **meta
-    )
+        stacked, weight, bias, log_normaliser, stacked.shape[0], vocab_size, hidden_size, stacked.stride(0),
+        weight.stride(0), inv_temperature, **meta,
+    )  # fmt: skip
     _js_kernel[(triton.cdiv(num_tokens, block_n),)](
         stacked, weight, bias, log_normaliser, out, num_tokens, num_removed, vocab_size, hidden_size,
-        inv_temperature, **meta,
+        stacked.stride(0), weight.stride(0), inv_temperature, **meta,
     )  # fmt: skip
     return out.mul_(0.5 / LN2).clamp_(0.0, 1.0)
