@@ -133,6 +133,11 @@ ATTACKS = [
     "INSERT INTO customers SELECT * FROM customers",
     "WITH x AS (SELECT 1) DELETE FROM customers",
     "SAVEPOINT a",
+    # single-operation bombs: one SQLite opcode that runs for seconds, so the progress handler never fires
+    "SELECT printf('%.*c', 2000000000, 'x')",
+    "SELECT upper(printf('%.*c', 1999999999, 'a'))",
+    "SELECT substr(printf('%.*c', 2000000000, 'x'), 1, 3)",
+    "SELECT count(*) FROM customers WHERE name = printf('%.*c', 2000000000, 'x')",
 ]
 
 
@@ -242,3 +247,23 @@ def test_timeouts_are_not_cached_but_results_are(dbs):
     hits = _cached_query.cache_info().hits
     assert run_query(dbs["shop"], "SELECT 42").rows == ((42,),)
     assert _cached_query.cache_info().hits == hits + 1
+
+
+def test_single_operation_bomb_is_a_clear_time_out(dbs):
+    started = time.monotonic()
+    result = run_query(dbs["shop"], "SELECT printf('%.*c', 2000000000, 'x')", timeout_s=0.5)
+    assert time.monotonic() - started < 1.5
+    assert result.rows is None and "longer than 0.5 s" in result.error
+    # the reward sees a failure and the error info block a time-out, then the sandbox serves the next query
+    completion = "```sql\nSELECT printf('%.*c', 2000000000, 'x')\n```"
+    assert run_query(dbs["shop"], "SELECT count(*) FROM customers").rows == ((4,),)
+    assert sql_executable_reward([completion], db_path=[dbs["shop"]]) == [0.0]
+
+
+def test_sqlglot_fallback_warnings_stay_out_of_the_log(dbs, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        run_query(dbs["shop"], "VACUUM INTO '/tmp/copy.sqlite'")
+    assert not [r for r in caplog.records if r.name.startswith("sqlglot")]
+

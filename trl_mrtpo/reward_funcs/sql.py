@@ -10,18 +10,24 @@ Rewards (0/1 each, TRL reward-function signature; dataset columns ``db_path`` an
 Info blocks (appended): :func:`sql_format_block` (the format rule), :func:`sql_error_block` (the response's own
 SQLite error, none when it ran), :func:`sql_reference_block` (the reference query).
 
-Model-written SQL only ever runs through :func:`run_query`: a fresh read-only connection (URI ``mode=ro``), an
-authorizer that allows reads and nothing else (no writes, ATTACH, PRAGMA, extension loading), a progress-handler
-time limit and a row cap. ``sqlglot`` rejects anything that is not a single query before SQLite sees it.
+Model-written SQL only ever runs through :func:`run_query`: in a separate sandbox process that is killed when a
+query outlives its time limit (even a single SQLite operation cannot hold a reward past it), on a fresh read-only
+connection (URI ``mode=ro``) with an authorizer that allows reads and nothing else (no writes, ATTACH, PRAGMA,
+extension loading), a progress-handler time limit, a value-size limit and a row cap. ``sqlglot`` rejects anything
+that is not a single query before SQLite sees it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import multiprocessing
 import re
 import sqlite3
+import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -64,10 +70,24 @@ def extract_sql(text: str) -> str | None:
     return blocks[0].strip()
 
 
+@contextmanager
+def _quiet_sqlglot():
+    """sqlglot warns once per query it parses as an opaque command ("contains unsupported syntax"); such a query
+    is refused with a reason anyway, so the warning would only flood a training log."""
+    sqlglot_logger = logging.getLogger("sqlglot")
+    level = sqlglot_logger.level
+    sqlglot_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        sqlglot_logger.setLevel(level)
+
+
 def check_single_query(sql: str) -> tuple[bool, str | None]:
     """``(is_one_read_only_query, reason_if_not)``, using sqlglot's SQLite dialect."""
     try:
-        statements = [s for s in sqlglot.parse(sql, read="sqlite") if s is not None]
+        with _quiet_sqlglot():
+            statements = [s for s in sqlglot.parse(sql, read="sqlite") if s is not None]
     except Exception as error:  # sqlglot raises several error types on garbage
         return False, f"could not parse the SQL: {str(error).splitlines()[0][:200]}"
     if len(statements) != 1:
@@ -79,7 +99,8 @@ def check_single_query(sql: str) -> tuple[bool, str | None]:
 
 def _is_ordered(sql: str) -> bool:
     try:
-        statement = sqlglot.parse_one(sql, read="sqlite")
+        with _quiet_sqlglot():
+            statement = sqlglot.parse_one(sql, read="sqlite")
     except Exception:
         return False
     return statement.args.get("order") is not None
@@ -118,9 +139,82 @@ def _cached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> Qu
     ok, reason = check_single_query(sql)
     if not ok:
         return QueryResult(None, reason)
-    path = Path(db_path)
-    if not path.is_file():
+    if not Path(db_path).is_file():
         return QueryResult(None, f"database not found: {db_path}")
+    return _WORKER.run(db_path, sql, timeout_s, max_rows)
+
+
+def _timeout_message(timeout_s: float) -> str:
+    return f"the query ran longer than {timeout_s:g} s and was stopped"
+
+
+class _SandboxWorker:
+    """A long-lived child process that runs the queries, so that every query ends within its limit.
+
+    One SQLite operation can run for seconds without returning to the progress handler (``printf('%.*c',
+    2000000000, 'x')`` builds a 2 GB string in one opcode), so the parent waits at most ``timeout_s`` plus a short
+    grace and then kills the child (a fresh one serves the next query). Ordinary long queries are still stopped by
+    the child's own progress handler, which keeps the child alive.
+    """
+
+    GRACE_S = 0.3
+
+    def __init__(self):
+        self._process = None
+        self._pipe = None
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        self._pipe, child = context.Pipe()
+        self._process = context.Process(target=_serve_queries, args=(child,), daemon=True)
+        self._process.start()
+        child.close()
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            self._process.kill()
+            self._process.join()
+        self._process = None
+
+    def run(self, db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
+        with self._lock:
+            if self._process is None or not self._process.is_alive():
+                self._start()
+            self._pipe.send((db_path, sql, timeout_s, max_rows))
+            if self._pipe.poll(timeout_s + self.GRACE_S):
+                try:
+                    status, payload = self._pipe.recv()
+                except EOFError:  # the child died (e.g. out of memory): a failure, and a fresh child next time
+                    self._stop()
+                    return QueryResult(None, "the query crashed the SQL sandbox")
+                if status == "timeout":
+                    raise QueryTimeout(payload)
+                return payload
+            self._stop()
+            raise QueryTimeout(_timeout_message(timeout_s))
+
+
+def _serve_queries(pipe) -> None:
+    """The sandbox child: run each request and send back ``("ok", QueryResult)`` or ``("timeout", message)``."""
+    while True:
+        try:
+            request = pipe.recv()
+        except EOFError:
+            return
+        try:
+            pipe.send(("ok", _execute_query(*request)))
+        except QueryTimeout as timeout:
+            pipe.send(("timeout", str(timeout)))
+
+
+_WORKER = _SandboxWorker()
+
+
+def _execute_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
+    """Run one checked query on a sandbox connection (in the sandbox child)."""
+    path = Path(db_path)
     deadline = time.monotonic() + timeout_s
     try:
         conn = sandbox_connection(path, deadline)
@@ -133,7 +227,7 @@ def _cached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> Qu
         return QueryResult(tuple(tuple(_normalise(v) for v in row) for row in rows), None, _is_ordered(sql))
     except sqlite3.OperationalError as error:
         if time.monotonic() > deadline:
-            raise QueryTimeout(f"the query ran longer than {timeout_s:g} s and was stopped") from error
+            raise QueryTimeout(_timeout_message(timeout_s)) from error
         return QueryResult(None, str(error))
     except (sqlite3.Error, ValueError, OverflowError, MemoryError) as error:
         return QueryResult(None, str(error) or type(error).__name__)
