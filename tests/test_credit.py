@@ -264,3 +264,27 @@ def test_batch_of_constant_groups_gives_all_zero_token_advantages():
     q = torch.rand(16, 1, 5, generator=torch.Generator().manual_seed(0))
     credit = token_advantages(adv, q, varying, mask, torch.ones(1), beta=0.5)
     assert torch.equal(credit.advantages, torch.zeros(16, 5))
+
+
+def test_gdpo_mode_matches_trl_normalize_then_sum_for_equal_lengths():
+    """Documented relation: at beta 0 with equal completion lengths T, the token-weighted rescale is TRL's
+    response-level normalize_then_sum (whose batch mean is 0 up to rounding) times sqrt((B T - 1) / (T (B - 1))),
+    up to TRL's +1e-4 on the std."""
+    from trl.trainer.utils import nanstd
+
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.randint(0, 4, (16, 3), generator=gen).float() / 3
+    rewards[5, 1] = float("nan")
+    c = torch.tensor([1.0, 0.5, 2.0])
+    grouped = rewards.view(-1, 4, 3)
+    normalised = (
+        (grouped - torch.nanmean(grouped, 1, keepdim=True)) / (nanstd(grouped, 1, keepdim=True) + 1e-4)
+    ).view(16, 3)
+    summed = (normalised * c).nansum(1)
+    trl = (summed - summed.mean()) / (nanstd(summed) + 1e-4)
+    adv, varying = group_advantages(rewards, 4)
+    mask = torch.ones(16, 7)
+    ours = token_advantages(adv, torch.rand(16, 3, 7, generator=gen), varying, mask, c, beta=0.0).advantages
+    # Bessel's correction counts tokens (B*T - 1) on our side and responses (B - 1) on TRL's
+    bessel = math.sqrt((16 * 7 - 1) / (7 * (16 - 1)))
+    torch.testing.assert_close(ours, bessel * trl[:, None].expand(16, 7), atol=1e-3, rtol=1e-3)

@@ -212,7 +212,7 @@ class MRTPOConfig(GRPOConfig):
                 "credit_assignment='grpo' is plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
             )
         if self.credit_assignment != "grpo":
-            # MRTPO's pipeline normalises each reward per group itself (docs/method.md step 1) and rescales by the
+            # MRTPO's pipeline normalises each reward per group itself (method step 1) and rescales by the
             # token-weighted batch std (step 8): TRL's own aggregation and scaling never run.
             for name, default in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
                 if getattr(self, name) != default:
