@@ -227,3 +227,16 @@ def test_spec_validation():
     with pytest.raises(ValueError, match="at least 3 words"):
         GymSpec(length=2)
     assert GymSpec().key() != replace(GymSpec(), num_constraints=6).key()
+
+
+def test_gpu_script_fails_fast_without_cuda(tmp_path):
+    import os
+    import subprocess
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the script would run the grid")
+    result = subprocess.run(
+        ["bash", "benchmarks/gpu_gym.sh", str(tmp_path)], capture_output=True, text=True, timeout=120, env=os.environ
+    )
+    assert result.returncode == 2 and "needs a CUDA device" in result.stderr
+    assert not any(tmp_path.iterdir())

@@ -327,13 +327,16 @@ def run_inspect(args: argparse.Namespace):
 
 def run_gym(args: argparse.Namespace) -> str:
     """Run (or resume) the gym grid and write its results; returns the markdown summary."""
-    from dataclasses import replace
-
-    from .gym import Grid, localisation, quick_grid, run_all
+    from .gym import Grid, large_grid, localisation, quick_grid, run_all
     from .gym.report import write_results
 
     _pin_threads(1)
-    grid = quick_grid() if args.quick else Grid()
+    grid = quick_grid() if args.quick else large_grid() if args.large else Grid()
+    if grid.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("trl-mrtpo gym --large needs a CUDA device; none is available here.")
     if args.seeds is not None:
         grid.seeds = tuple(range(args.seeds))
     if args.methods:
@@ -341,15 +344,19 @@ def run_gym(args: argparse.Namespace) -> str:
     grid.sweep_seeds = args.sweep_seeds
     main_runs = grid.main_runs()
     sweep_runs = grid.sweep_runs() if args.sweeps else []
-    results = run_all([*main_runs, *sweep_runs], args.work_dir, jobs=args.jobs)
+    results = run_all([*main_runs, *sweep_runs], args.work_dir, jobs=args.jobs, device=grid.device)
     located = [
         record
         for seed in grid.seeds
         for record in localisation(
-            replace(grid.spec), seed, os.path.join(args.work_dir, "policies"), num_prompts=grid.localisation_prompts
+            grid.spec,
+            seed,
+            os.path.join(args.work_dir, "policies"),
+            num_prompts=grid.localisation_prompts,
+            device=grid.device,
         )
     ]
-    command = "trl-mrtpo gym" + (" --quick" if args.quick else "") + (" --sweeps" if args.sweeps else "")
+    command = "trl-mrtpo gym" + "".join(f" --{flag}" for flag in ("quick", "large", "sweeps") if getattr(args, flag))
     if args.sweeps and args.sweep_seeds != 4:
         command += f" --sweep-seeds {args.sweep_seeds}"
     markdown = write_results(grid, main_runs, sweep_runs, results, located, args.output_dir, command)
@@ -428,6 +435,11 @@ def build_parser() -> argparse.ArgumentParser:
         "seeds, with paired statistics (about 30 minutes on 2 cores; --quick: about a minute).",
     )
     gym.add_argument("--quick", action="store_true", help="smoke-sized grid (CI)")
+    gym.add_argument(
+        "--large",
+        action="store_true",
+        help="the GPU grid: 16 seeds, K=6, a 4-layer policy of width 128, on CUDA (benchmarks/gpu_gym.sh)",
+    )
     gym.add_argument("--sweeps", action="store_true", help="also run the gdpo vs mrtpo sweeps (K, placement, ...)")
     gym.add_argument("--seeds", type=int, default=None, help="number of seeds (default 8; --quick: 2)")
     gym.add_argument("--sweep-seeds", type=int, default=4, help="seeds per sweep point (default 4)")

@@ -2,7 +2,7 @@
 :mod:`trl_mrtpo.gym.task`), RL runs of every credit mode on it, and the paired comparison that
 ``trl-mrtpo gym`` writes."""
 
-from .grid import METHODS, Grid, Run, quick_grid, run_all, steps_to_threshold, wilcoxon_signed_rank
+from .grid import METHODS, Grid, Run, large_grid, quick_grid, run_all, steps_to_threshold, wilcoxon_signed_rank
 from .runs import RunSettings, localisation, mass_ratio, step_record, train_run
 from .task import (
     KINDS,
@@ -30,6 +30,7 @@ __all__ = [
     "build_tokenizer",
     "constraint_blocks",
     "constraint_rewards",
+    "large_grid",
     "localisation",
     "mass_ratio",
     "parse_constraints",

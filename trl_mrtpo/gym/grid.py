@@ -51,6 +51,7 @@ class Grid:
     threshold: float = 0.75
     localisation_prompts: int = 32
     sweep_seeds: int = 4  # the first seeds of ``seeds`` that every sweep point runs (gdpo and mrtpo each)
+    device: str = "cpu"  # where policies train and runs sample (not part of a run's key)
 
     def main_runs(self) -> list[Run]:
         return [Run(self.spec, replace(self.settings, method=m), seed) for m in self.methods for seed in self.seeds]
@@ -77,6 +78,16 @@ class Grid:
         return runs
 
 
+def large_grid() -> Grid:
+    """The grid for one GPU machine (``benchmarks/gpu_gym.sh``): twice the seeds, K=6, a larger tiny policy."""
+    return Grid(
+        spec=GymSpec(num_constraints=6, hidden_size=128, num_layers=4),
+        seeds=tuple(range(16)),
+        localisation_prompts=16,
+        device="cuda",
+    )
+
+
 def quick_grid() -> Grid:
     """A smoke-sized grid (about a minute on one core): tiny supervised phase, few steps, two seeds."""
     return Grid(
@@ -94,24 +105,18 @@ def _pin_one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def _execute(run: Run, work_dir: str) -> tuple[str, list[dict]]:
+def _execute(run: Run, work_dir: str, device: str) -> tuple[str, list[dict]]:
     from .runs import train_run
 
     folder = Path(work_dir)
-    records = train_run(run.spec, run.settings, run.seed, folder / "policies", folder / "trainer" / run.key())
+    records = train_run(run.spec, run.settings, run.seed, folder / "policies", folder / "trainer" / run.key(), device)
     return run.key(), records
 
 
-def _prepare_policy(spec: GymSpec, seed: int, work_dir: str) -> None:
+def _prepare_policy(spec: GymSpec, seed: int, work_dir: str, device: str) -> None:
     from .task import supervised_policy
 
-    supervised_policy(spec, seed, Path(work_dir) / "policies")
-
-
-def _measure_localisation(spec: GymSpec, seed: int, work_dir: str, num_prompts: int) -> list[dict]:
-    from .runs import localisation
-
-    return localisation(spec, seed, Path(work_dir) / "policies", num_prompts=num_prompts)
+    supervised_policy(spec, seed, Path(work_dir) / "policies", device=device)
 
 
 def _map(function: Callable, jobs: int, *iterables: Iterable) -> Iterable:
@@ -123,7 +128,9 @@ def _map(function: Callable, jobs: int, *iterables: Iterable) -> Iterable:
     return pool.map(function, *iterables)
 
 
-def run_all(runs: Sequence[Run], work_dir: str | Path, jobs: int = 1, progress: bool = True) -> dict[str, list]:
+def run_all(
+    runs: Sequence[Run], work_dir: str | Path, jobs: int = 1, progress: bool = True, device: str = "cpu"
+) -> dict[str, list]:
     """Every run's per-step records, computing only those not already stored in ``work_dir/runs``."""
     from tqdm.auto import tqdm
 
@@ -139,14 +146,12 @@ def run_all(runs: Sequence[Run], work_dir: str | Path, jobs: int = 1, progress: 
             todo.setdefault(run.key(), run)
     # supervised policies first, one per (task, seed), so parallel runs never train the same one twice
     policies = sorted({(run.spec, run.seed) for run in todo.values()}, key=lambda p: p[1])
-    list(
-        _map(
-            _prepare_policy, jobs, [p[0] for p in policies], [p[1] for p in policies], [str(work_dir)] * len(policies)
-        )
-    )
+    if policies:
+        specs, seeds = zip(*policies)
+        list(_map(_prepare_policy, jobs, specs, seeds, [str(work_dir)] * len(specs), [device] * len(specs)))
     pending = list(todo.values())
     bar = tqdm(total=len(pending), desc="gym runs", disable=not progress)
-    for key, records in _map(_execute, jobs, pending, [str(work_dir)] * len(pending)):
+    for key, records in _map(_execute, jobs, pending, [str(work_dir)] * len(pending), [device] * len(pending)):
         run = todo[key]
         payload = {"spec": asdict(run.spec), "settings": asdict(run.settings), "seed": run.seed, "records": records}
         temporary = stored / f"{key}.json.tmp"

@@ -85,7 +85,12 @@ def step_record(rewards: torch.Tensor, constraints: Sequence[Sequence[Sequence[s
 
 
 def train_run(
-    spec: GymSpec, settings: RunSettings, seed: int, cache_dir: str | Path, output_dir: str | Path
+    spec: GymSpec,
+    settings: RunSettings,
+    seed: int,
+    cache_dir: str | Path,
+    output_dir: str | Path,
+    device: str = "cpu",
 ) -> list[dict]:
     """One RL run of ``MRTPOTrainer`` on the gym from the seed's supervised policy; one record per step.
 
@@ -96,7 +101,7 @@ def train_run(
 
     from ..config import MRTPOConfig
 
-    model, tokenizer = supervised_policy(spec, seed, cache_dir)
+    model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     config = MRTPOConfig(
         output_dir=str(output_dir),
         credit_assignment=settings.method,
@@ -111,7 +116,7 @@ def train_run(
         learning_rate=settings.learning_rate,
         lr_scheduler_type="constant",
         seed=seed,
-        use_cpu=True,
+        use_cpu=device == "cpu",
         bf16=False,
         report_to="none",
         save_strategy="no",
@@ -150,7 +155,12 @@ def mass_ratio(profile: torch.Tensor, positions: Sequence[int]) -> float:
 
 @torch.no_grad()
 def localisation(
-    spec: GymSpec, seed: int, cache_dir: str | Path, num_prompts: int = 32, num_generations: int = 4
+    spec: GymSpec,
+    seed: int,
+    cache_dir: str | Path,
+    num_prompts: int = 32,
+    num_generations: int = 4,
+    device: str = "cpu",
 ) -> list[dict]:
     """Where the supervised policy's q lands, against the ground truth, on its own sampled responses.
 
@@ -158,7 +168,7 @@ def localisation(
     ratio of q_k on them (``ratio``) and, as a control, the mass ratio on the same positions of q_j for the next
     constraint j of the prompt, which the reward of k does not depend on (``control``).
     """
-    model, tokenizer = supervised_policy(spec, seed, cache_dir)
+    model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     blocks = constraint_blocks(spec.num_constraints, spec.placement)
     rows = gym_dataset(spec, num_prompts, seed + 1_000_000).to_list()  # prompts no run trains on
     torch.manual_seed(seed)
@@ -167,8 +177,8 @@ def localisation(
         constraints = row_constraints(row["constraints"])
         prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
         sampled = model.generate(
-            torch.tensor([prompt_ids] * num_generations),
-            attention_mask=torch.ones(num_generations, len(prompt_ids), dtype=torch.long),
+            torch.tensor([prompt_ids] * num_generations, device=device),
+            attention_mask=torch.ones(num_generations, len(prompt_ids), dtype=torch.long, device=device),
             do_sample=True,
             max_new_tokens=spec.length + 1,
             pad_token_id=tokenizer.pad_token_id,

@@ -298,7 +298,9 @@ def _sft_batch(rng: random.Random, spec: GymSpec, tokenizer, size: int) -> tuple
     return ids, target
 
 
-def supervised_policy(spec: GymSpec, seed: int, cache_dir: str | Path | None = None, batch_size: int = 64):
+def supervised_policy(
+    spec: GymSpec, seed: int, cache_dir: str | Path | None = None, batch_size: int = 64, device: str = "cpu"
+):
     """``(policy, tokenizer)`` after the supervised phase, trained once per (spec, seed) and cached in ``cache_dir``.
 
     Two stages: at high rates (0.9, noted 0.95) the policy learns what each constraint asks, which it would not
@@ -309,8 +311,8 @@ def supervised_policy(spec: GymSpec, seed: int, cache_dir: str | Path | None = N
     tokenizer = build_tokenizer()
     folder = Path(cache_dir) / f"sft-{spec.key()}-seed{seed}" if cache_dir is not None else None
     if folder is not None and (folder / "config.json").exists():
-        return LlamaForCausalLM.from_pretrained(folder).eval(), tokenizer
-    model = build_policy(tokenizer, spec, seed)
+        return LlamaForCausalLM.from_pretrained(folder).to(device).eval(), tokenizer
+    model = build_policy(tokenizer, spec, seed).to(device)
     rng = random.Random(f"sft-{seed}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     teach = replace(spec, sft_rates=(0.9,) * len(KINDS), sft_noted_rate=0.95)
@@ -319,14 +321,16 @@ def supervised_policy(spec: GymSpec, seed: int, cache_dir: str | Path | None = N
         for group in optimizer.param_groups:
             group["lr"] = lr
         for _ in range(steps):
-            ids, labels = _sft_batch(rng, stage, tokenizer, batch_size)
+            ids, labels = (t.to(device) for t in _sft_batch(rng, stage, tokenizer, batch_size))
             loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
     model.eval()
-    if folder is not None:
-        model.save_pretrained(folder)
+    if folder is not None:  # written beside and renamed: an interrupted save never looks like a cached policy
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        partial.replace(folder)
     return model, tokenizer
 
 
