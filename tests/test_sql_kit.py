@@ -266,4 +266,3 @@ def test_sqlglot_fallback_warnings_stay_out_of_the_log(dbs, caplog):
     with caplog.at_level(logging.WARNING):
         run_query(dbs["shop"], "VACUUM INTO '/tmp/copy.sqlite'")
     assert not [r for r in caplog.records if r.name.startswith("sqlglot")]
-
