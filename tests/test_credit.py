@@ -56,7 +56,7 @@ def test_hand_worked_cap_is_active_for_small_rho():
 
 # ---------------------------------------------------------------- independent float64 reference
 def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
-    """Plain loops in float64, written from DESIGN.md §1 without using credit.py."""
+    """Plain loops in float64, written from docs/method.md without using credit.py."""
     n, k_count = rewards.shape
     rewards, q, c = rewards.double(), q.double(), c.double()
     adv = torch.zeros(n, k_count, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Pure tensor maths of MRTPO credit assignment (DESIGN.md §1, steps 1 and 5-9), and the token weights of the
+"""Pure tensor maths of MRTPO credit assignment (docs/method.md, steps 1 and 5-9), and the token weights of the
 sibling methods CoRT and TACO.
 
 Nothing here knows about TRL or models: every function takes tensors and returns tensors, so each step can be
@@ -247,7 +247,7 @@ def weighted_token_advantages(
 def cort_weights(
     contrast: torch.Tensor, mask: torch.Tensor, strength: float, sharpness: float = 1.0, offset: float = 0.0
 ) -> torch.Tensor:
-    """CoRT token weights (DESIGN.md §1 modes, ``cort``) from the sampled tokens' log-likelihood contrast.
+    """CoRT token weights (docs/method.md, modes, ``cort``) from the sampled tokens' log-likelihood contrast.
 
     ``s_t = sigmoid(tau (delta_t - b)) - 1/2``, ``w~_t = 1 + eta lambda_n s_t``, normalised to mean 1 over each
     response's tokens, where ``delta_t = log pi(y_t | with criteria) - log pi(y_t | without)``.

@@ -1,4 +1,4 @@
-"""Info blocks: the text each reward's verifier decides with, and where it sits (DESIGN.md §1 step 2).
+"""Info blocks: the text each reward's verifier decides with, and where it sits (docs/method.md step 2).
 
 A reward may own an *info block builder*, a callable invoked once per sample as::
 

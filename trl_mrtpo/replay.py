@@ -1,4 +1,4 @@
-"""No-grad replay of sampled completions under several contexts, returning per-token relevance q (DESIGN.md §1
+"""No-grad replay of sampled completions under several contexts, returning per-token relevance q (docs/method.md
 step 4).
 
 The same completion tokens are teacher-forced after ``P_all`` and after each ``P_not_k`` with the sampling-time

@@ -1,4 +1,4 @@
-"""MRTPOTrainer: GRPOTrainer whose advantages are token-level and reward-specific (DESIGN.md §1).
+"""MRTPOTrainer: GRPOTrainer whose advantages are token-level and reward-specific (docs/method.md).
 
 Orchestration only: TRL generates and scores; this class keeps the per-reward rewards, builds the info blocks,
 asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`` advantages, and logs.

@@ -1,4 +1,4 @@
-"""Response-level reward weighting (DESIGN.md §1, the second axis): how much each reward counts, never where its
+"""Response-level reward weighting (docs/method.md, response-level weighting): how much each reward counts, never where its
 credit lands, so it stacks with every ``credit_assignment`` mode.
 
 - ``static``: TRL's ``reward_weights`` c_k.
@@ -143,7 +143,7 @@ def concur_advantages(
 
     1. Gate: an auxiliary reward counts only for passing responses (primary >= ``pass_threshold``); failing ones get
        0 before group standardisation.
-    2. Standardise every gated auxiliary reward per group (step 1 of DESIGN.md).
+    2. Standardise every gated auxiliary reward per group (docs/method.md step 1).
     3. Trust (``ceiling_mode="adaptive"``): merge every group's readings of this batch into ``trust`` first, then
        decide once for the whole batch whether the ceiling is tied; ``"tie"`` always ties, ``"none"`` never does.
     4. Project each group's auxiliary advantages onto the primary order (:func:`concur_project`).

@@ -1,4 +1,4 @@
-"""Kernels of the replay (DESIGN.md §1 step 4): the JS divergence (torch and fused Triton backends behind one entry
+"""Kernels of the replay (docs/method.md step 4): the JS divergence (torch and fused Triton backends behind one entry
 point, :func:`replay_divergence`) and per-token scores of sampled tokens."""
 
 from .divergence import js_divergence, replay_divergence

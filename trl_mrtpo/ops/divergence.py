@@ -1,4 +1,4 @@
-"""Jensen-Shannon divergence between next-token distributions, in fp32 and log space (DESIGN.md §1 step 4)."""
+"""Jensen-Shannon divergence between next-token distributions, in fp32 and log space (docs/method.md step 4)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
 
     This is exactly 0 on identical inputs (``log1p(1)`` is ``ln 2``), agrees with float64 to ~1e-7 bits even where
     one distribution moves most of its mass onto tokens the other finds unlikely (no ``d + ln 2 - softplus(d)``
-    cancellation), and needs two ``exp`` and one ``log1p`` per entry (DESIGN's ``log1p(0.5 * expm1(.))`` form needs
+    cancellation), and needs two ``exp`` and one ``log1p`` per entry (the ``log1p(0.5 * expm1(.))`` form needs
     more passes for the same accuracy). ``a`` is clamped to 100 so zero-probability (-inf) entries contribute their
     exact limit instead of NaN.
 

@@ -1,4 +1,4 @@
-"""Fused Triton replay divergence for GPUs (DESIGN.md §1 step 4).
+"""Fused Triton replay divergence for GPUs (docs/method.md step 4).
 
 Two kernels over vocabulary tiles, neither of which materialises ``[N, V]`` logits:
 
