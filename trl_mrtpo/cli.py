@@ -327,7 +327,7 @@ def run_inspect(args: argparse.Namespace):
 
 def run_gym(args: argparse.Namespace) -> str:
     """Run (or resume) the gym grid and write its results; returns the markdown summary."""
-    from .gym import Grid, large_grid, localisation, quick_grid, run_all
+    from .gym import Grid, large_grid, localisation, quick_grid, run_all, satisfaction
     from .gym.report import write_results
 
     _pin_threads(1)
@@ -356,10 +356,18 @@ def run_gym(args: argparse.Namespace) -> str:
             device=grid.device,
         )
     ]
+    policies = os.path.join(args.work_dir, "policies")
+    rates = [
+        record
+        for seed in grid.seeds
+        for record in satisfaction(
+            grid.spec, seed, policies, num_prompts=grid.localisation_prompts, device=grid.device
+        )
+    ]
     command = "trl-mrtpo gym" + "".join(f" --{flag}" for flag in ("quick", "large", "sweeps") if getattr(args, flag))
     if args.sweeps and args.sweep_seeds != 4:
         command += f" --sweep-seeds {args.sweep_seeds}"
-    markdown = write_results(grid, main_runs, sweep_runs, results, located, args.output_dir, command)
+    markdown = write_results(grid, main_runs, sweep_runs, results, located, args.output_dir, command, rates)
     print(markdown)
     return markdown
 

@@ -1,5 +1,5 @@
-"""Response-level reward weighting (docs/method.md, response-level weighting): how much each reward counts, never where its
-credit lands, so it stacks with every ``credit_assignment`` mode.
+"""Response-level reward weighting (docs/method.md, response-level weighting): how much each reward counts, never
+where its credit lands, so it stacks with every ``credit_assignment`` mode.
 
 - ``static``: TRL's ``reward_weights`` c_k.
 - ``saw``: c_k scaled by ``K * CV_k / sum_j CV_j``, the batch coefficient of variation of each reward (SAW-style).

@@ -3,7 +3,7 @@
 ``trl-mrtpo gym`` writes."""
 
 from .grid import METHODS, Grid, Run, large_grid, quick_grid, run_all, steps_to_threshold, wilcoxon_signed_rank
-from .runs import RunSettings, localisation, mass_ratio, step_record, train_run
+from .runs import RunSettings, localisation, mass_ratio, satisfaction, step_record, train_run
 from .task import (
     KINDS,
     Constraint,
@@ -39,6 +39,7 @@ __all__ = [
     "relevant_positions",
     "run_all",
     "sample_constraints",
+    "satisfaction",
     "step_record",
     "steps_to_threshold",
     "supervised_policy",

@@ -85,6 +85,23 @@ def localisation_rows(records: Sequence[dict]) -> list[dict]:
     return rows
 
 
+def satisfaction_rows(records: Sequence[dict]) -> list[dict]:
+    """Per constraint kind: the supervised policy's satisfaction rate with the constraint stated and removed."""
+    rows = []
+    for kind in KINDS:
+        chosen = [r for r in records if r["kind"] == kind]
+        if chosen:
+            rows.append(
+                {
+                    "kind": kind,
+                    "constraints": len(chosen),
+                    "stated": statistics.fmean(r["stated"] for r in chosen),
+                    "removed": statistics.fmean(r["removed"] for r in chosen),
+                }
+            )
+    return rows
+
+
 def plot_curves(runs: Sequence[Run], results: dict, methods: Sequence[str], path: Path, title: str) -> None:
     import matplotlib
 
@@ -129,6 +146,7 @@ def write_results(
     localisation: Sequence[dict],
     output_dir: str | Path,
     command: str,
+    satisfaction: Sequence[dict] = (),
 ) -> str:
     """Write ``runs.csv``, ``summary.csv``, ``comparison.csv``, ``localisation.csv``, ``sweeps.csv``,
     ``curves.png`` and ``results.md`` in ``output_dir``; return the markdown."""
@@ -149,6 +167,7 @@ def write_results(
     _write_csv(output / "comparison.csv", comparison)
     located = localisation_rows(localisation)
     _write_csv(output / "localisation.csv", located)
+    _write_csv(output / "supervised_policy.csv", satisfaction_rows(satisfaction))
     plot_curves(
         main,
         results,
@@ -169,6 +188,18 @@ def write_results(
         f"{grid.settings.credit_beta:g}, cap rho {grid.settings.max_second_moment_ratio:g}; seeds "
         f"{', '.join(map(str, grid.seeds))}. Threshold: the {MOVING_WINDOW}-step moving mean of the mean reward "
         f"reaches {grid.threshold:g} (a run that never does counts as {steps} steps in the paired test).",
+        "",
+        "## The supervised policy (before RL)",
+        "",
+        "Share of sampled responses meeting a constraint when the prompt states it, and when that constraint is "
+        "removed from the prompt (held-out prompts, 4 samples each, every seed).",
+        "",
+        "| kind | constraints | stated | removed |",
+        "|---|---|---|---|",
+        *[
+            f"| {r['kind']} | {r['constraints']} | {r['stated']:.3f} | {r['removed']:.3f} |"
+            for r in satisfaction_rows(satisfaction)
+        ],
         "",
         "## Learning, per method",
         "",

@@ -20,6 +20,7 @@ from .task import (
     constraint_blocks,
     constraint_rewards,
     gym_example,
+    prompt_text,
     relevant_positions,
     response_words,
     row_constraints,
@@ -144,6 +145,45 @@ def train_run(
     ]
 
 
+@torch.no_grad()
+def satisfaction(
+    spec: GymSpec,
+    seed: int,
+    cache_dir: str | Path,
+    num_prompts: int = 32,
+    num_generations: int = 4,
+    device: str = "cpu",
+) -> list[dict]:
+    """How often the supervised policy meets each constraint when it is stated, and when it is removed from the
+    prompt (the policy conditions on its constraints when the second is lower). One record per constraint."""
+    model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
+    torch.manual_seed(seed)
+    records = []
+    for row in gym_dataset(spec, num_prompts, seed + 2_000_000).to_list():
+        constraints = row_constraints(row["constraints"])
+        for k, constraint in enumerate(constraints):
+            rates = {}
+            for label, kept in (("stated", constraints), ("removed", constraints[:k] + constraints[k + 1 :])):
+                words = _sample_words(model, tokenizer, prompt_text(kept), spec.length, num_generations, device)
+                rates[label] = sum(constraint.satisfied(w) for w in words) / num_generations
+            records.append({"seed": seed, "kind": constraint.kind, **rates})
+    return records
+
+
+def _sample_words(model, tokenizer, content: str, length: int, count: int, device: str) -> list[list[str]]:
+    prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": content}])
+    sampled = model.generate(
+        torch.tensor([prompt_ids] * count, device=device),
+        attention_mask=torch.ones(count, len(prompt_ids), dtype=torch.long, device=device),
+        do_sample=True,
+        max_new_tokens=length + 1,
+        pad_token_id=tokenizer.pad_token_id,
+        top_k=0,
+        top_p=1.0,
+    )[:, len(prompt_ids) :]
+    return [response_words(tokenizer.decode(ids, skip_special_tokens=False)) for ids in sampled.tolist()]
+
+
 def mass_ratio(profile: torch.Tensor, positions: Sequence[int]) -> float:
     """Share of a q profile's mass on ``positions`` divided by their share of the tokens (1: no localisation);
     NaN for a profile without mass."""
@@ -221,6 +261,7 @@ __all__ = [
     "gym_dataset",
     "localisation",
     "mass_ratio",
+    "satisfaction",
     "step_record",
     "train_run",
 ]
