@@ -2,7 +2,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
+
+# Property tests draw the same examples on every run (CI included): a failure is reproducible, never a flake.
+# HYPOTHESIS_PROFILE=explore draws fresh examples when hunting for new edge cases.
+settings.register_profile("deterministic", derandomize=True, deadline=None, print_blob=True)
+settings.register_profile("explore", deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 # Two cores: without a pin, torch's threads fight the other test worker and slow down 20-50x.
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -204,7 +204,8 @@ def test_gym_quick_cli_writes_every_result(tmp_path):
 
     out = tmp_path / "results"
     main(["gym", "--quick", "--jobs", "1", "--work-dir", str(tmp_path / "work"), "--output-dir", str(out)])
-    for name in ("runs.csv", "summary.csv", "comparison.csv", "localisation.csv", "curves.png", "results.md"):
+    files = ("runs.csv", "summary.csv", "comparison.csv", "localisation.csv", "supervised_policy.csv", "curves.png")
+    for name in (*files, "results.md"):
         assert (out / name).stat().st_size > 0, name
     with open(out / "summary.csv") as handle:
         summary = list(csv.DictReader(handle))

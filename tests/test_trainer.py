@@ -115,30 +115,33 @@ def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_token
     class CheckingTrainer(RecordingTrainer):
         def _replay(self, inputs, prompts, completions, rewards, varying, output):
             relevance, replayed = super()._replay(inputs, prompts, completions, rewards, varying, output)
-            # Right here the policy holds the sampling-time weights.
-            i, k = 0, 0  # sample 0, end_phrase reward (an in-prompt block)
+            # Right here the policy holds the sampling-time weights. Sample 0, each constraint reward in turn (all
+            # in-prompt blocks): q must sit on the reward whose span was removed.
+            i = 0
             length = int(output["completion_mask"][i].sum())
             completion = output["completion_ids"][i, :length].tolist()
-            span = inputs[i]["constraints"]["end_phrase"]
             user = prompts[i][-1]["content"]
-            p_all = [{"role": "user", "content": user}]
-            p_not = [{"role": "user", "content": user.replace(span, "", 1)}]
+            self.hand_q, self.trainer_q = [], []
             model = self.model
             model.eval()
-            with torch.no_grad():
-                logprobs = []
-                for context in (p_all, p_not):
-                    ids = tiny_tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False)
-                    ids = tiny_tokenizer(ids, add_special_tokens=False)["input_ids"]
-                    logits = model(input_ids=torch.tensor([ids + completion])).logits[0].double()
-                    logits = logits[len(ids) - 1 : len(ids) - 1 + length] / self.temperature
-                    logprobs.append(logits.log_softmax(-1))
+            for k, name in enumerate(("end_phrase", "keyword", "lowercase")):
+                span = inputs[i]["constraints"][name]
+                p_all = [{"role": "user", "content": user}]
+                p_not = [{"role": "user", "content": user.replace(" " + span, "", 1).replace(span, "", 1)}]
+                with torch.no_grad():
+                    logprobs = []
+                    for context in (p_all, p_not):
+                        ids = tiny_tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False)
+                        ids = tiny_tokenizer(ids, add_special_tokens=False)["input_ids"]
+                        logits = model(input_ids=torch.tensor([ids + completion])).logits[0].double()
+                        logits = logits[len(ids) - 1 : len(ids) - 1 + length] / self.temperature
+                        logprobs.append(logits.log_softmax(-1))
+                p, q = logprobs[0].exp(), logprobs[1].exp()
+                m = 0.5 * (p + q)
+                js = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+                self.hand_q.append(js / math.log(2))
+                self.trainer_q.append(relevance[i, k, :length])
             model.train()
-            p, q = logprobs[0].exp(), logprobs[1].exp()
-            m = 0.5 * (p + q)
-            js = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
-            self.hand_q = js / math.log(2)
-            self.trainer_q = relevance[i, k, :length]
             return relevance, replayed
 
     trainer = CheckingTrainer(
@@ -151,8 +154,11 @@ def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_token
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     trainer.train()
-    assert trainer.hand_q.max() > 1e-4  # the removed span matters to this model
-    torch.testing.assert_close(trainer.trainer_q.double(), trainer.hand_q, atol=2e-6, rtol=1e-4)
+    for hand, placed in zip(trainer.hand_q, trainer.trainer_q):
+        assert hand.max() > 1e-5  # the removed span matters to this model
+        torch.testing.assert_close(placed.double(), hand, atol=2e-6, rtol=1e-4)
+    # the three profiles differ, so q placed on the wrong reward would not pass
+    assert all(not torch.allclose(a, b, atol=1e-6) for a, b in zip(trainer.hand_q, trainer.hand_q[1:]))
 
 
 def test_appended_blocks_with_plain_prompts(tiny_model, tiny_tokenizer, tmp_path):

@@ -1,0 +1,168 @@
+"""The advantages MRTPOTrainer hands to the loss, recomputed from what it recorded with an independent float64
+reference (tests/test_credit.py's loops, not the functions under test), for every mode and weighting.
+
+Each test trains a real step on a tiny random Llama with the demo task and replays every pair, so the recorded
+q profiles are real; the reference then rebuilds group normalisation, response weighting, token weights, the cap
+and the batch rescale from the rewards and q alone.
+"""
+
+import math
+
+import pytest
+import torch
+
+from tests.test_credit import reference_token_advantages
+from tests.test_trainer import RecordingTrainer, graded_length, make_args
+from trl_mrtpo.credit import warmup_beta
+from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+
+
+class CreditTrainer(RecordingTrainer):
+    """Keeps every generation's credit record (rewards, q, replayed pairs, advantages)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.credits = []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.credits.append(self.last_credit)
+        return output
+
+
+def run(tiny_model, tiny_tokenizer, tmp_path, rewards=DEMO_REWARDS, blocks=DEMO_INFO_BLOCKS, **overrides):
+    values = dict(max_steps=2, per_device_train_batch_size=8, num_generations=4, replay_only_varying=True)
+    values.update(overrides)
+    trainer = CreditTrainer(
+        model=tiny_model,
+        reward_funcs=rewards,
+        info_blocks=blocks,
+        args=make_args(tmp_path, **values),
+        train_dataset=make_demo_dataset(16),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert len(trainer.credits) == values["max_steps"]
+    return trainer
+
+
+def reference_saw(rewards):
+    """SAW weights in float64 loops: K * CV_k / sum CV with CV = std (Bessel) / |mean| over non-NaN values."""
+    cvs = []
+    for k in range(rewards.shape[1]):
+        values = [v for v in rewards[:, k].tolist() if not math.isnan(v)]
+        mean = sum(values) / len(values) if values else 0.0
+        if len(values) < 2 or abs(mean) < 1e-6:
+            cvs.append(0.0)
+            continue
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        cvs.append(std / abs(mean))
+    total = sum(cvs)
+    return torch.tensor([len(cvs) * cv / total if total else 1.0 for cv in cvs], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("weighting", ["static", "saw"])
+@pytest.mark.parametrize("mode", ["mrtpo", "gdpo", "joint", "shuffled"])
+def test_token_advantages_match_float64_reference(tiny_model, tiny_tokenizer, tmp_path, mode, weighting):
+    # a fractional reward that always varies, beside the demo's: at least two rewards carry signal, so their
+    # relative weights (SAW) show in the token advantages
+    trainer = run(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[graded_length, *DEMO_REWARDS],
+        blocks=[lambda **_: "Be long.", *DEMO_INFO_BLOCKS],
+        credit_assignment=mode,
+        reward_weighting=weighting,
+    )
+    for credit in trainer.credits:
+        expected_beta = 0.0 if mode == "gdpo" else 0.5
+        assert credit.beta == expected_beta
+        c = trainer.reward_weights.double()
+        if weighting == "saw":
+            c = c * reference_saw(credit.rewards.double())
+        expected, _ = reference_token_advantages(
+            credit.rewards.double(), credit.relevance.double(), credit.mask, c, credit.beta, 2.0, G=4
+        )
+        torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
+        if mode != "gdpo":
+            assert credit.replayed.any()
+            # beta > 0 and a q that varies: tokens of a replayed response are not uniform
+            rows = credit.replayed.any(1).nonzero().flatten().tolist()
+            spread = [credit.advantages[j, : int(credit.mask[j].sum())].std().item() for j in rows]
+            assert max(spread) > 1e-4
+        if mode == "joint":  # one replay with every block removed: the same profile for each replayed reward
+            for j, k_row in enumerate(credit.replayed):
+                ks = k_row.nonzero().flatten().tolist()
+                for k in ks[1:]:
+                    assert torch.equal(credit.relevance[j, k], credit.relevance[j, ks[0]])
+
+
+def test_shuffled_q_is_a_permutation_of_mrtpo_q(tiny_tokenizer, tmp_path):
+    from tests.conftest import build_tiny_model
+
+    plain = run(build_tiny_model(tiny_tokenizer), tiny_tokenizer, tmp_path / "a", credit_assignment="mrtpo")
+    shuffled = run(build_tiny_model(tiny_tokenizer), tiny_tokenizer, tmp_path / "b", credit_assignment="shuffled")
+    # same weights and seed: the first generation samples the same completions and replays the same pairs
+    first, second = plain.credits[0], shuffled.credits[0]
+    assert torch.equal(first.completion_ids, second.completion_ids) and torch.equal(first.replayed, second.replayed)
+    moved = 0
+    for j, k in first.replayed.nonzero().tolist():
+        length = int(first.mask[j].sum())
+        a, b = first.relevance[j, k, :length], second.relevance[j, k, :length]
+        assert torch.equal(a.sort().values, b.sort().values)
+        moved += int(not torch.equal(a, b))
+    assert moved > 0
+
+
+def test_beta_follows_the_warmup_schedule_in_training(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_warmup_steps=3, max_steps=4)
+    used = [credit.beta for credit in trainer.credits]
+    assert used == pytest.approx([warmup_beta(0.5, step, 3) for step in range(4)])
+    assert used[0] == 0.0 and 0 < used[1] < used[2] < used[3] == 0.5
+    logged = [h["mrtpo/beta"] for h in trainer.state.log_history if "mrtpo/beta" in h]
+    assert logged == pytest.approx(used)
+
+
+def test_groups_are_the_prompt_groups(tiny_model, tiny_tokenizer, tmp_path):
+    """Each group of num_generations rows shares a prompt, and its per-reward advantages are centred."""
+    trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_assignment="gdpo")
+    for credit in trainer.credits:
+        for g in range(0, len(credit.prompts), 4):
+            assert all(p == credit.prompts[g] for p in credit.prompts[g : g + 4])
+            torch.testing.assert_close(
+                credit.group_advantages[g : g + 4].sum(0), torch.zeros(credit.rewards.shape[1]), atol=1e-5, rtol=0
+            )
+
+
+def test_concur_shapes_the_auxiliary_advantages(tiny_model, tiny_tokenizer, tmp_path):
+    """CONCUR (first reward primary, pass threshold 1): a failing response's auxiliary reward is gated to 0 before
+    group normalisation, so failing responses of a group share one auxiliary advantage, never above a passing
+    one's; the token advantages are then steps 5-8 of the recorded (projected) advantages."""
+    from trl_mrtpo.credit import token_advantages
+
+    trainer = run(tiny_model, tiny_tokenizer, tmp_path, reward_weighting="concur", concur_ceiling_mode="tie")
+    varied = 0
+    for credit in trainer.credits:
+        primary = credit.rewards[:, 0]
+        for g in range(0, len(primary), 4):
+            rows = range(g, g + 4)
+            failing = [j for j in rows if primary[j] < 1]
+            passing = [j for j in rows if primary[j] >= 1]
+            for k in (1, 2):
+                values = {round(credit.group_advantages[j, k].item(), 6) for j in failing}
+                assert len(values) <= 1
+                varied += len({credit.rewards[j, k].item() for j in failing}) > 1  # raw rewards did differ
+                if failing and passing:
+                    low = credit.group_advantages[failing[0], k]
+                    assert all(credit.group_advantages[j, k] >= low - 1e-6 for j in passing)
+        recomputed = token_advantages(
+            credit.group_advantages,
+            credit.relevance,
+            credit.replayed,
+            credit.mask,
+            trainer.reward_weights,
+            credit.beta,
+        )
+        torch.testing.assert_close(credit.advantages, recomputed.advantages)
+    assert varied > 0  # the gate had something to remove
