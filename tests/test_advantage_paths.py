@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.test_credit import reference_token_advantages
-from tests.test_trainer import RecordingTrainer, graded_length, make_args
+from tests.test_trainer import RecordingTrainer, graded_length, graded_length_too, make_args
 from trl_mrtpo.credit import warmup_beta
 from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
 
@@ -166,3 +166,97 @@ def test_concur_shapes_the_auxiliary_advantages(tiny_model, tiny_tokenizer, tmp_
         )
         torch.testing.assert_close(credit.advantages, recomputed.advantages)
     assert varied > 0  # the gate had something to remove
+
+
+class LossInputsTrainer(CreditTrainer):
+    """Also keeps what `_compute_loss` receives."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.generated, self.loss_inputs = [], []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.generated.append({k: output[k].clone() for k in ("completion_ids", "advantages")})
+        return output
+
+    def _compute_loss(self, model, inputs):
+        self.loss_inputs.append({k: inputs[k].clone() for k in ("completion_ids", "advantages")})
+        return super()._compute_loss(model, inputs)
+
+
+def test_the_loss_receives_the_advantages_computed_at_generation(tiny_model, tiny_tokenizer, tmp_path):
+    """num_iterations=2, steps_per_generation=2, gradient accumulation 2: every row the loss sees is a row of its
+    generation batch, advantages unchanged, and each generated row is used num_iterations times."""
+    trainer = LossInputsTrainer(
+        model=tiny_model,
+        reward_funcs=[graded_length, *DEMO_REWARDS],
+        info_blocks=[lambda **_: "Be long.", *DEMO_INFO_BLOCKS],
+        args=make_args(
+            tmp_path,
+            max_steps=4,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            steps_per_generation=2,
+            gradient_accumulation_steps=2,
+            num_iterations=2,
+        ),
+        train_dataset=make_demo_dataset(16),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert trainer.generated and trainer.loss_inputs
+    generated = [
+        (tuple(ids.tolist()), adv)
+        for batch in trainer.generated
+        for ids, adv in zip(batch["completion_ids"], batch["advantages"])
+    ]
+    uses = [0] * len(generated)
+    for batch in trainer.loss_inputs:
+        for ids, adv in zip(batch["completion_ids"], batch["advantages"]):
+            width = adv.shape[0]
+            matches = [
+                i
+                for i, (g_ids, g_adv) in enumerate(generated)
+                if g_ids[:width] == tuple(ids.tolist()) and torch.equal(g_adv[:width], adv)
+            ]
+            assert matches, "a loss row matches no generated row"
+            uses[matches[0]] += 1
+    assert sum(uses) == 2 * len(generated)  # num_iterations = 2: every generated row, twice
+
+
+def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, tiny_tokenizer, tmp_path):
+    import copy
+
+    trainer = CreditTrainer(
+        model=tiny_model,
+        reward_funcs=[graded_length, graded_length_too, *DEMO_REWARDS[:3]],
+        info_blocks=[None, lambda **_: "Be long.", *DEMO_INFO_BLOCKS[:3]],
+        args=make_args(
+            tmp_path,
+            max_steps=2,
+            reward_weighting="concur",
+            concur_pass_threshold=0.3,
+            concur_ceiling=0.5,
+            concur_min_readings=2,
+            num_generations_eval=2,
+            per_device_eval_batch_size=4,
+        ),
+        train_dataset=make_demo_dataset(8),
+        eval_dataset=make_demo_dataset(4, seed=1),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    trust = copy.deepcopy(trainer._concur_trust)
+    assert trust and sum(state.count for state in trust.values()) > 0
+    trainer.credits.clear()
+    trainer.evaluate()
+    assert trainer._concur_trust == trust
+    assert trainer.credits
+    for credit in trainer.credits:  # groups of num_generations_eval = 2: each pair's advantages are centred
+        for g in range(0, len(credit.prompts), 2):
+            assert credit.prompts[g] == credit.prompts[g + 1]
+            torch.testing.assert_close(
+                credit.group_advantages[g : g + 2].sum(0), torch.zeros(credit.rewards.shape[1]), atol=1e-5, rtol=0
+            )
