@@ -10,7 +10,7 @@ from trl_mrtpo.demo import DEMO_TASKS, demo_task
 from trl_mrtpo.info_blocks import InfoBlock
 
 
-@pytest.mark.parametrize("task", ["sql", "if", "tools"])
+@pytest.mark.parametrize("task", ["sql", "if", "tools", "short"])
 def test_kit_trains_two_steps(tiny_model, tiny_tokenizer, tmp_path, task):
     rewards, blocks, dataset = demo_task(task, num_prompts=8, seed=0, cache_dir=str(tmp_path / "db"))
     trainer = RecordingTrainer(
@@ -39,7 +39,7 @@ def test_sql_kit_blocks_build_real_contexts(tmp_path):
 
 
 def test_unknown_demo_task():
-    assert DEMO_TASKS == ("basic", "sql", "if", "tools")
+    assert DEMO_TASKS == ("basic", "sql", "if", "tools", "short")
     with pytest.raises(ValueError, match="unknown task 'chess'"):
         demo_task("chess", 8, 0, "/tmp")
 
@@ -58,3 +58,29 @@ def test_basic_demo_rewards_never_raise(junk):
     row = dataset[0]
     for reward in rewards:
         assert reward([junk], end_phrase=[row["end_phrase"]], keyword=[row["keyword"]]) in ([0.0], [1.0])
+
+
+def test_short_answer_rewards_by_hand():
+    from trl_mrtpo.reward_funcs.short_answers import (
+        brevity_reward,
+        ending_reward,
+        keyword_reward,
+        opening_reward,
+    )
+
+    replies = ["The apple is nice!", "  a pear, a great one.", "Apples.", "", "The " + "very " * 12 + "long one!"]
+    assert opening_reward(replies, opening=["The", "A", "The", "The", "the"]) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert keyword_reward(replies, keyword=["nice", "great", "nice", "nice", "great"]) == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert brevity_reward(replies) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert ending_reward(replies) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert opening_reward([[{"role": "assistant", "content": "A cat."}]], opening=["A"]) == [1.0]
+
+
+def test_short_answer_blocks_are_unique_spans():
+    _, blocks, dataset = demo_task("short", num_prompts=6, seed=2)
+    for row in dataset:
+        text = row["prompt"][0]["content"]
+        for block in blocks:
+            built = block(prompt=row["prompt"], completion="", row=row, score=0.0)
+            assert built.placement == "in_prompt" and text.count(built.text) == 1
+
