@@ -83,4 +83,3 @@ def test_short_answer_blocks_are_unique_spans():
         for block in blocks:
             built = block(prompt=row["prompt"], completion="", row=row, score=0.0)
             assert built.placement == "in_prompt" and text.count(built.text) == 1
-
