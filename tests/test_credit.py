@@ -113,7 +113,8 @@ def batches(draw):
     n = groups * G
     seed = draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
-    rewards = torch.randint(0, 3, (n, K), generator=gen).float()
+    # integer or fractional rewards (thirds, sevenths: values whose fp32 group mean is not exact)
+    rewards = torch.randint(0, 3, (n, K), generator=gen).float() / draw(st.sampled_from([1.0, 3.0, 7.0]))
     nan_mask = torch.rand(n, K, generator=gen) < draw(st.sampled_from([0.0, 0.2]))
     rewards[nan_mask] = float("nan")
     lengths = torch.randint(1, C + 1, (n,), generator=gen)
