@@ -40,7 +40,7 @@ def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
     argv = ["--quick", "--threads", "1", "--work-dir", str(work), "--output-dir", str(out), "--seeds", "0"]
     summary = convergence.main(argv + ["--methods", "gdpo", "mrtpo"])
     assert [(s["task"], s["method"]) for s in summary] == [
-        (task, method) for task in ("tools", "if") for method in ("gdpo", "mrtpo")
+        (task, method) for task in ("tools", "if", "short") for method in ("gdpo", "mrtpo")
     ]
     assert all(s["seeds"] == 1 for s in summary)
     for name in ("convergence_steps.csv", "convergence_summary.csv", "convergence.png", "convergence.md"):
@@ -49,6 +49,13 @@ def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
     assert {int(r["step"]) for r in rows} == {1, 2}
     assert {r["reward"] for r in rows if r["task"] == "tools"} == {"tool_format_reward", "tool_correctness_reward"}
     assert {r["reward"] for r in rows if r["task"] == "if"} == {f"if_constraint_{k}" for k in range(1, 14)}
+    assert {r["reward"] for r in rows if r["task"] == "short"} == {
+        "opening_reward",
+        "keyword_reward",
+        "brevity_reward",
+        "ending_reward",
+    }
+    assert "short: every reward, first step" in (out / "convergence.md").read_text()
 
     # A run interrupted after its first checkpoint resumes from it and still records both steps.
     run = work / "if" / "mrtpo" / "seed0"
