@@ -72,7 +72,9 @@ def length_reward(completions: list, **kwargs) -> list[float]:
     return [float(0 < len(completion_text(c).split()) <= MAX_WORDS) for c in completions]
 
 
-def _constraint_block(name: str):
+def constraint_block(name: str):
+    """An in-prompt info block builder: the sentence ``row["constraints"][name]`` of the prompt."""
+
     def builder(*, prompt, completion, row, score) -> InfoBlock:
         return InfoBlock(row["constraints"][name], placement="in_prompt")
 
@@ -82,9 +84,9 @@ def _constraint_block(name: str):
 
 DEMO_REWARDS = [end_phrase_reward, keyword_reward, lowercase_reward, length_reward]
 DEMO_INFO_BLOCKS = [
-    _constraint_block("end_phrase"),
-    _constraint_block("keyword"),
-    _constraint_block("lowercase"),
+    constraint_block("end_phrase"),
+    constraint_block("keyword"),
+    constraint_block("lowercase"),
     None,
 ]
 

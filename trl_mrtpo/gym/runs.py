@@ -170,8 +170,9 @@ def satisfaction(
     return records
 
 
-def _sample_words(model, tokenizer, content: str, length: int, count: int, device: str) -> list[list[str]]:
-    prompt_ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": content}])
+def _sample(model, tokenizer, messages: list[dict], length: int, count: int, device: str) -> list[list[int]]:
+    """``count`` answers to a conversation, as token ids up to and including the end token."""
+    prompt_ids = chat_prompt_ids(tokenizer, messages)
     sampled = model.generate(
         torch.tensor([prompt_ids] * count, device=device),
         attention_mask=torch.ones(count, len(prompt_ids), dtype=torch.long, device=device),
@@ -180,8 +181,15 @@ def _sample_words(model, tokenizer, content: str, length: int, count: int, devic
         pad_token_id=tokenizer.pad_token_id,
         top_k=0,
         top_p=1.0,
-    )[:, len(prompt_ids) :]
-    return [response_words(tokenizer.decode(ids, skip_special_tokens=False)) for ids in sampled.tolist()]
+    )[:, len(prompt_ids) :].tolist()
+    eos = tokenizer.eos_token_id
+    return [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in sampled]
+
+
+def _sample_words(model, tokenizer, content: str, length: int, count: int, device: str) -> list[list[str]]:
+    messages = [{"role": "user", "content": content}]
+    sampled = _sample(model, tokenizer, messages, length, count, device)
+    return [response_words(tokenizer.decode(ids, skip_special_tokens=False)) for ids in sampled]
 
 
 def mass_ratio(profile: torch.Tensor, positions: Sequence[int]) -> float:
@@ -215,22 +223,11 @@ def localisation(
     contexts, completions, owners = [], [], []
     for row in rows:
         constraints = row_constraints(row["constraints"])
-        prompt_ids = chat_prompt_ids(tokenizer, row["prompt"])
-        sampled = model.generate(
-            torch.tensor([prompt_ids] * num_generations, device=device),
-            attention_mask=torch.ones(num_generations, len(prompt_ids), dtype=torch.long, device=device),
-            do_sample=True,
-            max_new_tokens=spec.length + 1,
-            pad_token_id=tokenizer.pad_token_id,
-            top_k=0,
-            top_p=1.0,
-        )[:, len(prompt_ids) :].tolist()
+        sampled = _sample(model, tokenizer, row["prompt"], spec.length, num_generations, device)
         info = [block(row=row) for block in blocks]
         p_all, removed = build_contexts(row["prompt"], info, [[k] for k in range(len(info))], SEPARATOR)
         context_ids = [chat_prompt_ids(tokenizer, p) for p in (p_all, *removed)]
         for ids in sampled:
-            if tokenizer.eos_token_id in ids:
-                ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
             contexts.append(context_ids)
             completions.append(ids)
             owners.append(constraints)

@@ -5,7 +5,7 @@ Each prompt asks one short question and states four constraints, each one senten
 reward whose info block is that sentence (*in-prompt* placement). The constraints differ in where they bind:
 
 - ``opening``: the reply starts with a given word (its first token);
-- ``keyword``: a given word occurs anywhere (free position);
+- ``keyword``: a given word occurs anywhere (free position; the demo task's reward);
 - ``brevity``: at most ``MAX_WORDS`` words (global: every token, and where the reply stops);
 - ``ending``: the reply ends with an exclamation mark (its last token).
 """
@@ -17,7 +17,7 @@ import re
 
 from datasets import Dataset
 
-from ..info_blocks import InfoBlock
+from ..demo import constraint_block, keyword_reward
 from ..utils import completion_text
 
 QUESTIONS = [
@@ -79,14 +79,6 @@ def opening_reward(completions: list, opening: list[str], **kwargs) -> list[floa
     return out
 
 
-def keyword_reward(completions: list, keyword: list[str], **kwargs) -> list[float]:
-    """1 when the requested word occurs as a whole word (case-insensitive)."""
-    return [
-        float(re.search(rf"\b{re.escape(k)}\b", completion_text(c), re.IGNORECASE) is not None)
-        for c, k in zip(completions, keyword)
-    ]
-
-
 def brevity_reward(completions: list, **kwargs) -> list[float]:
     """1 for a non-empty reply of at most ``MAX_WORDS`` words."""
     return [float(0 < len(completion_text(c).split()) <= MAX_WORDS) for c in completions]
@@ -97,13 +89,5 @@ def ending_reward(completions: list, **kwargs) -> list[float]:
     return [float(completion_text(c).rstrip().endswith("!")) for c in completions]
 
 
-def _sentence_block(name: str):
-    def builder(*, prompt, completion, row, score) -> InfoBlock:
-        return InfoBlock(row["constraints"][name], placement="in_prompt")
-
-    builder.__name__ = f"{name}_block"
-    return builder
-
-
 SHORT_ANSWER_REWARDS = [opening_reward, keyword_reward, brevity_reward, ending_reward]
-SHORT_ANSWER_INFO_BLOCKS = [_sentence_block(name) for name in CONSTRAINTS]
+SHORT_ANSWER_INFO_BLOCKS = [constraint_block(name) for name in CONSTRAINTS]
