@@ -11,7 +11,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    # fences at the start of a line: the code itself may hold ``` in strings
+    return re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.DOTALL | re.MULTILINE)
 
 
 def for_cpu(code: str, model_path: str) -> str:
