@@ -196,6 +196,7 @@ def summarise(results: list[dict], baselines: dict[str, float], args: argparse.N
         f"| {s['final_tracked_reward']} | {s['eval_before']} | {s['eval_after']} |"
         for s in summary
     ]
+    lines += paired_lines(results, args)
     for task in args.tasks:
         names = list(next(r for r in results if r["task"] == task)["rewards"][0])
         lines += [
@@ -218,6 +219,36 @@ def summarise(results: list[dict], baselines: dict[str, float], args: argparse.N
     print("\n".join(lines))
     plot(results, args, out_dir / "convergence.png")
     return summary
+
+
+def paired_lines(results: list[dict], args: argparse.Namespace) -> list[str]:
+    """Every method against gdpo, paired by seed on the final tracked reward (mean difference, W/T/L, exact
+    Wilcoxon p; with 3 seeds the smallest possible p is 0.25)."""
+    from trl_mrtpo.gym.grid import paired
+
+    if "gdpo" not in args.methods:
+        return []
+    lines = ["", "Against gdpo, paired by seed (final tracked reward):", ""]
+    lines += ["| task | method | pairs | mean difference | W/T/L | p |", "|---|---|---|---|---|---|"]
+    for task in args.tasks:
+        rows = [
+            {
+                "method": r["method"],
+                "seed": r["seed"],
+                "final": statistics.fmean(tracked_reward(task, s) for s in r["rewards"][-args.final_window :]),
+            }
+            for r in results
+            if r["task"] == task
+        ]
+        for method in args.methods:
+            if method == "gdpo":
+                continue
+            c = paired(rows, method, "gdpo", "final")
+            lines.append(
+                f"| {task} | {method} | {c['pairs']} | {c['mean_difference']:+.3f} | "
+                f"{c['wins']}/{c['ties']}/{c['losses']} | {c['p_value']:.3f} |"
+            )
+    return lines
 
 
 def plot(results: list[dict], args: argparse.Namespace, path: Path) -> None:

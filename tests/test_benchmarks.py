@@ -81,3 +81,15 @@ def test_replay_overhead_smoke_run(tmp_path):
     assert [(r["method"], r["step"]) for r in rows] == [("gdpo", "0"), ("gdpo", "1"), ("mrtpo", "0"), ("mrtpo", "1")]
     assert all(float(r["replay_seconds"]) == 0 for r in rows if r["method"] == "gdpo")
     assert "| basic | mrtpo |" in result.stdout
+
+
+def test_paired_lines_compare_each_method_with_gdpo_by_seed():
+    import argparse
+
+    def run(method, seed, value):
+        return {"task": "short", "method": method, "seed": seed, "rewards": [{"a": 0.0}, {"a": value}]}
+
+    results = [run("gdpo", 0, 0.5), run("gdpo", 1, 0.6), run("mrtpo", 0, 0.7), run("mrtpo", 1, 0.6)]
+    args = argparse.Namespace(methods=["gdpo", "mrtpo"], tasks=["short"], final_window=1)
+    lines = convergence.paired_lines(results, args)
+    assert lines[-1] == "| short | mrtpo | 2 | +0.100 | 1/1/0 | 1.000 |"
