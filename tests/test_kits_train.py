@@ -83,3 +83,14 @@ def test_short_answer_blocks_are_unique_spans():
         for block in blocks:
             built = block(prompt=row["prompt"], completion="", row=row, score=0.0)
             assert built.placement == "in_prompt" and text.count(built.text) == 1
+
+
+def test_short_answer_checkable_spans():
+    from trl_mrtpo.inspection import checkable_spans
+
+    text = "The sun is nice today!"
+    spans = checkable_spans("short", {"keyword": "nice"}, text)
+    assert [text[a:b] for a, b in spans[0][1]] == ["The"]
+    assert [text[a:b] for a, b in spans[1][1]] == ["nice"]
+    assert [text[a:b] for a, b in spans[3][1]] == ["!"]
+    assert checkable_spans("short", {"keyword": "nice"}, "no mark")[3][1] == []

@@ -141,6 +141,14 @@ def checkable_spans(task: str, row: dict, text: str) -> dict[int, tuple[str, lis
         fences = [m.span() for m in re.finditer(r"```(?:sql)?", text, re.IGNORECASE)]
         bodies = [m.span(1) for m in re.finditer(r"```sql[ \t]*\n?(.*?)```", text, re.DOTALL | re.IGNORECASE)]
         return {0: ("code fences", fences), 2: ("query body", bodies)}
+    if task == "short":
+        opening = re.match(r"\s*([A-Za-z]+)", text)
+        closing = len(text.rstrip())
+        return {
+            0: ("opening word", [opening.span(1)] if opening else []),
+            1: ("keyword", _occurrences(text, row["keyword"])),
+            3: ("closing mark", [(closing - 1, closing)] if text.rstrip().endswith("!") else []),
+        }
     if task == "tools":
         tags = [m.span() for m in re.finditer(r"</?(?:think|tool_call)>", text)]
         arguments = [m.span(1) for m in re.finditer(r'"arguments"\s*:\s*(\{[^{}]*\})', text)]
