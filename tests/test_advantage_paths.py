@@ -260,3 +260,39 @@ def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, 
             torch.testing.assert_close(
                 credit.group_advantages[g : g + 2].sum(0), torch.zeros(credit.rewards.shape[1]), atol=1e-5, rtol=0
             )
+
+
+def test_cort_advantages_are_gdpo_aggregate_times_its_token_weights(tiny_model, tiny_tokenizer, tmp_path):
+    """CoRT: every reward of a response shares one weight profile (mean 1 over the response), applied to GDPO's
+    aggregate U and rescaled by the token std, no cap; recomputed here in float64 from the recorded rewards."""
+    trainer = run(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[graded_length, *DEMO_REWARDS],
+        blocks=[lambda **_: "Be long.", *DEMO_INFO_BLOCKS],
+        credit_assignment="cort",
+        credit_warmup_steps=0,
+    )
+    for credit in trainer.credits:
+        mask = credit.mask.double()
+        weights = credit.weights.double()
+        assert torch.allclose(weights, weights[:, :1].expand_as(weights))  # one profile per response
+        lengths = mask.sum(-1)
+        torch.testing.assert_close((weights[:, 0] * mask).sum(-1), lengths)  # mean 1 over each response
+        assert (weights[:, 0][mask.bool()] != 1).any()  # and not uniform
+        # float64: group advantages by loops, U, S = U * w, token std (Bessel)
+        rewards = credit.rewards.double()
+        uniform = torch.zeros(len(rewards), dtype=torch.float64)
+        for g in range(0, len(rewards), 4):
+            for k in range(rewards.shape[1]):
+                values = rewards[g : g + 4, k].tolist()
+                mean = sum(values) / 4
+                std = math.sqrt(sum((v - mean) ** 2 for v in values) / 3)
+                if max(values) > min(values):
+                    for j in range(4):
+                        uniform[g + j] += (values[j] - mean) / (std + 1e-4)
+        scores = uniform[:, None] * weights[:, 0] * mask
+        tokens = scores[mask.bool()]
+        expected = scores / tokens.std()
+        torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
