@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 from trl import ScriptArguments
 
+from .config import CREDIT_ASSIGNMENTS
 from .demo import DEMO_TASKS
-
-GYM_METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "cort")
 
 
 def _pin_threads(threads: int | None) -> None:
@@ -345,18 +344,14 @@ def run_gym(args: argparse.Namespace) -> str:
     main_runs = grid.main_runs()
     sweep_runs = grid.sweep_runs() if args.sweeps else []
     results = run_all([*main_runs, *sweep_runs], args.work_dir, jobs=args.jobs, device=grid.device)
+    policies = os.path.join(args.work_dir, "policies")
     located = [
         record
         for seed in grid.seeds
         for record in localisation(
-            grid.spec,
-            seed,
-            os.path.join(args.work_dir, "policies"),
-            num_prompts=grid.localisation_prompts,
-            device=grid.device,
+            grid.spec, seed, policies, num_prompts=grid.localisation_prompts, device=grid.device
         )
     ]
-    policies = os.path.join(args.work_dir, "policies")
     rates = [
         record
         for seed in grid.seeds
@@ -451,7 +446,7 @@ def build_parser() -> argparse.ArgumentParser:
     gym.add_argument("--sweeps", action="store_true", help="also run the gdpo vs mrtpo sweeps (K, placement, ...)")
     gym.add_argument("--seeds", type=int, default=None, help="number of seeds (default 8; --quick: 2)")
     gym.add_argument("--sweep-seeds", type=int, default=4, help="seeds per sweep point (default 4)")
-    gym.add_argument("--methods", nargs="+", default=None, choices=GYM_METHODS, help="default: all six modes")
+    gym.add_argument("--methods", nargs="+", default=None, choices=CREDIT_ASSIGNMENTS, help="default: all six modes")
     gym.add_argument("--jobs", type=int, default=2, help="parallel runs, one core each (default 2)")
     gym.add_argument("--work-dir", default="gym_runs", help="finished runs and cached supervised policies (resumable)")
     gym.add_argument("--output-dir", default="benchmarks/results/credit_gym", help="CSV, PNG and markdown results")

@@ -10,6 +10,7 @@ import copy
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
@@ -344,27 +345,24 @@ class MRTPOTrainer(GRPOTrainer):
             cursor += count
         return wanted, context_ids, completion_token_lists(output)
 
+    @cached_property
     def _assistant_header(self) -> str | None:
         """What the chat template adds for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant``), or None."""
-        if not hasattr(self, "_generation_header"):
-            self._generation_header = None
-            if getattr(self.processing_class, "chat_template", None):
-                messages = [{"role": "user", "content": "x"}]
-                try:
-                    closed = self.processing_class.apply_chat_template(messages, tokenize=False)
-                    opened = self.processing_class.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=True
-                    )
-                except Exception:  # a template that cannot render a bare user turn: nothing to compare with
-                    return None
-                if opened.startswith(closed) and opened[len(closed) :].strip():
-                    self._generation_header = opened[len(closed) :].strip()
-        return self._generation_header
+        if not getattr(self.processing_class, "chat_template", None):
+            return None
+        messages = [{"role": "user", "content": "x"}]
+        try:
+            closed = self.processing_class.apply_chat_template(messages, tokenize=False)
+            opened = self.processing_class.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that cannot render a bare user turn: nothing to compare with
+            return None
+        header = opened[len(closed) :].strip() if opened.startswith(closed) else ""
+        return header or None
 
     def _check_appendable(self, prompts, blocks) -> None:
         """A string prompt that already holds the assistant header cannot take appended blocks: they would land
         in the assistant's turn, not the user's."""
-        header = self._assistant_header()
+        header = self._assistant_header
         if header is None:
             return
         for i, (prompt, sample_blocks) in enumerate(zip(prompts, blocks)):

@@ -72,9 +72,12 @@ class Grid:
                 ("max_second_moment_ratio", f"{rho:g}", self.spec, replace(self.settings, max_second_moment_ratio=rho))
             )
         for sweep, value, spec, settings in variations:
-            # credit_beta and the cap do not change gdpo: its main-grid runs are the baseline (same key)
             for method, seed in itertools.product(("gdpo", "mrtpo"), self.seeds[: self.sweep_seeds]):
-                runs.append(Run(spec, replace(settings, method=method), seed, sweep, value))
+                if method == "gdpo" and sweep in ("credit_beta", "max_second_moment_ratio"):
+                    settings_used = self.settings  # gdpo ignores both: its main-grid run (same key) is the baseline
+                else:
+                    settings_used = settings
+                runs.append(Run(spec, replace(settings_used, method=method), seed, sweep, value))
         return runs
 
 

@@ -167,7 +167,8 @@ def write_results(
     _write_csv(output / "comparison.csv", comparison)
     located = localisation_rows(localisation)
     _write_csv(output / "localisation.csv", located)
-    _write_csv(output / "supervised_policy.csv", satisfaction_rows(satisfaction))
+    supervised = satisfaction_rows(satisfaction)
+    _write_csv(output / "supervised_policy.csv", supervised)
     plot_curves(
         main,
         results,
@@ -196,10 +197,7 @@ def write_results(
         "",
         "| kind | constraints | stated | removed |",
         "|---|---|---|---|",
-        *[
-            f"| {r['kind']} | {r['constraints']} | {r['stated']:.3f} | {r['removed']:.3f} |"
-            for r in satisfaction_rows(satisfaction)
-        ],
+        *[f"| {r['kind']} | {r['constraints']} | {r['stated']:.3f} | {r['removed']:.3f} |" for r in supervised],
         "",
         "## Learning, per method",
         "",

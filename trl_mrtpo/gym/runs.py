@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,7 +14,6 @@ from ..info_blocks import build_contexts
 from ..replay import replay_relevance
 from .task import (
     KINDS,
-    Constraint,
     GymSpec,
     chat_prompt_ids,
     constraint_blocks,
@@ -51,9 +50,6 @@ class RunSettings:
     credit_warmup_steps: int = 10
     max_second_moment_ratio: float = 2.0
     reward_weighting: str = "static"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _gym_trainer_class():
@@ -250,15 +246,3 @@ def localisation(
                 }
             )
     return records
-
-
-__all__ = [
-    "Constraint",
-    "RunSettings",
-    "gym_dataset",
-    "localisation",
-    "mass_ratio",
-    "satisfaction",
-    "step_record",
-    "train_run",
-]

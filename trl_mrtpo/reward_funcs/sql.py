@@ -176,7 +176,8 @@ class _SandboxWorker:
         if self._process is not None:
             self._process.kill()
             self._process.join()
-        self._process = None
+            self._pipe.close()
+        self._process = self._pipe = None
 
     def run(self, db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
         with self._lock:
