@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     gym = sub.add_parser(
         "gym",
         help="Credit gym: every credit mode on a synthetic task whose relevant tokens are known, over several "
-        "seeds, with paired statistics (about 30 minutes on 2 cores; --quick: about a minute).",
+        "seeds, with paired statistics (about 15 minutes on 2 cores; --quick: about a minute).",
     )
     gym.add_argument("--quick", action="store_true", help="smoke-sized grid (CI)")
     gym.add_argument(
