@@ -46,15 +46,12 @@ def evaluate(model, tokenizer, task: str, limit: int, max_new_tokens: int) -> fl
     """Held-out benchmark score; NaN for a task without one (``short``: its training rewards are the measure)."""
     if task not in EVALUATIONS:
         return math.nan
-    from trl_mrtpo.evaluation import evaluate_bfcl, evaluate_instruction_following, transformers_generator
+    from trl_mrtpo.evaluation import evaluate as run_benchmark
+    from trl_mrtpo.evaluation import transformers_generator
 
     generate = transformers_generator(model, tokenizer, max_new_tokens=max_new_tokens)
     benchmark, metric = EVALUATIONS[task]
-    if task == "tools":
-        result = evaluate_bfcl(generate, "simple_python", limit=limit)
-    else:
-        result = evaluate_instruction_following(generate, "ifeval", limit=limit)
-    return result.metrics[metric]
+    return run_benchmark(generate, benchmark, limit=limit).metrics[metric]
 
 
 def baseline_evaluation(task: str, args: argparse.Namespace) -> float:
@@ -81,10 +78,12 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
     if result_path.exists():
         return json.loads(result_path.read_text())
 
-    from trl_mrtpo.demo import builtin_dataset, cpu_run_config, embedded_lora_trainer, task_kit
+    from trl_mrtpo.demo import cpu_run_config, embedded_lora_trainer
+    from trl_mrtpo.kits import get_kit
 
-    rewards, info_blocks = task_kit(task)
-    dataset = builtin_dataset(task, num_prompts=args.steps * args.batch_size, seed=args.data_seed)
+    kit = get_kit(task)
+    rewards, info_blocks = kit.rewards, kit.info_blocks
+    dataset = kit.dataset(num_prompts=args.steps * args.batch_size, seed=args.data_seed)
     config = cpu_run_config(
         str(run_dir),
         max_steps=args.steps,

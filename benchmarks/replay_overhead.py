@@ -32,10 +32,12 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
     import torch
     from transformers import TrainerCallback
 
-    from trl_mrtpo.demo import cpu_run_config, demo_task, embedded_lora_trainer
+    from trl_mrtpo.demo import cpu_run_config, embedded_lora_trainer
+    from trl_mrtpo.kits import get_kit
 
     torch.set_num_threads(args.threads)
-    rewards, info_blocks, dataset = demo_task(task, num_prompts=max(8, steps * 2), seed=seed)
+    kit = get_kit(task)
+    rewards, info_blocks, dataset = kit.rewards, kit.info_blocks, kit.dataset(num_prompts=max(8, steps * 2), seed=seed)
 
     class StepTimer(TrainerCallback):
         def __init__(self):

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from trl_mrtpo.cli import build_trainer, train_parser
+from trl_mrtpo.train import build_trainer, make_parser
 
 
 def main(report_dir: str, argv: list[str]) -> None:
-    script_args, training_args, model_args = train_parser().parse_args_and_config(argv)
-    trainer = build_trainer(script_args, training_args, model_args)
+    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(argv)
+    trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     shapes = []
     original = trainer._generate_and_score_completions
 

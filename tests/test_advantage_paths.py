@@ -14,7 +14,8 @@ import torch
 from tests.test_credit import reference_token_advantages
 from tests.test_trainer import RecordingTrainer, graded_length, graded_length_too, make_args
 from trl_mrtpo.credit import warmup_beta
-from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
 
 
 class CreditTrainer(RecordingTrainer):
@@ -30,7 +31,7 @@ class CreditTrainer(RecordingTrainer):
         return output
 
 
-def run(tiny_model, tiny_tokenizer, tmp_path, rewards=DEMO_REWARDS, blocks=DEMO_INFO_BLOCKS, **overrides):
+def run(tiny_model, tiny_tokenizer, tmp_path, rewards=BASIC.rewards, blocks=BASIC.info_blocks, **overrides):
     values = dict(max_steps=2, per_device_train_batch_size=8, num_generations=4, replay_only_varying=True)
     values.update(overrides)
     trainer = CreditTrainer(
@@ -38,7 +39,7 @@ def run(tiny_model, tiny_tokenizer, tmp_path, rewards=DEMO_REWARDS, blocks=DEMO_
         reward_funcs=rewards,
         info_blocks=blocks,
         args=make_args(tmp_path, **values),
-        train_dataset=make_demo_dataset(16),
+        train_dataset=make_basic_dataset(16),
         processing_class=tiny_tokenizer,
     )
     trainer.train()
@@ -70,8 +71,8 @@ def test_token_advantages_match_float64_reference(tiny_model, tiny_tokenizer, tm
         tiny_model,
         tiny_tokenizer,
         tmp_path,
-        rewards=[graded_length, *DEMO_REWARDS],
-        blocks=[lambda **_: "Be long.", *DEMO_INFO_BLOCKS],
+        rewards=[graded_length, *BASIC.rewards],
+        blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
         credit_assignment=mode,
         reward_weighting=weighting,
     )
@@ -191,8 +192,8 @@ def test_the_loss_receives_the_advantages_computed_at_generation(tiny_model, tin
     generation batch, advantages unchanged, and each generated row is used num_iterations times."""
     trainer = LossInputsTrainer(
         model=tiny_model,
-        reward_funcs=[graded_length, *DEMO_REWARDS],
-        info_blocks=[lambda **_: "Be long.", *DEMO_INFO_BLOCKS],
+        reward_funcs=[graded_length, *BASIC.rewards],
+        info_blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
         args=make_args(
             tmp_path,
             max_steps=4,
@@ -202,7 +203,7 @@ def test_the_loss_receives_the_advantages_computed_at_generation(tiny_model, tin
             gradient_accumulation_steps=2,
             num_iterations=2,
         ),
-        train_dataset=make_demo_dataset(16),
+        train_dataset=make_basic_dataset(16),
         processing_class=tiny_tokenizer,
     )
     trainer.train()
@@ -231,8 +232,8 @@ def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, 
 
     trainer = CreditTrainer(
         model=tiny_model,
-        reward_funcs=[graded_length, graded_length_too, *DEMO_REWARDS[:3]],
-        info_blocks=[None, lambda **_: "Be long.", *DEMO_INFO_BLOCKS[:3]],
+        reward_funcs=[graded_length, graded_length_too, *BASIC.rewards[:3]],
+        info_blocks=[None, lambda **_: "Be long.", *BASIC.info_blocks[:3]],
         args=make_args(
             tmp_path,
             max_steps=2,
@@ -243,8 +244,8 @@ def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, 
             num_generations_eval=2,
             per_device_eval_batch_size=4,
         ),
-        train_dataset=make_demo_dataset(8),
-        eval_dataset=make_demo_dataset(4, seed=1),
+        train_dataset=make_basic_dataset(8),
+        eval_dataset=make_basic_dataset(4, seed=1),
         processing_class=tiny_tokenizer,
     )
     trainer.train()
@@ -269,8 +270,8 @@ def test_cort_advantages_are_gdpo_aggregate_times_its_token_weights(tiny_model, 
         tiny_model,
         tiny_tokenizer,
         tmp_path,
-        rewards=[graded_length, *DEMO_REWARDS],
-        blocks=[lambda **_: "Be long.", *DEMO_INFO_BLOCKS],
+        rewards=[graded_length, *BASIC.rewards],
+        blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
         credit_assignment="cort",
         credit_warmup_steps=0,
     )

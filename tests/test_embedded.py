@@ -27,13 +27,10 @@ def test_embedded_model_loads_as_plain_trainable_model():
 
 
 def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path):
-    from trl_mrtpo.cli import build_parser, run_demo
+    from trl_mrtpo.demo import run_demo
 
     torch.manual_seed(0)
-    args = build_parser().parse_args(
-        ["demo", "--steps", "2", "--warmup-steps", "0", "--max-completion-length", "24", "--output-dir", str(tmp_path)]
-    )
-    trainer = run_demo(args)
+    trainer = run_demo(steps=2, warmup_steps=0, max_completion_length=24, output_dir=str(tmp_path))
     logs = [h for h in trainer.state.log_history if "mrtpo/beta" in h]
     assert len(logs) == 2 and all(h["mrtpo/beta"] == 0.5 for h in logs)
     assert all(h["loss"] == h["loss"] for h in trainer.state.log_history if "loss" in h)  # not NaN

@@ -6,9 +6,9 @@ import shutil
 import pytest
 
 from trl_mrtpo.evaluation import evaluate_bfcl, evaluate_instruction_following, evaluate_sql, format_table
-from trl_mrtpo.reward_funcs.instruction_following import load_ifeval
-from trl_mrtpo.reward_funcs.sql import build_demo_databases
-from trl_mrtpo.reward_funcs.tool_calling import load_bfcl
+from trl_mrtpo.kits.instruction_following import load_ifeval
+from trl_mrtpo.kits.sql import build_demo_databases
+from trl_mrtpo.kits.tool_calling import load_bfcl
 
 
 def bfcl_answer(row):

@@ -10,9 +10,10 @@ from peft import LoraConfig
 
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.credit import cort_weights, group_advantages, taco_scale, token_advantages, weighted_token_advantages
-from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.ops import sampled_logprobs, self_certainty
-from trl_mrtpo.reward_funcs.self_certainty import SelfCertaintyReward
+from trl_mrtpo.self_certainty import SelfCertaintyReward
 from trl_mrtpo.weighting import (
     ConcurTrust,
     concordance_readings,
@@ -237,10 +238,10 @@ def test_cort_trains_and_matches_plain_forwards(tiny_model, tiny_tokenizer, tmp_
 
     trainer = CheckingTrainer(
         model=tiny_model,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
         args=make_args(tmp_path, credit_assignment="cort", temperature=0.8, cort_eta=1.5),
-        train_dataset=make_demo_dataset(8),
+        train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
@@ -299,7 +300,7 @@ def test_taco_leaves_negative_advantages_of_the_same_batch_untouched(tiny_model,
 def test_self_certainty_reward_trains(tiny_model, tiny_tokenizer, tmp_path):
     reward = SelfCertaintyReward()
     trainer = train(
-        tiny_model, tiny_tokenizer, tmp_path, rewards=[*DEMO_REWARDS, reward], blocks=[*DEMO_INFO_BLOCKS, None]
+        tiny_model, tiny_tokenizer, tmp_path, rewards=[*BASIC.rewards, reward], blocks=[*BASIC.info_blocks, None]
     )
     assert reward._trainer is trainer
     values = [
@@ -312,9 +313,9 @@ def test_concur_primary_must_be_a_reward(tiny_model, tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="concur_primary='nope'"):
         MRTPOTrainer(
             model=tiny_model,
-            reward_funcs=DEMO_REWARDS,
-            info_blocks=DEMO_INFO_BLOCKS,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
             args=make_args(tmp_path, reward_weighting="concur", concur_primary="nope"),
-            train_dataset=make_demo_dataset(4),
+            train_dataset=make_basic_dataset(4),
             processing_class=tiny_tokenizer,
         )

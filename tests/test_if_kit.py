@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 from tests.conftest import MALFORMED_COMPLETIONS
 from trl_mrtpo.info_blocks import InfoBlock, build_contexts
-from trl_mrtpo.reward_funcs.instruction_following import (
+from trl_mrtpo.kits.instruction_following import (
     GENERATOR_POOL,
     check_constraint,
     checker,

@@ -4,7 +4,8 @@ import torch
 
 from trl_mrtpo.credit import token_weights
 from trl_mrtpo.diagnostics import CreditRecord
-from trl_mrtpo.inspection import CONTROL_NAME, checkable_spans, localisation_report, token_mask, with_control_sentence
+from trl_mrtpo.inspection import CONTROL_NAME, inspect_credit, localisation_report, token_mask, with_control_sentence
+from trl_mrtpo.kits import get_kit
 from trl_mrtpo.viz import credit_heatmap_html
 
 
@@ -45,20 +46,20 @@ def test_localisation_numbers_by_hand():
     record = record_for(text, q_reward, q_control)
     rows = [{"end_phrase": "OK", "keyword": "zzz"}]
     names = ["end_phrase_reward", "keyword_reward", CONTROL_NAME]
-    (row,) = localisation_report(record, CharTokenizer(), rows, "basic", names, num_generations=1)
+    (row,) = localisation_report(record, CharTokenizer(), rows, get_kit("basic"), names, num_generations=1)
     assert (row.reward, row.span, row.responses) == ("end_phrase_reward", "end phrase", 1)
     assert abs(row.dist - 0.6) < 1e-6 and abs(row.tok - 0.4) < 1e-6 and abs(row.ratio - 1.5) < 1e-6
     assert abs(row.control_dist - 0.2) < 1e-6 and abs(row.control_ratio - 0.5) < 1e-6
 
 
 def test_spans_and_token_mask():
-    spans = checkable_spans("sql", {}, "Sure:\n```sql\nSELECT 1\n```")
-    assert spans[0][0] == "code fences" and len(spans[0][1]) == 2
-    assert spans[2][0] == "query body"
-    tools = checkable_spans(
-        "tools", {}, '<think>x</think><tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>'
-    )
-    assert len(tools[0][1]) == 4 and tools[1][1]
+    text = "Sure:\n```sql\nSELECT 1\n```"
+    spans = get_kit("sql").spans({}, text)
+    assert spans["sql_format_reward"][0] == "code fences" and len(spans["sql_format_reward"][1]) == 2
+    kind, ((start, end),) = spans["sql_execution_reward"]
+    assert kind == "query body" and text[start:end] == "SELECT 1\n"
+    tools = get_kit("tools").spans({}, '<think>x</think><tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>')
+    assert len(tools["tool_format_reward"][1]) == 4 and tools["tool_correctness_reward"][1]
     assert token_mask(["ab", "cd", "ef"], [(3, 5)]).tolist() == [False, True, True]
     assert with_control_sentence([{"role": "user", "content": "Hi"}])[0]["content"].endswith("on Sundays.")
 
@@ -74,16 +75,18 @@ def test_heatmap_page_lists_every_reward_and_escapes_text():
 
 def test_inspect_command_end_to_end(tmp_path, tiny_tokenizer):
     from tests.conftest import build_tiny_model
-    from trl_mrtpo.cli import build_parser, run_inspect
 
     model_dir = tmp_path / "tiny"
     build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
-    args = build_parser().parse_args(
-        ["inspect", "--model", str(model_dir), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "8",
-         "--output", str(tmp_path / "credit.html"), "--report", str(tmp_path / "loc.csv"), "--threads", "1"]
-    )  # fmt: skip
-    record, _ = run_inspect(args)
+    record, _ = inspect_credit(
+        model=str(model_dir),
+        num_prompts=2,
+        num_generations=2,
+        max_new_tokens=8,
+        output=str(tmp_path / "credit.html"),
+        report=str(tmp_path / "loc.csv"),
+    )
     page = (tmp_path / "credit.html").read_text()
     assert page.count('class="resp"') == 4 and CONTROL_NAME in page
     assert record.replayed[:, -1].all()  # the control is replayed for every response
@@ -101,22 +104,17 @@ def test_inspect_replays_existing_completions(tmp_path, tiny_tokenizer, monkeypa
     import json
 
     from tests.conftest import build_tiny_model
-    from trl_mrtpo.cli import build_parser, run_inspect
-    from trl_mrtpo.demo import make_demo_dataset
+    from trl_mrtpo.kits.basic import make_basic_dataset
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     model_dir = tmp_path / "tiny"
     build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
     tiny_tokenizer.save_pretrained(model_dir)
     texts = ["the sea is blue. hope this helps.", "The Sea Is Blue", "quiet rain falls. that is all.", "Rain."]
-    lines = [{**row, "completion": texts[2 * i + g]} for i, row in enumerate(make_demo_dataset(2)) for g in range(2)]
+    lines = [{**row, "completion": texts[2 * i + g]} for i, row in enumerate(make_basic_dataset(2)) for g in range(2)]
     path = tmp_path / "responses.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    args = build_parser().parse_args(
-        ["inspect", "--model", str(model_dir), "--completions", str(path), "--output", str(tmp_path / "c.html"),
-         "--threads", "1"]
-    )  # fmt: skip
-    record, _ = run_inspect(args)
+    record, _ = inspect_credit(model=str(model_dir), completions=str(path), output=str(tmp_path / "c.html"))
     assert record.completions == texts  # replayed as given, not sampled
     assert record.rewards[1, 2].item() == 0.0 and record.rewards[0, 2].item() == 1.0  # lowercase reward
 
@@ -149,5 +147,5 @@ def test_if_slots_are_pooled_by_span_kind():
     record = record_for("hi OK", [0.1, 0.1, 0.2, 0.3, 0.3], [0.4, 0.2, 0.2, 0.1, 0.1])
     rows = [{"constraints": json.dumps([{"id": "startend:end_checker", "kwargs": {"end_phrase": "OK"}}])}]
     names = ["if_constraint_1", "if_constraint_2", CONTROL_NAME]
-    (row,) = localisation_report(record, CharTokenizer(), rows, "if", names, num_generations=1)
+    (row,) = localisation_report(record, CharTokenizer(), rows, get_kit("if"), names, num_generations=1)
     assert (row.reward, row.span) == ("if_constraint_*", "end phrase") and abs(row.ratio - 1.5) < 1e-6

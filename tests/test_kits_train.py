@@ -6,8 +6,13 @@ from hypothesis import given, settings
 
 from tests.conftest import MALFORMED_COMPLETIONS
 from tests.test_trainer import RecordingTrainer, make_args
-from trl_mrtpo.demo import DEMO_TASKS, demo_task
 from trl_mrtpo.info_blocks import InfoBlock
+from trl_mrtpo.kits import KIT_NAMES, data_loaders, get_kit, resolve
+
+
+def demo_task(task: str, num_prompts: int, seed: int, cache_dir: str | None = None):
+    kit = get_kit(task)
+    return kit.rewards, kit.info_blocks, kit.dataset(num_prompts, seed, cache_dir or None)
 
 
 @pytest.mark.parametrize("task", ["sql", "if", "tools", "short"])
@@ -39,9 +44,39 @@ def test_sql_kit_blocks_build_real_contexts(tmp_path):
 
 
 def test_unknown_demo_task():
-    assert DEMO_TASKS == ("basic", "sql", "if", "tools", "short")
+    assert KIT_NAMES == ("basic", "sql", "if", "tools", "short")
     with pytest.raises(ValueError, match="unknown task 'chess'"):
         demo_task("chess", 8, 0, "/tmp")
+
+
+@pytest.mark.parametrize("task", KIT_NAMES)
+def test_every_kit_is_one_consistent_record(task, tmp_path):
+    kit = get_kit(task)
+    assert kit.name == task and kit.description
+    assert len(kit.rewards) == len(kit.info_blocks) >= 2
+    names = [f.__name__ for f in kit.rewards]
+    assert len(set(names)) == len(names)
+    for name in names:  # the registry of names finds each reward of each kit
+        assert resolve(name, "reward") is kit.rewards[names.index(name)]
+    dataset = kit.dataset(3, 0, str(tmp_path))
+    assert len(dataset) > 0 and "prompt" in dataset.column_names
+    assert kit.spans is not None
+    spans = kit.spans(dataset[0], "Sure: the end")
+    assert set(spans) <= set(names)  # spans are keyed by reward name, never by position
+
+
+def test_kit_registry_rejects_what_it_does_not_know():
+    from trl_mrtpo.kits import Kit
+
+    with pytest.raises(ValueError, match="2 rewards but 1 info blocks"):
+        Kit("x", "x", [len, len], [None], dataset=list)
+    assert set(data_loaders()) == {"spider", "bird", "hir", "rlla"}
+    with pytest.raises(ValueError, match="needs data_path and data_split_file"):
+        data_loaders()["spider"](None, None)
+    with pytest.raises(ValueError, match="rlla needs data_path"):
+        data_loaders()["rlla"](None, None)
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        resolve("nope", "reward")
 
 
 def test_if_kit_in_prompt_blocks_are_spans():
@@ -61,7 +96,7 @@ def test_basic_demo_rewards_never_raise(junk):
 
 
 def test_short_answer_rewards_by_hand():
-    from trl_mrtpo.reward_funcs.short_answers import (
+    from trl_mrtpo.kits.short_answers import (
         brevity_reward,
         ending_reward,
         keyword_reward,
@@ -86,11 +121,10 @@ def test_short_answer_blocks_are_unique_spans():
 
 
 def test_short_answer_checkable_spans():
-    from trl_mrtpo.inspection import checkable_spans
-
+    spans_of = get_kit("short").spans
     text = "The sun is nice today!"
-    spans = checkable_spans("short", {"keyword": "nice"}, text)
-    assert [text[a:b] for a, b in spans[0][1]] == ["The"]
-    assert [text[a:b] for a, b in spans[1][1]] == ["nice"]
-    assert [text[a:b] for a, b in spans[3][1]] == ["!"]
-    assert checkable_spans("short", {"keyword": "nice"}, "no mark")[3][1] == []
+    spans = spans_of({"keyword": "nice"}, text)
+    assert [text[a:b] for a, b in spans["opening_reward"][1]] == ["The"]
+    assert [text[a:b] for a, b in spans["keyword_reward"][1]] == ["nice"]
+    assert [text[a:b] for a, b in spans["ending_reward"][1]] == ["!"]
+    assert spans_of({"keyword": "nice"}, "no mark")["ending_reward"][1] == []

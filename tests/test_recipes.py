@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.cli import build_trainer, train_parser
-from trl_mrtpo.reward_funcs.sql import build_demo_databases
+from trl_mrtpo.kits.sql import build_demo_databases
+from trl_mrtpo.train import build_trainer, make_parser
 
 RECIPES = sorted(p for p in Path("recipes").glob("*/*.yaml") if p.parent.name != "accelerate")
 
@@ -66,10 +66,10 @@ def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
     overrides += ["--bf16", "false", "--use_vllm", "false", "--gradient_checkpointing", "false", "--dtype", "float32"]
     if config.get("data_loader"):
         overrides += ["--data_path", local_data[{"bird": "spider"}.get(config["data_loader"], config["data_loader"])]]
-    script_args, training_args, model_args = train_parser().parse_args_and_config(
+    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
         ["--config", str(recipe), *overrides]
     )
-    trainer = build_trainer(script_args, training_args, model_args)
+    trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     assert isinstance(trainer, MRTPOTrainer)
     # every key of the recipe that is a training field arrives as written (the overrides above aside)
     overridden = {"output_dir", "use_cpu", "bf16", "use_vllm", "gradient_checkpointing"}

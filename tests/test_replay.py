@@ -141,16 +141,17 @@ def test_non_linear_logit_transform_is_refused(tiny_tokenizer):
 
 def test_trainer_replays_a_granite_model_at_the_scaled_temperature(tmp_path, tiny_tokenizer):
     from trl_mrtpo import MRTPOConfig, MRTPOTrainer
-    from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
 
     model, multiplier = _scaled_model("granite")
     model.resize_token_embeddings(len(tiny_tokenizer))
     trainer = MRTPOTrainer(
         model=model,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
         args=MRTPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", temperature=0.8),
-        train_dataset=make_demo_dataset(8),
+        train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
     )
     assert trainer._replay_temperature == pytest.approx(0.8 / multiplier, rel=1e-4)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 
 from tests.conftest import MALFORMED_COMPLETIONS
-from trl_mrtpo.reward_funcs import sql
-from trl_mrtpo.reward_funcs.sql import (
+from trl_mrtpo.kits import sql
+from trl_mrtpo.kits.sql import (
     build_demo_databases,
     extract_sql,
     load_spider_or_bird,
@@ -237,7 +237,7 @@ def test_spider_and_bird_adapters(tmp_path, dbs):
 
 
 def test_timeouts_are_not_cached_but_results_are(dbs):
-    from trl_mrtpo.reward_funcs.sql import _cached_query
+    from trl_mrtpo.kits.sql import _cached_query
 
     endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
     size = _cached_query.cache_info().currsize

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 
 from tests.conftest import MALFORMED_COMPLETIONS
-from trl_mrtpo.reward_funcs.tool_calling import (
+from trl_mrtpo.kits.tool_calling import (
     call_score,
     extract_calls,
     load_bfcl,

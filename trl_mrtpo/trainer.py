@@ -32,7 +32,6 @@ from .credit import (
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
-from .reward_funcs.self_certainty import SelfCertaintyReward
 from .utils import completion_text
 from .viz import credit_summary, token_strings
 from .weighting import concur_advantages, saw_weights
@@ -108,8 +107,8 @@ class MRTPOTrainer(GRPOTrainer):
             )
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
-        for reward_func in self.reward_funcs:
-            if isinstance(reward_func, SelfCertaintyReward):
+        for reward_func in self.reward_funcs:  # a reward that reads the policy (e.g. self-certainty) binds to it
+            if callable(getattr(reward_func, "bind", None)):
                 reward_func.bind(self)
         self._replays = args.credit_assignment in REPLAY_MODES and any(b is not None for b in self.info_block_builders)
         if self._replays:

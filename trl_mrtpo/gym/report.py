@@ -297,3 +297,21 @@ def write_results(
     markdown = "\n".join(lines) + "\n"
     (output / "results.md").write_text(markdown)
     return markdown
+
+
+def run_and_report(grid: Grid, sweeps: bool, jobs: int, work_dir: str, output_dir: str | Path, command: str) -> str:
+    """Run (or resume) the grid's main runs, and its sweeps when asked, measure localisation and the supervised
+    policy's satisfaction per seed, write every result in ``output_dir`` and return the markdown summary."""
+    import os
+
+    from .grid import run_all
+    from .runs import localisation, satisfaction
+
+    main_runs = grid.main_runs()
+    sweep_runs = grid.sweep_runs() if sweeps else []
+    results = run_all([*main_runs, *sweep_runs], work_dir, jobs=jobs, device=grid.device)
+    policies = os.path.join(work_dir, "policies")
+    options = {"num_prompts": grid.localisation_prompts, "device": grid.device}
+    located = [r for seed in grid.seeds for r in localisation(grid.spec, seed, policies, **options)]
+    rates = [r for seed in grid.seeds for r in satisfaction(grid.spec, seed, policies, **options)]
+    return write_results(grid, main_runs, sweep_runs, results, located, output_dir, command, rates)

@@ -30,6 +30,7 @@ from importlib import resources
 from typing import Any
 
 from ..utils import completion_text
+from . import Kit, Spans
 
 FORMAT_RULE = (
     "Format: first reason inside <think> </think>, then give the calls inside <tool_call> </tool_call> as a JSON "
@@ -144,10 +145,6 @@ def tool_format_block(*, prompt, completion, row, score) -> str:
 def tool_reference_block(*, prompt, completion, row, score) -> str:
     """The reference calls the correctness reward compares against."""
     return "The correct tool calls are:\n" + json.dumps(reference_calls(row["tool_calls"]))
-
-
-TOOL_REWARDS = [tool_format_reward, tool_correctness_reward]
-TOOL_INFO_BLOCKS = [tool_format_block, tool_reference_block]
 
 
 # ---------------------------------------------------------------------------------------------------------------- data
@@ -327,3 +324,32 @@ def make_tool_dataset():
             for question, functions, calls in _BUILTIN
         ]
     )
+
+
+def builtin_tool_dataset(num_prompts: int = 0, seed: int = 0, cache_dir: str | None = None):
+    """The built-in set (every request, whatever ``num_prompts``) shuffled by ``seed``."""
+    return make_tool_dataset().shuffle(seed=seed)
+
+
+def _load_rlla(data_path: str | None, data_split_file: str | None = None, database_dir: str = "database"):
+    if not data_path:
+        raise ValueError("data_loader=rlla needs data_path (a parquet/JSON file or a hub id)")
+    return load_rlla(data_path)
+
+
+def tool_spans(row: dict, text: str) -> Spans:
+    """The think/tool-call tags (format) and the calls' arguments (correctness)."""
+    tags = [m.span() for m in re.finditer(r"</?(?:think|tool_call)>", text)]
+    arguments = [m.span(1) for m in re.finditer(r'"arguments"\s*:\s*(\{[^{}]*\})', text)]
+    return {"tool_format_reward": ("tags", tags), "tool_correctness_reward": ("arguments", arguments)}
+
+
+KIT = Kit(
+    name="tools",
+    description="tool calling: format and call-correctness rewards",
+    rewards=[tool_format_reward, tool_correctness_reward],
+    info_blocks=[tool_format_block, tool_reference_block],
+    dataset=builtin_tool_dataset,
+    spans=tool_spans,
+    loaders={"rlla": _load_rlla},
+)

@@ -21,13 +21,15 @@ import contextlib
 import io
 import json
 import random
+import re
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from ..info_blocks import InfoBlock
-from ..utils import completion_text
+from ..utils import completion_text, occurrences
+from . import Kit, Spans
 
 UNSUPPORTED_OFFLINE = {
     "words:start_verb": "needs NLTK's averaged_perceptron_tagger_eng, which no registry package provides",
@@ -286,3 +288,52 @@ def load_hir(
         return {"prompt": [{"role": "user", "content": prompt}], "constraints": json.dumps(constraints)}
 
     return dataset.map(convert, with_indices=True, remove_columns=dataset.column_names)
+
+
+NUM_SLOTS = 13  # the most constraints a built-in or HIR prompt carries
+
+
+def _span_of(constraint: dict, text: str) -> tuple[str, list[tuple[int, int]]] | None:
+    cid, kwargs = constraint["id"], constraint.get("kwargs") or {}
+    if cid == "startend:end_checker":
+        return "end phrase", occurrences(text, kwargs.get("end_phrase", ""), ignore_case=False)[-1:]
+    if cid == "keywords:existence":
+        return "keywords", [s for k in kwargs.get("keywords", []) for s in occurrences(text, k)]
+    if cid == "keywords:frequency":
+        return "keywords", occurrences(text, kwargs.get("keyword", ""))
+    if cid == "detectable_format:title":
+        return "title", [m.span() for m in re.finditer(r"<<[^\n]+?>>", text)]
+    if cid == "startend:quotation":
+        return "quotation marks", [m.span() for m in re.finditer('"', text)]
+    return None
+
+
+def if_spans(row: dict, text: str) -> Spans:
+    """Per slot whose constraint checks a visible span (end phrase, keywords, title, quotation marks), that span."""
+    out = {}
+    for k, constraint in enumerate(_constraints(row["constraints"])):
+        found = _span_of(constraint, text)
+        if found is not None:
+            out[f"if_constraint_{k + 1}"] = found
+    return out
+
+
+def builtin_if_dataset(num_prompts: int = 32, seed: int = 0, cache_dir: str | None = None):
+    """``num_prompts`` built-in prompts with 5-13 constraints each."""
+    return make_if_dataset(num_prompts, seed=seed)
+
+
+def _load_hir(data_path: str | None, data_split_file: str | None = None, database_dir: str = "database"):
+    return load_hir(data_path or "sastpg/HIR-16K")
+
+
+KIT = Kit(
+    name="if",
+    description=f"instruction following: {NUM_SLOTS} constraint slots verified by the IFEval/IFBench checkers",
+    rewards=make_if_rewards(NUM_SLOTS),
+    info_blocks=make_if_info_blocks(NUM_SLOTS),
+    dataset=builtin_if_dataset,
+    spans=if_spans,
+    report_label="if_constraint_*",
+    loaders={"hir": _load_hir},
+)

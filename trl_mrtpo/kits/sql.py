@@ -37,6 +37,7 @@ import sqlglot
 from sqlglot import exp
 
 from ..utils import completion_text
+from . import Kit, Spans
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_ROWS = 10_000
@@ -310,10 +311,6 @@ def sql_reference_block(*, prompt, completion, row, score) -> str:
     return f"A correct query is:\n```sql\n{row['query']}\n```"
 
 
-SQL_REWARDS = [sql_format_reward, sql_executable_reward, sql_execution_reward]
-SQL_INFO_BLOCKS = [sql_format_block, sql_error_block, sql_reference_block]
-
-
 # ---------------------------------------------------------------------------------------------------------------- data
 def database_schema(db_path: str | Path) -> str:
     """The CREATE statements of a database, as written in its sqlite_master."""
@@ -464,3 +461,40 @@ def make_sql_dataset(folder: str | Path):
             for db, q, ref in _DEMO_QUESTIONS
         ]
     )
+
+
+def builtin_sql_dataset(num_prompts: int = 0, seed: int = 0, cache_dir: str | None = None):
+    """The built-in set (every example, whatever ``num_prompts``) shuffled by ``seed``; its databases are created in
+    ``cache_dir`` (by default the trl-mrtpo cache folder)."""
+    from ..embedded import cache_root
+
+    return make_sql_dataset(cache_dir or cache_root() / "sql_data").shuffle(seed=seed)
+
+
+def _published_loader(name: str):
+    def load(data_path: str | None, data_split_file: str | None, database_dir: str = "database"):
+        from datasets import Dataset
+
+        if not data_path or not data_split_file:
+            raise ValueError(f"data_loader={name} needs data_path and data_split_file")
+        return Dataset.from_list(load_spider_or_bird(data_path, data_split_file, database_dir))
+
+    return load
+
+
+def sql_spans(row: dict, text: str) -> Spans:
+    """The code fences (format) and the query inside them (execution)."""
+    fences = [m.span() for m in re.finditer(r"```(?:sql)?", text, re.IGNORECASE)]
+    bodies = [m.span(1) for m in _FENCE.finditer(text)]
+    return {"sql_format_reward": ("code fences", fences), "sql_execution_reward": ("query body", bodies)}
+
+
+KIT = Kit(
+    name="sql",
+    description="text-to-SQL: format, executable and execution-match rewards on SQLite",
+    rewards=[sql_format_reward, sql_executable_reward, sql_execution_reward],
+    info_blocks=[sql_format_block, sql_error_block, sql_reference_block],
+    dataset=builtin_sql_dataset,
+    spans=sql_spans,
+    loaders={"spider": _published_loader("spider"), "bird": _published_loader("bird")},
+)

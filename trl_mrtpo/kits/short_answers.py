@@ -17,8 +17,9 @@ import re
 
 from datasets import Dataset
 
-from ..demo import constraint_block, keyword_reward
-from ..utils import completion_text
+from ..utils import completion_text, occurrences
+from . import Kit, Spans
+from .basic import constraint_block, keyword_reward
 
 QUESTIONS = [
     "Name a fruit.",
@@ -49,7 +50,7 @@ def constraint_sentences(opening: str, keyword: str) -> dict[str, str]:
     }
 
 
-def make_short_answer_dataset(num_prompts: int = 64, seed: int = 0) -> Dataset:
+def make_short_answer_dataset(num_prompts: int = 64, seed: int = 0, cache_dir: str | None = None) -> Dataset:
     """Conversational prompts: a question and the four constraint sentences in a random order."""
     rng = random.Random(seed)
     rows = []
@@ -89,5 +90,22 @@ def ending_reward(completions: list, **kwargs) -> list[float]:
     return [float(completion_text(c).rstrip().endswith("!")) for c in completions]
 
 
-SHORT_ANSWER_REWARDS = [opening_reward, keyword_reward, brevity_reward, ending_reward]
-SHORT_ANSWER_INFO_BLOCKS = [constraint_block(name) for name in CONSTRAINTS]
+def short_answer_spans(row: dict, text: str) -> Spans:
+    """The opening word, the keyword and the closing exclamation mark (brevity binds everywhere: no span)."""
+    opening = re.match(r"\s*([A-Za-z]+)", text)
+    closing = len(text.rstrip())
+    return {
+        "opening_reward": ("opening word", [opening.span(1)] if opening else []),
+        "keyword_reward": ("keyword", occurrences(text, row["keyword"])),
+        "ending_reward": ("closing mark", [(closing - 1, closing)] if text.rstrip().endswith("!") else []),
+    }
+
+
+KIT = Kit(
+    name="short",
+    description="short answers under 4 constraints (opening word, keyword, brevity, ending '!')",
+    rewards=[opening_reward, keyword_reward, brevity_reward, ending_reward],
+    info_blocks=[constraint_block(name) for name in CONSTRAINTS],
+    dataset=make_short_answer_dataset,
+    spans=short_answer_spans,
+)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops import self_certainty
-from ..replay import MIN_SHARED_PREFIX, lm_head_parameters, replayed_hidden_states
+from .ops import self_certainty
+from .replay import MIN_SHARED_PREFIX, lm_head_parameters, replayed_hidden_states
 
 
 class SelfCertaintyReward:

@@ -1,0 +1,106 @@
+"""Task kits: everything trl-mrtpo knows about one task, in one module per task, and the registry of kits.
+
+A kit module defines ``KIT = Kit(...)``: its reward functions (TRL's signature), one info-block builder per reward,
+its built-in training data, the adapters that read published data, and the response spans each verifier checks (for
+the localisation report of ``trl-mrtpo inspect``). The demo, ``trl-mrtpo train``, ``inspect``, the registry of names
+that recipes use and the benchmarks all read kits through :func:`get_kit`.
+
+Adding a kit: write ``trl_mrtpo/kits/<module>.py`` with its ``KIT`` and add ``"<name>": "<module>"`` to
+``KIT_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# name -> module under trl_mrtpo.kits; modules are imported on first use (the SQL kit needs sqlglot, ...)
+KIT_MODULES = {
+    "basic": "basic",
+    "sql": "sql",
+    "if": "instruction_following",
+    "tools": "tool_calling",
+    "short": "short_answers",
+}
+KIT_NAMES = tuple(KIT_MODULES)
+
+Spans = dict[str, tuple[str, list[tuple[int, int]]]]
+
+
+@dataclass(frozen=True)
+class Kit:
+    """One task: what it rewards, where each reward's information sits, and its data.
+
+    Parameters:
+        name (`str`):
+            Registry name (``--task`` of the CLI).
+        description (`str`):
+            One line for ``--help``.
+        rewards (`list[Callable]`):
+            Reward functions with TRL's signature, in order.
+        info_blocks (`list[Callable | None]`):
+            One info-block builder (or None: uniform credit) per reward.
+        dataset (`Callable[[int, int, str | None], Dataset]`):
+            ``dataset(num_prompts, seed, cache_dir)``: the built-in training data (kits with a fixed set of examples
+            return all of them, shuffled by ``seed``).
+        spans (`Callable[[dict, str], dict]` or `None`):
+            ``spans(row, text)``: per reward *name*, ``(span kind, [(start, end), ...])``: the characters of the
+            response that reward's verifier checks, for the localisation report.
+        report_label (`str` or `None`):
+            When set, the localisation report pools every reward under this label (the instruction-following slots
+            hold a different constraint per prompt).
+        loaders (`dict[str, Callable]`):
+            ``data_loader`` name -> ``load(data_path, data_split_file, database_dir)``: a training Dataset read from
+            published data.
+    """
+
+    name: str
+    description: str
+    rewards: list[Callable]
+    info_blocks: list[Callable | None]
+    dataset: Callable[..., Any]
+    spans: Callable[[dict, str], Spans] | None = None
+    report_label: str | None = None
+    loaders: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.rewards) != len(self.info_blocks):
+            raise ValueError(f"kit {self.name!r}: {len(self.rewards)} rewards but {len(self.info_blocks)} info blocks")
+
+
+def get_kit(name: str) -> Kit:
+    """The kit registered under ``name`` (``basic``, ``sql``, ``if``, ``tools`` or ``short``)."""
+    if name not in KIT_MODULES:
+        raise ValueError(f"unknown task {name!r}; choose one of {', '.join(KIT_NAMES)}")
+    return importlib.import_module(f"{__name__}.{KIT_MODULES[name]}").KIT
+
+
+def data_loaders() -> dict[str, Callable[..., Any]]:
+    """Every kit's data loaders by name (``spider``, ``bird``, ``hir``, ``rlla``)."""
+    return {loader: load for name in KIT_NAMES for loader, load in get_kit(name).loaders.items()}
+
+
+def resolve(name: str, kind: str) -> Callable | None:
+    """A reward function (``kind="reward"``) or info-block builder (``kind="info_block"``) by a kit's name for it
+    or a dotted import path (``my_pkg.rewards.my_reward``, resolved from the working directory too). ``"none"``
+    gives None (a reward without an info block)."""
+    if kind == "info_block" and name.lower() == "none":
+        return None
+    kits = [get_kit(kit_name) for kit_name in KIT_NAMES]
+    functions = [f for kit in kits for f in (kit.rewards if kind == "reward" else kit.info_blocks) if f is not None]
+    registry = {f.__name__: f for f in functions}
+    if name in registry:
+        return registry[name]
+    if "." in name:
+        module_path, attribute = name.rsplit(".", 1)
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            return getattr(importlib.import_module(module_path), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
+    raise ValueError(f"unknown {kind} {name!r}: use a dotted import path or one of {', '.join(sorted(registry))}")

@@ -1,1 +1,0 @@
-"""Task kits: reward functions (TRL signature), info-block builders and dataset adapters, one module per task."""

@@ -1,0 +1,185 @@
+"""``trl-mrtpo train``: train from a YAML recipe, in the shape of TRL's ``trl grpo`` script.
+
+```bash
+trl-mrtpo train --config recipes/sql/qwen2.5-coder-3b-instruct-lora.yaml [--any_field value]
+```
+
+Beside TRL's script it knows the task kits (``task``: their rewards, info blocks and built-in data; ``data_loader``:
+their readers of published data) and one info-block builder per reward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from trl import ScriptArguments
+
+from .kits import KIT_NAMES, data_loaders, get_kit, resolve
+
+
+@dataclass
+class MRTPOScriptArguments(ScriptArguments):
+    """Script arguments of ``trl-mrtpo train`` (beside MRTPOConfig, TRL's ModelConfig and DatasetMixtureConfig).
+
+    Parameters:
+        task (`str`, *optional*):
+            Task kit (`basic`, `sql`, `if`, `tools`, `short`): its rewards and info blocks, and its built-in data
+            unless `dataset_name`, `datasets` or `data_loader` is given.
+        reward_funcs (`list[str]`, *optional*):
+            Reward functions by a kit's name for them (e.g. `sql_format_reward`) or dotted import path; overrides
+            the task's.
+        info_blocks (`list[str]`, *optional*):
+            One info-block builder per reward: a kit's name for it, a dotted path, or `none`.
+        data_loader (`str`, *optional*):
+            `spider`, `bird`, `hir` or `rlla`: read `data_path` with that kit's reader.
+        data_path (`str`, *optional*):
+            Folder, file or hub id for `data_loader`.
+        data_split_file (`str`, *optional*):
+            For `spider` / `bird`: the examples file inside `data_path` (e.g. `train_spider.json`).
+        database_dir (`str`, *optional*, defaults to `"database"`):
+            For `spider` / `bird`: the databases folder inside `data_path`.
+        num_prompts (`int`, *optional*, defaults to `256`):
+            Prompts drawn from a kit's built-in data generator (kits with a fixed set use all of it).
+    """
+
+    task: str | None = field(default=None, metadata={"help": f"Task kit: {', '.join(KIT_NAMES)}."})
+    reward_funcs: list[str] | None = field(
+        default=None, metadata={"help": "Reward functions: a kit's names for them or dotted import paths."}
+    )
+    info_blocks: list[str] | None = field(
+        default=None, metadata={"help": "One info-block builder per reward: a kit's name, dotted path or 'none'."}
+    )
+    data_loader: str | None = field(
+        default=None, metadata={"help": "Kit reader for data_path: spider, bird, hir or rlla."}
+    )
+    data_path: str | None = field(default=None, metadata={"help": "Folder, file or hub id read by data_loader."})
+    data_split_file: str | None = field(
+        default=None, metadata={"help": "spider/bird: examples file inside data_path, e.g. train_spider.json."}
+    )
+    database_dir: str = field(default="database", metadata={"help": "spider/bird: databases folder in data_path."})
+    num_prompts: int = field(default=256, metadata={"help": "Prompts drawn from a kit's built-in data generator."})
+
+
+def make_parser():
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+
+    from .config import MRTPOConfig
+
+    return TrlParser((MRTPOScriptArguments, MRTPOConfig, ModelConfig, DatasetMixtureConfig), prog="trl-mrtpo train")
+
+
+def load_datasets(script_args: MRTPOScriptArguments, training_args, dataset_args=None) -> tuple:
+    """``(train_dataset, eval_dataset)`` a script configuration names: a kit reader, a TRL dataset (``dataset_name``
+    or a ``datasets`` mixture, split by ``dataset_train_split`` / ``dataset_test_split``), or the task's built-in
+    data. The eval split is loaded only when ``eval_strategy`` is not ``"no"``."""
+    from datasets import DatasetDict, load_dataset
+
+    wants_eval = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
+    loader = script_args.data_loader
+    if loader is not None:
+        loaders = data_loaders()
+        if loader not in loaders:
+            raise ValueError(f"unknown data_loader {loader!r}; choose one of {', '.join(sorted(loaders))}")
+        train = loaders[loader](script_args.data_path, script_args.data_split_file, script_args.database_dir)
+        return train, None
+    if dataset_args is not None and dataset_args.datasets:
+        from trl import get_dataset
+
+        dataset = get_dataset(dataset_args)
+    elif script_args.dataset_name:
+        dataset = load_dataset(
+            script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
+        )
+    elif script_args.task:
+        kit = get_kit(script_args.task)
+        train = kit.dataset(script_args.num_prompts, training_args.seed, None)
+        if not wants_eval:
+            return train, None
+        split = train.train_test_split(test_size=0.1, seed=training_args.seed)
+        return split["train"], split["test"]
+    else:
+        raise ValueError("no training data: set task, dataset_name, datasets or data_loader")
+    if not isinstance(dataset, (dict, DatasetDict)):
+        return dataset, None
+    if script_args.dataset_train_split not in dataset:
+        raise ValueError(
+            f"the dataset has no split {script_args.dataset_train_split!r}; its splits are {', '.join(dataset)}"
+        )
+    eval_dataset = None
+    if wants_eval:
+        if script_args.dataset_test_split not in dataset:
+            raise ValueError(
+                f"eval_strategy is {training_args.eval_strategy!r} but the dataset has no split "
+                f"{script_args.dataset_test_split!r} (dataset_test_split); its splits are {', '.join(dataset)}"
+            )
+        eval_dataset = dataset[script_args.dataset_test_split]
+    return dataset[script_args.dataset_train_split], eval_dataset
+
+
+def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None):
+    """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2). Model
+    loading follows TRL's script: revision, attention implementation, dtype, ``trust_remote_code`` and the
+    quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
+    from trl import get_peft_config, get_quantization_config
+
+    from .embedded import embedded_model_path
+    from .trainer import MRTPOTrainer
+
+    kit = get_kit(script_args.task) if script_args.task else None
+    rewards = list(kit.rewards) if kit else []
+    blocks = list(kit.info_blocks) if kit else []
+    if script_args.reward_funcs:
+        rewards = [resolve(name, "reward") for name in script_args.reward_funcs]
+        blocks = [None] * len(rewards)
+    if script_args.info_blocks:
+        blocks = [resolve(name, "info_block") for name in script_args.info_blocks]
+    if not rewards:
+        raise ValueError("no reward functions: set task or reward_funcs")
+    model = model_args.model_name_or_path
+    if model is None:
+        raise ValueError("model_name_or_path is required (a hub id, a local folder, or 'embedded')")
+    if model == "embedded":
+        model = embedded_model_path()
+    model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
+    training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
+    train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
+    return MRTPOTrainer(
+        model=model,
+        reward_funcs=rewards,
+        info_blocks=blocks,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+
+
+def main(script_args, training_args, model_args, dataset_args=None, recipe: str | None = None):
+    """Build, train, save, write the model card and (with ``push_to_hub``) push; returns the trainer."""
+    trainer = build_trainer(script_args, training_args, model_args, dataset_args)
+    trainer.recipe = recipe
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    dataset_name = script_args.dataset_name
+    if trainer.accelerator.is_main_process:
+        trainer.create_model_card(dataset_name=dataset_name)
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_name)
+        trainer.accelerator.print(f"Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
+    return trainer
+
+
+def run(argv: Sequence[str]):
+    """``trl-mrtpo train ARGV``."""
+    argv = list(argv)
+    parsed = make_parser().parse_args_and_config(argv)
+    recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
+    return main(*parsed, recipe=recipe)
