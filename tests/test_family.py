@@ -212,11 +212,9 @@ def test_cort_trains_and_matches_plain_forwards(tiny_model, tiny_tokenizer, tmp_
     """Two steps with LoRA; the contrast of one response recomputed from two full-logits forwards."""
 
     class CheckingTrainer(RecordingTrainer):
-        def _cort_contrast(self, inputs, prompts, completions, rewards, varying, output):
-            contrast, replayed = super()._cort_contrast(inputs, prompts, completions, rewards, varying, output)
-            _, context_ids, completion_ids = self._replay_inputs(
-                inputs, prompts, completions, rewards, varying, output, joint=True
-            )
+        def _cort_contrast(self, batch):
+            contrast, replayed = super()._cort_contrast(batch)
+            _, context_ids, completion_ids = self._replay_inputs(batch, joint=True)
             i = next(i for i, c in enumerate(context_ids) if len(c) == 2)
             completion = completion_ids[i]
             self.model.eval()

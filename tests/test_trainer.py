@@ -27,9 +27,11 @@ class RecordingTrainer(MRTPOTrainer):
         self.batches.append({k: v for k, v in output.items() if isinstance(v, torch.Tensor)})
         return output
 
-    def _replay(self, inputs, prompts, completions, rewards, varying, output):
-        relevance, replayed = super()._replay(inputs, prompts, completions, rewards, varying, output)
-        self.replays.append({"prompts": prompts, "relevance": relevance, "replayed": replayed, "output": output})
+    def _replay(self, batch):
+        relevance, replayed = super()._replay(batch)
+        self.replays.append(
+            {"prompts": batch.prompts, "relevance": relevance, "replayed": replayed, "output": batch.output}
+        )
         return relevance, replayed
 
 
@@ -114,8 +116,9 @@ def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_token
     """q for one replayed pair, recomputed by hand from two full-logits forwards in float64."""
 
     class CheckingTrainer(RecordingTrainer):
-        def _replay(self, inputs, prompts, completions, rewards, varying, output):
-            relevance, replayed = super()._replay(inputs, prompts, completions, rewards, varying, output)
+        def _replay(self, batch):
+            relevance, replayed = super()._replay(batch)
+            inputs, prompts, output = batch.inputs, batch.prompts, batch.output
             # Right here the policy holds the sampling-time weights. Sample 0, each constraint reward in turn (all
             # in-prompt blocks): q must sit on the reward whose span was removed.
             i = 0

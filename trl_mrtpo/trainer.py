@@ -10,17 +10,20 @@ import copy
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
-from transformers import TrainerCallback
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import get_config_model_id
 
+from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .credit import (
+    TokenCredit,
     cort_weights,
     group_advantages,
     shuffle_relevance,
@@ -37,7 +40,56 @@ from .viz import credit_summary, token_strings
 from .weighting import concur_advantages, saw_weights
 
 logger = logging.get_logger(__name__)
-REPLAY_MODES = ("mrtpo", "joint", "shuffled", "cort")
+
+
+@dataclass(frozen=True)
+class CreditMode:
+    """How a credit assignment mode builds its token weights.
+
+    ``removal``: the replayed contexts: ``"each"`` removes one reward's block per context, ``"all"`` removes every
+    block in one context, None replays nothing. ``shuffled``: q is permuted within each response (ablation).
+    ``contrast``: CoRT's log-likelihood contrast instead of q.
+    """
+
+    removal: str | None
+    shuffled: bool = False
+    contrast: bool = False
+
+
+CREDIT_MODES = {
+    "mrtpo": CreditMode("each"),
+    "gdpo": CreditMode(None),
+    "joint": CreditMode("all"),
+    "shuffled": CreditMode("each", shuffled=True),
+    "cort": CreditMode("all", contrast=True),
+}
+
+
+@dataclass
+class Scored:
+    """What TRL scored for one generation batch (rewards gathered over processes), until MRTPO uses it."""
+
+    inputs: list[dict]
+    prompts: list
+    completions: list
+    rewards: torch.Tensor
+
+
+@dataclass
+class ScoredBatch:
+    """This process's slice of a scored batch, with its response-level advantages and TRL's generation output."""
+
+    inputs: list[dict]
+    prompts: list
+    completions: list
+    rewards: torch.Tensor  # [B, K]
+    group_advantages: torch.Tensor  # [B, K], after SAW/CONCUR
+    varying: torch.Tensor  # [B, K] bool: the reward varies within the response's group
+    reward_weights: torch.Tensor  # [K] or [B, K]
+    mask: torch.Tensor  # [B, C] completion (and tool) mask
+    output: dict
+
+
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
 
 
@@ -45,19 +97,6 @@ def completion_token_lists(output: dict) -> list[list[int]]:
     """Each completion's token ids without padding, from TRL's generation output."""
     lengths = output["completion_mask"].sum(-1).tolist()
     return [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
-
-
-class CreditPlotCallback(TrainerCallback):
-    """Saves ``mrtpo_curves.png`` (per-reward mean and q concentration per step) in ``output_dir`` at the end."""
-
-    def __init__(self, reward_names):
-        self.reward_names = list(reward_names)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            from .viz import plot_credit_curves
-
-            plot_credit_curves(state.log_history, self.reward_names, os.path.join(args.output_dir, "mrtpo_curves.png"))
 
 
 class MRTPOTrainer(GRPOTrainer):
@@ -94,8 +133,12 @@ class MRTPOTrainer(GRPOTrainer):
         self,
         model,
         reward_funcs,
-        info_blocks: Sequence[Callable[..., str | InfoBlock | None] | None] | Callable | None = None,
         args: MRTPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        *,
+        info_blocks: Sequence[Callable[..., str | InfoBlock | None] | None] | Callable | None = None,
         **kwargs,
     ):
         if args is None:
@@ -105,12 +148,21 @@ class MRTPOTrainer(GRPOTrainer):
             raise TypeError(
                 f"args must be an MRTPOConfig, got {type(args).__name__}; MRTPOConfig accepts every GRPOConfig field."
             )
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
         for reward_func in self.reward_funcs:  # a reward that reads the policy (e.g. self-certainty) binds to it
             if callable(getattr(reward_func, "bind", None)):
                 reward_func.bind(self)
-        self._replays = args.credit_assignment in REPLAY_MODES and any(b is not None for b in self.info_block_builders)
+        removal = CREDIT_MODES[args.credit_assignment].removal if args.credit_assignment in CREDIT_MODES else None
+        self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
             if self.tools or self.environment_factories is not None:
                 raise ValueError(
@@ -123,7 +175,8 @@ class MRTPOTrainer(GRPOTrainer):
         self._replay_temperature = self.temperature
         if self._replays or args.taco_strength > 0:
             self._replay_temperature = self.temperature / logit_multiplier(self.accelerator.unwrap_model(self.model))
-        self._scored: tuple | None = None
+        self._scored: Scored | None = None
+        self._replay_seconds = 0.0
         self.last_credit: CreditRecord | None = None
         patience = args.collapse_warning_steps
         self._collapse_monitor = CollapseMonitor(patience) if patience > 0 else None
@@ -183,7 +236,7 @@ class MRTPOTrainer(GRPOTrainer):
                 "apply)."
             )
         # TRL does not expose per-reward advantages: keep what they are computed from.
-        self._scored = (inputs, prompts, completions, rewards)
+        self._scored = Scored(inputs, prompts, completions, rewards)
         return rewards
 
     def _generate_and_score_completions(self, inputs):
@@ -191,16 +244,75 @@ class MRTPOTrainer(GRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.args.credit_assignment == "grpo":
             return output
-        inputs, prompts, completions, rewards = self._scored
-        self._scored = None
+        scored, self._scored = self._scored, None
         mode = "train" if self.model.training else "eval"
+        batch = self._weighted_batch(scored, output, mode)
+        beta = self._beta()
+        self._replay_seconds = 0.0
+        if self._credit_mode.contrast:
+            credit, relevance, replayed = self._cort_credit(batch, beta)
+        else:
+            credit, relevance, replayed = self._relevance_credit(batch, beta)
+        if self.args.taco_strength > 0:
+            with self._replay_clock():
+                surprisal = self._surprisal(output)
+            credit.advantages = taco_scale(
+                credit.advantages,
+                surprisal,
+                self.args.taco_strength,
+                self.args.taco_threshold,
+                self.args.taco_sharpness,
+            )
+        output["advantages"] = credit.advantages
+        # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
+        self.last_credit = CreditRecord(
+            prompts=batch.prompts,
+            completions=[completion_text(c) for c in batch.completions],
+            completion_ids=output["completion_ids"],
+            mask=batch.mask,
+            rewards=batch.rewards,
+            group_advantages=batch.group_advantages,
+            relevance=relevance,
+            replayed=replayed,
+            weights=credit.weights,
+            advantages=credit.advantages,
+            beta=beta,
+        )
+        total_seconds = time.perf_counter() - started
+        self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
+        return output
+
+    @contextmanager
+    def _replay_clock(self):
+        """Adds the time spent in the block to this step's replay seconds (logged as ``mrtpo/replay_seconds``)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._replay_seconds += time.perf_counter() - started
+
+    @property
+    def _credit_mode(self) -> CreditMode:
+        return CREDIT_MODES[self.args.credit_assignment]
+
+    def _beta(self) -> float:
+        """Step 9: the warmed-up beta of this step; for CoRT, its ramp lambda_n from 0 to 1; 0 for GDPO."""
+        if self._credit_mode.removal is None:
+            return 0.0
+        target = 1.0 if self._credit_mode.contrast else self.args.credit_beta
+        return warmup_beta(target, self.state.global_step, self.args.credit_warmup_steps)
+
+    def _weighted_batch(self, scored: Scored, output: dict, mode: str) -> ScoredBatch:
+        """Steps 1-2 and the response-level weighting (static, SAW or CONCUR) on the whole gathered batch, so that
+        every process decides alike; then this process's slice."""
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards = scored.rewards
         group_adv, varying = group_advantages(rewards, num_generations)
         reward_weights = self.reward_weights.to(group_adv)
-        # Response-level weighting sees the whole (gathered) batch, so every process decides alike.
         if self.args.reward_weighting == "saw":
             reward_weights = reward_weights * saw_weights(rewards).to(group_adv)
         elif self.args.reward_weighting == "concur":
+            # Evaluation reads CONCUR-A's trust but never adds to it.
             trust = self._concur_trust if mode == "train" else copy.deepcopy(self._concur_trust)
             group_adv = concur_advantages(
                 rewards,
@@ -213,77 +325,60 @@ class MRTPOTrainer(GRPOTrainer):
                 trust,
                 self.args.concur_min_readings,
             )
-        local = slice(
-            self.accelerator.process_index * len(prompts), (self.accelerator.process_index + 1) * len(prompts)
-        )
-        group_adv, varying, rewards = group_adv[local], varying[local], rewards[local]
-
+        rank, size = self.accelerator.process_index, len(scored.prompts)
+        local = slice(rank * size, (rank + 1) * size)
         mask = output["completion_mask"]
         if "tool_mask" in output:
             mask = mask * output["tool_mask"]
-        beta = 0.0
-        if self.args.credit_assignment == "cort":  # beta is lambda_n, CoRT's ramp from 0 to 1
-            beta = warmup_beta(1.0, self.state.global_step, self.args.credit_warmup_steps)
-        elif self.args.credit_assignment != "gdpo":
-            beta = warmup_beta(self.args.credit_beta, self.state.global_step, self.args.credit_warmup_steps)
-        relevance = mask.new_zeros((*varying.shape, mask.shape[1]), dtype=torch.float32)
-        replayed = torch.zeros_like(varying)
-        replay_seconds = 0.0
-        if self.args.credit_assignment == "cort":
-            weights = torch.ones_like(relevance)
-            if self._replays and beta > 0:
-                replay_started = time.perf_counter()
-                contrast, cort_replayed = self._cort_contrast(inputs, prompts, completions, rewards, varying, output)
-                replay_seconds += time.perf_counter() - replay_started
-                token_weights = cort_weights(
-                    contrast, mask, self.args.cort_eta * beta, self.args.cort_tau, self.args.cort_offset
-                )
-                weights = torch.where(cort_replayed[:, None, None], token_weights[:, None, :], weights)
-                replayed = cort_replayed[:, None] & varying
-            credit = weighted_token_advantages(group_adv, weights, mask, reward_weights, None, self._reduce_sum())
-        else:
-            if self._replays and beta > 0:  # at beta 0 the weights are uniform whatever q is
-                replay_started = time.perf_counter()
-                relevance, replayed = self._replay(inputs, prompts, completions, rewards, varying, output)
-                replay_seconds += time.perf_counter() - replay_started
-            credit = token_advantages(
-                group_adv,
-                relevance,
-                replayed,
-                mask,
-                reward_weights,
-                beta,
-                self.args.max_second_moment_ratio,
-                self._reduce_sum(),
-            )
-        if self.args.taco_strength > 0:
-            replay_started = time.perf_counter()
-            surprisal = self._surprisal(output)
-            replay_seconds += time.perf_counter() - replay_started
-            credit.advantages = taco_scale(
-                credit.advantages,
-                surprisal,
-                self.args.taco_strength,
-                self.args.taco_threshold,
-                self.args.taco_sharpness,
-            )
-        output["advantages"] = credit.advantages
-        # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
-        self.last_credit = CreditRecord(
-            prompts=prompts,
-            completions=[completion_text(c) for c in completions],
-            completion_ids=output["completion_ids"],
+        return ScoredBatch(
+            inputs=scored.inputs,
+            prompts=scored.prompts,
+            completions=scored.completions,
+            rewards=rewards[local],
+            group_advantages=group_adv[local],
+            varying=varying[local],
+            reward_weights=reward_weights,
             mask=mask,
-            rewards=rewards,
-            group_advantages=group_adv,
-            relevance=relevance,
-            replayed=replayed,
-            weights=credit.weights,
-            advantages=credit.advantages,
-            beta=beta,
+            output=output,
         )
-        self._log_credit(mode, credit, relevance, replayed, mask, beta, replay_seconds, time.perf_counter() - started)
-        return output
+
+    def _relevance_credit(self, batch: ScoredBatch, beta: float) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
+        """Steps 3-8 for ``mrtpo``, ``joint``, ``shuffled`` and ``gdpo``: q from the replay (none at beta 0, where
+        the weights are uniform whatever q is), then the token advantages."""
+        relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
+        replayed = torch.zeros_like(batch.varying)
+        if self._replays and beta > 0:
+            with self._replay_clock():
+                relevance, replayed = self._replay(batch)
+        credit = token_advantages(
+            batch.group_advantages,
+            relevance,
+            replayed,
+            batch.mask,
+            batch.reward_weights,
+            beta,
+            self.args.max_second_moment_ratio,
+            self._reduce_sum(),
+        )
+        return credit, relevance, replayed
+
+    def _cort_credit(self, batch: ScoredBatch, beta: float) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
+        """CoRT: one weight profile per response from its log-likelihood contrast, applied to every reward."""
+        relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
+        weights = torch.ones_like(relevance)
+        replayed = torch.zeros_like(batch.varying)
+        if self._replays and beta > 0:
+            with self._replay_clock():
+                contrast, cort_replayed = self._cort_contrast(batch)
+            profile = cort_weights(
+                contrast, batch.mask, self.args.cort_eta * beta, self.args.cort_tau, self.args.cort_offset
+            )
+            weights = torch.where(cort_replayed[:, None, None], profile[:, None, :], weights)
+            replayed = cort_replayed[:, None] & batch.varying
+        credit = weighted_token_advantages(
+            batch.group_advantages, weights, batch.mask, batch.reward_weights, None, self._reduce_sum()
+        )
+        return credit, relevance, replayed
 
     def _reduce_sum(self):
         """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
@@ -291,18 +386,25 @@ class MRTPOTrainer(GRPOTrainer):
             return None
         return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
 
-    def _replay_inputs(self, inputs, prompts, completions, rewards, varying, output, joint: bool):
+    def _replay_inputs(self, batch: ScoredBatch, joint: bool):
         """Info blocks, replayed pairs and token ids of the local batch's replay.
 
         Returns ``(wanted, context_ids, completion_ids)``: per response, the reward indices whose pair is replayed,
         the contexts ``[P_all, P_removed...]`` (one removal per wanted reward, or a single removal of every block
         when ``joint``; empty when nothing is replayed) and the completion token ids.
         """
-        num_samples, num_rewards = varying.shape
+        num_samples, num_rewards = batch.varying.shape
+        prompts, rewards = batch.prompts, batch.rewards
         blocks = [
             [
                 build_block(
-                    builder, name, i, prompts[i], completion_text(completions[i]), inputs[i], rewards[i, k].item()
+                    builder,
+                    name,
+                    i,
+                    prompts[i],
+                    completion_text(batch.completions[i]),
+                    batch.inputs[i],
+                    rewards[i, k].item(),
                 )
                 if builder is not None
                 else None
@@ -318,7 +420,7 @@ class MRTPOTrainer(GRPOTrainer):
                 # a reward that is None for this response gives it no advantage: nothing to place
                 if blocks[i][k] is not None
                 and not torch.isnan(rewards[i, k])
-                and (varying[i, k] or not self.args.replay_only_varying)
+                and (batch.varying[i, k] or not self.args.replay_only_varying)
             ]
             for i in range(num_samples)
         ]
@@ -342,7 +444,7 @@ class MRTPOTrainer(GRPOTrainer):
             count = 1 + len(removed) if removed else 0
             context_ids.append(flat_ids[cursor : cursor + count])
             cursor += count
-        return wanted, context_ids, completion_token_lists(output)
+        return wanted, context_ids, completion_token_lists(batch.output)
 
     @cached_property
     def _assistant_header(self) -> str | None:
@@ -383,15 +485,13 @@ class MRTPOTrainer(GRPOTrainer):
             "min_shared_prefix": self.args.replay_min_shared_prefix,
         }
 
-    def _replay(self, inputs, prompts, completions, rewards, varying, output):
-        """Replay the local batch and place q per (response, reward)."""
-        joint = self.args.credit_assignment == "joint"
-        wanted, context_ids, completion_ids = self._replay_inputs(
-            inputs, prompts, completions, rewards, varying, output, joint
-        )
-        mask = output["completion_mask"]
-        relevance = torch.zeros(*varying.shape, mask.shape[1], device=mask.device)
-        replayed = torch.zeros_like(varying)
+    def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 3-4: replay the local batch and place q per (response, reward); ``shuffled`` permutes it."""
+        joint = self._credit_mode.removal == "all"
+        wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
+        mask = batch.mask
+        relevance = torch.zeros(*batch.varying.shape, mask.shape[1], device=mask.device)
+        replayed = torch.zeros_like(batch.varying)
         if not any(wanted):
             return relevance, replayed
         q = replay_relevance(
@@ -409,17 +509,15 @@ class MRTPOTrainer(GRPOTrainer):
             for row, k in enumerate(wanted[i]):
                 relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
                 replayed[i, k] = True
-        if self.args.credit_assignment == "shuffled":
+        if self._credit_mode.shuffled:
             relevance = shuffle_relevance(relevance, mask, self._shuffle_generator)
         return relevance, replayed
 
-    def _cort_contrast(self, inputs, prompts, completions, rewards, varying, output):
+    def _cort_contrast(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """CoRT's ``[B, C]`` contrast ``log pi(y_t | P_all) - log pi(y_t | every block removed)`` and which responses
         were replayed (those with a varying reward that has a block)."""
-        _, context_ids, completion_ids = self._replay_inputs(
-            inputs, prompts, completions, rewards, varying, output, joint=True
-        )
-        mask = output["completion_mask"]
+        _, context_ids, completion_ids = self._replay_inputs(batch, joint=True)
+        mask = batch.mask
         contrast = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         replayed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
         logprobs = replay_logprobs(
@@ -465,7 +563,7 @@ class MRTPOTrainer(GRPOTrainer):
         lengths = mask.sum(-1).long()
         q_means = {}
         # CoRT replays without computing q (its weights come from a log-likelihood contrast): no q statistics.
-        with_q = replayed if self.args.credit_assignment != "cort" else torch.zeros_like(replayed)
+        with_q = torch.zeros_like(replayed) if self._credit_mode.contrast else replayed
         for k, name in enumerate(self.reward_func_names):
             rows = with_q[:, k].nonzero(as_tuple=True)[0].tolist()
             if not rows:
