@@ -5,11 +5,14 @@
 #   bash benchmarks/mutation.sh --report   # only rewrite the summary from what has run so far
 set -euo pipefail
 export OMP_NUM_THREADS=1
+export PYTHONPATH="$PWD/mutants${PYTHONPATH:+:$PYTHONPATH}"  # processes the tests launch (DDP) import the mutants too
 FUNCTIONS=(
   "trl_mrtpo.credit.*"
   "trl_mrtpo.weighting.*"
   "trl_mrtpo.replay.x__padded*" "trl_mrtpo.replay.x_shared_prefix_length*" "trl_mrtpo.replay.x_replayed_hidden_states*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_calculate_rewards*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_reduce_sum*"
+  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_beta*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_weighted_batch*"
+  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_relevance_credit*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_cort_credit*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay_inputs*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay__*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_cort_contrast*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_surprisal*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_generate_and_score_completions*"

@@ -512,3 +512,25 @@ def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
     for after, before in zip(resumed.batches, full.batches[2:]):
         torch.testing.assert_close(after["completion_ids"], before["completion_ids"], rtol=0, atol=0)
         torch.testing.assert_close(after["advantages"], before["advantages"], rtol=0, atol=0)
+
+
+def test_training_changes_every_parameter(tiny_model, tiny_tokenizer, tmp_path):
+    """TRL's basic trainer test: after train(), every trainable parameter of the policy has moved."""
+    from trl_mrtpo.utils import completion_text
+
+    def distinct_characters(completions, **kwargs):  # varies within every group, so no advantage is all zero
+        return [len(set(completion_text(c))) / 10 for c in completions]
+
+    previous = {n: p.detach().clone() for n, p in tiny_model.named_parameters() if p.requires_grad}
+    assert previous
+    trainer = train(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[*BASIC.rewards, distinct_characters],
+        blocks=[*BASIC.info_blocks, None],
+        learning_rate=1e-2,
+    )
+    assert trainer.state.log_history[-1]["train_loss"] is not None
+    unchanged = [n for n, p in previous.items() if torch.equal(p, trainer.model.get_parameter(n))]
+    assert not unchanged, unchanged

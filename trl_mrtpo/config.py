@@ -23,6 +23,8 @@ class MRTPOConfig(GRPOConfig):
     redistribution strength of MRTPO is `credit_beta`.
 
     Parameters:
+        > Parameters that control the credit assignment
+
         credit_assignment (`str`, *optional*, defaults to `"mrtpo"`):
             Where each reward's credit lands. `"mrtpo"`: each reward's advantage is redistributed over the tokens
             its info block makes the policy change its mind on. `"gdpo"`: per-reward group normalisation, uniform
@@ -37,6 +39,8 @@ class MRTPOConfig(GRPOConfig):
             Optimizer steps over which `credit_beta` ramps up smoothly from 0 (`3u^2 - 2u^3`). 0 disables warm-up.
         max_second_moment_ratio (`float`, *optional*, defaults to `2.0`):
             Cap rho: the batch's token-advantage second moment stays at most rho times that of uniform spreading.
+        > Parameters that control the replay
+
         replay_batch_size (`int`, *optional*, defaults to `8`):
             Sequences per no-grad replay forward.
         replay_only_varying (`bool`, *optional*, defaults to `True`):
@@ -52,6 +56,8 @@ class MRTPOConfig(GRPOConfig):
             for CUDA models when it is installed, torch otherwise.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
+        > Parameters that control the sibling methods (CoRT, SAW, CONCUR, TACO)
+
         cort_eta (`float`, *optional*, defaults to `1.0`):
             CoRT strength eta in [0, 2): token weights before normalisation are `1 + eta * lambda_n * s_t`, with
             `lambda_n` the `credit_warmup_steps` ramp from 0 to 1.
@@ -83,6 +89,8 @@ class MRTPOConfig(GRPOConfig):
             Surprisal (nats, `-log pi_old` of the sampled token) at which the scaling is half way.
         taco_sharpness (`float`, *optional*, defaults to `1.0`):
             Slope of the sigmoid in surprisal.
+        > Parameters that control the diagnostics
+
         collapse_warning_steps (`int`, *optional*, defaults to `5`):
             Warn when a reward's replayed q stays below 1e-6 for this many consecutive generation steps (its
             credit is then uniform, i.e. plain GDPO). 0 disables the warning.
@@ -91,6 +99,7 @@ class MRTPOConfig(GRPOConfig):
             tokens holding 80 % of its q mass, per step (needs matplotlib).
     """
 
+    # Parameters that control the credit assignment
     credit_assignment: str = field(
         default="mrtpo",
         metadata={
@@ -111,6 +120,7 @@ class MRTPOConfig(GRPOConfig):
         default=2.0,
         metadata={"help": "Cap rho >= 1 on the token-advantage second moment relative to uniform spreading."},
     )
+    # Parameters that control the replay
     replay_batch_size: int = field(default=8, metadata={"help": "Sequences per no-grad replay forward."})
     replay_only_varying: bool = field(
         default=True,
@@ -135,6 +145,7 @@ class MRTPOConfig(GRPOConfig):
         default="\n\n", metadata={"help": "Text between the prompt and each appended info block."}
     )
 
+    # Parameters that control the sibling methods (CoRT, SAW, CONCUR, TACO)
     cort_eta: float = field(default=1.0, metadata={"help": "CoRT strength eta in [0, 2)."})
     cort_tau: float = field(default=1.0, metadata={"help": "CoRT sigmoid sharpness tau."})
     cort_offset: float = field(default=0.0, metadata={"help": "CoRT contrast offset b (nats)."})
@@ -167,6 +178,7 @@ class MRTPOConfig(GRPOConfig):
     )
     taco_threshold: float = field(default=4.0, metadata={"help": "TACO surprisal midpoint (nats)."})
     taco_sharpness: float = field(default=1.0, metadata={"help": "TACO sigmoid slope in surprisal."})
+    # Parameters that control the diagnostics
     collapse_warning_steps: int = field(
         default=5,
         metadata={"help": "Warn when a reward's replayed q stays below 1e-6 this many steps in a row (0: never)."},
