@@ -1,6 +1,7 @@
 """Per-token JS between P_all and K removed contexts: naive full logits vs TRL's chunked op vs ours.
 
-Methods, all returning the same ``[K, N]`` relevance (checksums are printed):
+Methods, all returning the same ``[K, N]`` relevance (checksums, and the largest error against the float64 textbook
+JS of ``tests/reference.py`` over the first 64 tokens, are written):
 
 - ``naive``: full ``[N, V]`` logits per context, log-softmax, :func:`trl_mrtpo.ops.js_divergence`.
 - ``trl``: TRL's ``ChunkedDivergenceFunction`` (``beta=0.5``, i.e. JS) called once per removed context; it
@@ -30,6 +31,7 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]  # for tests/reference.py, the float64 reference the tests use
 
 
 def _status_mb(key: str) -> float:
@@ -90,7 +92,19 @@ def measure(method: str, device: str, tokens: int, hidden: int, vocab: int, cont
         q = run()
         seconds = time.perf_counter() - started
         peak_mb = _status_mb("VmHWM") - base
-    return {"seconds": seconds, "peak_extra_mb": max(peak_mb, 0.0), "checksum": float(q.double().sum())}
+    sys.path.insert(0, str(ROOT))
+    from tests.reference import js_float64
+
+    shown = slice(0, min(tokens, 64))  # float64 full logits of every token would dwarf the measured op
+    full = [h[shown].double() @ weight.double().T for h in (h_all, *h_removed)]
+    expected = torch.stack([js_float64(full[0], logits) for logits in full[1:]])
+    error = (q[:, shown].double().cpu() - expected.cpu()).abs().max().item()
+    return {
+        "seconds": seconds,
+        "peak_extra_mb": max(peak_mb, 0.0),
+        "checksum": float(q.double().sum()),
+        "max_error_vs_float64": error,
+    }
 
 
 def run_child(method: str, device: str, tokens: int, hidden: int, vocab: int, k: int, chunk: int = 0) -> dict:

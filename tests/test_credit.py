@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.reference import reference_token_advantages
 from trl_mrtpo.credit import (
     batch_rescale,
     cap_redistribution,
@@ -55,55 +56,6 @@ def test_hand_worked_cap_is_active_for_small_rho():
 
 
 # ---------------------------------------------------------------- independent float64 reference
-def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
-    """Plain loops in float64, written from docs/method.md without using credit.py."""
-    n, k_count = rewards.shape
-    rewards, q, c = rewards.double(), q.double(), c.double()
-    adv = torch.zeros(n, k_count, dtype=torch.float64)
-    varying = torch.zeros(n, k_count, dtype=torch.bool)
-    for g in range(n // G):
-        for k in range(k_count):
-            vals = [rewards[g * G + j, k].item() for j in range(G)]
-            valid = [v for v in vals if not math.isnan(v)]
-            if len(valid) < 2:
-                continue
-            mean = sum(valid) / len(valid)
-            std = math.sqrt(sum((v - mean) ** 2 for v in valid) / (len(valid) - 1))
-            for j in range(G):
-                if not math.isnan(vals[j]):
-                    adv[g * G + j, k] = (vals[j] - mean) / (std + eps)
-                varying[g * G + j, k] = std > 0
-    lengths = [int(m.sum()) for m in mask]
-    scores, uniforms = [], []
-    for j in range(n):
-        length = lengths[j]
-        u = sum(c[k] * adv[j, k] for k in range(k_count)).item()
-        s_row = [0.0] * length
-        for k in range(k_count):
-            qs = q[j, k, :length].tolist()
-            qbar = sum(qs) / length if length else 0.0
-            for t in range(length):
-                w = 1.0
-                if varying[j, k] and qbar >= 1e-8:
-                    w = (1 - beta) + beta * qs[t] / qbar
-                s_row[t] += c[k].item() * adv[j, k].item() * w
-        scores.append(s_row)
-        uniforms.append(u)
-    uni_moment = sum(lengths[j] * uniforms[j] ** 2 for j in range(n))
-    red_moment = sum((s - uniforms[j]) ** 2 for j in range(n) for s in scores[j])
-    # As in credit.py, a redistribution below float rounding of the uniform part (relative 1e-12) is none.
-    s_cap = 1.0 if red_moment <= 1e-12 * uni_moment else min(1.0, math.sqrt((rho - 1) * uni_moment / red_moment))
-    capped = [[uniforms[j] + s_cap * (s - uniforms[j]) for s in scores[j]] for j in range(n)]
-    flat = [v for row in capped for v in row]
-    mean = sum(flat) / len(flat)
-    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
-    out = torch.zeros(mask.shape, dtype=torch.float64)
-    for j in range(n):
-        for t, v in enumerate(capped[j]):
-            out[j, t] = v / std if std > 0 else v
-    return out, s_cap
-
-
 @st.composite
 def batches(draw):
     groups = draw(st.integers(1, 3))

@@ -191,7 +191,7 @@ def test_sampled_logprobs_and_self_certainty_against_float64():
     bias = torch.randn(70, generator=gen)
     tokens = torch.randint(0, 70, (11,), generator=gen)
     logprobs = torch.log_softmax((hidden.double() @ weight.double().T + bias.double()) / 0.7, -1)
-    got = sampled_logprobs(hidden, tokens, weight, bias, 0.7, chunk_size=4)
+    got = sampled_logprobs(hidden, tokens, weight, bias, 0.7, vocab_chunk_size=4)
     torch.testing.assert_close(got.double(), logprobs.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5, rtol=0)
     kl_uniform = (torch.full_like(logprobs, -math.log(70)) - logprobs).mean(-1)  # sum_v (1/V) log((1/V) / p_v)
     torch.testing.assert_close(

@@ -7,19 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.reference import js_float64
 from trl_mrtpo.ops import js_divergence, replay_divergence
-
-
-def js_float64(logits_p, logits_q):
-    """Textbook JS / ln 2 in float64 probability space."""
-    p = torch.softmax(logits_p.double(), -1)
-    q = torch.softmax(logits_q.double(), -1)
-    m = 0.5 * (p + q)
-
-    def kl(a, b):
-        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
-
-    return (0.5 * kl(p, m) + 0.5 * kl(q, m)) / math.log(2)
 
 
 @settings(max_examples=100, deadline=None)

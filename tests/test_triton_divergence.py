@@ -12,9 +12,8 @@ import sys
 import pytest
 import torch
 
+from tests.reference import js_float64
 from trl_mrtpo.ops import replay_divergence, triton_divergence
-
-from .test_ops import js_float64
 
 pytestmark = pytest.mark.skipif(not triton_divergence.is_available(), reason="Triton is not installed")
 RUNS_KERNELS = triton_divergence.interpreting() or torch.cuda.is_available()
@@ -143,15 +142,20 @@ def test_automatic_triton_failure_falls_back_to_torch_once(monkeypatch):
 
     monkeypatch.setattr(triton_divergence, "fused_replay_divergence", failing)
     monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
-    monkeypatch.setattr(divergence, "_auto_triton", True)
+    divergence.triton_fallback.reset()
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend to be on a GPU
     gen = torch.Generator().manual_seed(0)
     args = (torch.randn(3, 8, generator=gen), torch.randn(2, 3, 8, generator=gen), torch.randn(20, 8, generator=gen))
     with pytest.warns(RuntimeWarning, match="Triton JS kernel failed"):
         q = replay_divergence(*args, backend="auto")
     again = replay_divergence(*args, backend="auto")  # no second attempt, no second warning
-    assert len(calls) == 1
+    assert len(calls) == 1 and not divergence.triton_fallback.enabled
     torch.testing.assert_close(q, again)
     torch.testing.assert_close(q, replay_divergence(*args, backend="torch"))
     with pytest.raises(RuntimeError, match="no kernel"):
         replay_divergence(*args, backend="triton")  # an explicit choice raises
+    divergence.triton_fallback.reset()  # the state is explicit: a reset tries the kernel again
+    with pytest.warns(RuntimeWarning, match="Triton JS kernel failed"):
+        replay_divergence(*args, backend="auto")
+    assert len(calls) == 3
+    divergence.triton_fallback.reset()

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .config import CREDIT_ASSIGNMENTS
+from .constants import CREDIT_ASSIGNMENTS
 from .evaluation import BENCHMARKS
 from .kits import KIT_NAMES
 

@@ -6,12 +6,15 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .constants import (
+    CONCUR_CEILING_MODES,
+    CREDIT_ASSIGNMENTS,
+    DIVERGENCE_BACKENDS,
+    MIN_SHARED_PREFIX,
+    REPLAY_BATCH_SIZE,
+    REWARD_WEIGHTINGS,
+)
 from .ops import triton_divergence
-from .ops.divergence import BACKENDS
-from .weighting import REWARD_WEIGHTINGS
-
-CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo", "joint", "shuffled", "cort")
-CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
 
 
 @dataclass
@@ -121,7 +124,9 @@ class MRTPOConfig(GRPOConfig):
         metadata={"help": "Cap rho >= 1 on the token-advantage second moment relative to uniform spreading."},
     )
     # Parameters that control the replay
-    replay_batch_size: int = field(default=8, metadata={"help": "Sequences per no-grad replay forward."})
+    replay_batch_size: int = field(
+        default=REPLAY_BATCH_SIZE, metadata={"help": "Sequences per no-grad replay forward."}
+    )
     replay_only_varying: bool = field(
         default=True,
         metadata={"help": "Replay only (response, reward) pairs whose reward varies in the group."},
@@ -131,14 +136,14 @@ class MRTPOConfig(GRPOConfig):
         metadata={"help": "Completion tokens per divergence chunk (torch backend); None bounds it to ~2M logits."},
     )
     replay_min_shared_prefix: int | None = field(
-        default=16,
+        default=MIN_SHARED_PREFIX,
         metadata={"help": "Shortest shared context prefix run once and reused as a KV cache; None: no reuse."},
     )
     divergence_backend: str = field(
         default="auto",
         metadata={
             "help": "JS divergence backend: auto, triton (CUDA, `kernels` extra) or torch.",
-            "choices": BACKENDS,
+            "choices": DIVERGENCE_BACKENDS,
         },
     )
     info_block_separator: str = field(
@@ -240,9 +245,9 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
         if self.replay_min_shared_prefix is not None and self.replay_min_shared_prefix < 1:
             raise ValueError(f"replay_min_shared_prefix must be >= 1 or None, got {self.replay_min_shared_prefix}.")
-        if self.divergence_backend not in BACKENDS:
+        if self.divergence_backend not in DIVERGENCE_BACKENDS:
             raise ValueError(
-                f"divergence_backend must be one of {', '.join(BACKENDS)}, got {self.divergence_backend!r}."
+                f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {self.divergence_backend!r}."
             )
         if self.divergence_backend == "triton" and not triton_divergence.is_available():
             raise ValueError("divergence_backend='triton' needs Triton: pip install 'trl-mrtpo[kernels]'.")

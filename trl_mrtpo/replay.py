@@ -19,9 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from trl.trainer.utils import maybe_gather_lm_head_ctx
 
+from .constants import MIN_SHARED_PREFIX
 from .ops import replay_divergence, sampled_logprobs
-
-MIN_SHARED_PREFIX = 16  # tokens; a shorter shared prefix is not worth its own forward
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
@@ -272,7 +271,6 @@ def replay_logprobs(
     completions: Sequence[Sequence[int]],
     temperature: float,
     batch_size: int = 8,
-    chunk_size: int | None = None,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
 ) -> list[torch.Tensor]:
     """Log-probabilities of the sampled completion tokens after each context (CoRT's contrast, TACO's surprisal).
@@ -297,7 +295,7 @@ def replay_logprobs(
         [token for j, count, _ in owners for token in list(completions[j]) * count], device=states.device
     )
     with lm_head_parameters(model) as (weight, bias):
-        logprobs = sampled_logprobs(states, token_ids, weight, bias, temperature, chunk_size)
+        logprobs = sampled_logprobs(states, token_ids, weight, bias, temperature)
     parts = logprobs.split([count * len(completions[j]) for j, count, _ in owners])
     for (j, count, _), part in zip(owners, parts):
         results[j] = part.view(count, -1)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from .constants import MIN_SHARED_PREFIX
 from .ops import self_certainty
-from .replay import MIN_SHARED_PREFIX, lm_head_parameters, replayed_hidden_states
+from .replay import lm_head_parameters, replayed_hidden_states
 
 
 class SelfCertaintyReward:

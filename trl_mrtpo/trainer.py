@@ -479,11 +479,7 @@ class MRTPOTrainer(GRPOTrainer):
                     )
 
     def _replay_options(self) -> dict:
-        return {
-            "batch_size": self.args.replay_batch_size,
-            "chunk_size": self.args.replay_chunk_size,
-            "min_shared_prefix": self.args.replay_min_shared_prefix,
-        }
+        return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": self.args.replay_min_shared_prefix}
 
     def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 3-4: replay the local batch and place q per (response, reward); ``shuffled`` permutes it."""
@@ -500,6 +496,7 @@ class MRTPOTrainer(GRPOTrainer):
             completion_ids,
             self._replay_temperature,
             backend=self.args.divergence_backend,
+            chunk_size=self.args.replay_chunk_size,
             **self._replay_options(),
         )
         for i, ids in enumerate(completion_ids):

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import CONCUR_CEILING_MODES
 from .credit import group_advantages
 
-REWARD_WEIGHTINGS = ("static", "saw", "concur")
 CV_MEAN_FLOOR = 1e-6  # |mean| below this: the reward's CV is taken as 0 (no signal to weigh)
 
 
@@ -157,7 +157,7 @@ def concur_advantages(
     Returns:
         ``[N, K]`` advantages with the auxiliary columns projected.
     """
-    if ceiling_mode not in ("tie", "adaptive", "none"):
+    if ceiling_mode not in CONCUR_CEILING_MODES:
         raise ValueError(f"ceiling_mode must be 'tie', 'adaptive' or 'none', got {ceiling_mode!r}")
     if ceiling_mode == "adaptive" and trust is None:
         raise ValueError("ceiling_mode='adaptive' needs a trust state")

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
+from ..constants import DEFAULT_CHUNK_ELEMENTS, DIVERGENCE_BACKENDS, LN2, MAX_LOG_RATIO, MIN_CHUNK_TOKENS
 from . import triton_divergence
-
-LN2 = math.log(2.0)
-# Elements of [contexts, tokens, vocab] fp32 logits per chunk (8 MB): bounds replay memory; on CPU larger chunks were
-# not faster (benchmarks/js_kernel.py --sweep-chunk). Every chunk streams the whole lm_head weight, so it keeps at
-# least MIN_CHUNK_TOKENS tokens: at V=152064, K=3 one 3-token chunk took 16.4 s, 8 tokens 11.0 s (same inputs).
-DEFAULT_CHUNK_ELEMENTS = 1 << 21
-MIN_CHUNK_TOKENS = 8
-# |log p - log q| beyond this changes a term by < e^-100; clamping keeps -inf entries finite (no NaN).
-MAX_LOG_RATIO = 100.0
-BACKENDS = ("auto", "torch", "triton")
 
 
 def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
@@ -50,18 +40,30 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
     return ((0.5 / LN2) * larger.mul_(terms).sum(-1)).clamp_(0.0, 1.0)
 
 
-_auto_triton = True  # turned off for the process if the automatically chosen Triton kernel fails
+class TritonFallback:
+    """Whether ``backend="auto"`` may still choose the Triton kernel in this process.
+
+    The first failure of an automatically chosen kernel warns once and turns it off for the rest of the process;
+    :meth:`reset` turns it back on (tests; or after fixing the environment in a long-lived session).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def disable(self, error: Exception) -> None:
+        self.enabled = False
+        warnings.warn(
+            f"The fused Triton JS kernel failed ({type(error).__name__}: {error}); using the chunked torch path from "
+            "now on. Set divergence_backend='torch' to silence this, or 'triton' to make it an error.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def reset(self) -> None:
+        self.enabled = True
 
 
-def _disable_auto_triton(error: Exception) -> None:
-    global _auto_triton
-    _auto_triton = False
-    warnings.warn(
-        f"The fused Triton JS kernel failed ({type(error).__name__}: {error}); using the chunked torch path from now "
-        "on. Set divergence_backend='torch' to silence this, or 'triton' to make it an error.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+triton_fallback = TritonFallback()
 
 
 def replay_divergence(
@@ -106,10 +108,10 @@ def replay_divergence(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in DIVERGENCE_BACKENDS:
+        raise ValueError(f"backend must be one of {DIVERGENCE_BACKENDS}, got {backend!r}")
     if backend == "triton" or (
-        backend == "auto" and _auto_triton and hidden_all.is_cuda and triton_divergence.is_available()
+        backend == "auto" and triton_fallback.enabled and hidden_all.is_cuda and triton_divergence.is_available()
     ):
         try:
             return triton_divergence.fused_replay_divergence(
@@ -118,7 +120,7 @@ def replay_divergence(
         except Exception as error:  # noqa: BLE001 - any compile/launch failure of an automatic choice
             if backend == "triton":
                 raise
-            _disable_auto_triton(error)
+            triton_fallback.disable(error)
     num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:

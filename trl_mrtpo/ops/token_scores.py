@@ -1,6 +1,9 @@
 """Per-token scores from last hidden states through the lm_head, token-chunked in fp32 (no ``[N, V]`` logits held).
 
-- :func:`sampled_logprobs`: ``log pi(y_t | context)`` of the sampled tokens (CoRT's contrast, TACO's surprisal).
+- :func:`sampled_logprobs`: ``log pi(y_t | context)`` of the sampled tokens (CoRT's contrast, TACO's surprisal), by
+  TRL's ``ChunkedLogProbFunction`` (vocabulary-tiled, online log-sum-exp): the same numbers as a chunked
+  ``log_softmax`` (both within 2.3e-6 of float64 at V = 49152 and 152064) and 5-18 % faster on CPU
+  (``benchmarks/sampled_logprobs.py``).
 - :func:`self_certainty`: INTUITOR's ``KL(U || pi(. | context))`` over the full vocabulary.
 """
 
@@ -10,8 +13,9 @@ import math
 from collections.abc import Iterator
 
 import torch
+from trl.kernels import ChunkedLogProbFunction
 
-from .divergence import DEFAULT_CHUNK_ELEMENTS, MIN_CHUNK_TOKENS
+from ..constants import DEFAULT_CHUNK_ELEMENTS, MIN_CHUNK_TOKENS, VOCAB_TILE
 
 
 def _chunked_logprobs(
@@ -45,15 +49,31 @@ def sampled_logprobs(
     lm_head_weight: torch.Tensor,
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
-    chunk_size: int | None = None,
+    vocab_chunk_size: int = VOCAB_TILE,
 ) -> torch.Tensor:
-    """``[N]`` fp32 ``log pi(token_ids[t] | .)`` from the ``[N, H]`` last hidden states that predict them."""
+    """``[N]`` fp32 ``log pi(token_ids[t] | .)`` from the ``[N, H]`` last hidden states that predict them, in fp32,
+    ``vocab_chunk_size`` vocabulary columns at a time."""
+    if hidden.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] with H={lm_head_weight.shape[1]} (the lm_head's), got {tuple(hidden.shape)}"
+        )
     if token_ids.shape != hidden.shape[:1]:
         raise ValueError(f"token_ids must be [{hidden.shape[0]}], got {tuple(token_ids.shape)}")
-    out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-    for rows, logprobs in _chunked_logprobs(hidden, lm_head_weight, lm_head_bias, temperature, chunk_size):
-        out[rows] = logprobs.gather(-1, token_ids[rows, None].to(logprobs.device)).squeeze(-1)
-    return out
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    bias = None if lm_head_bias is None else lm_head_bias.float()
+    logprobs = ChunkedLogProbFunction.apply(
+        hidden.float(),
+        lm_head_weight.float(),
+        bias,
+        token_ids.to(hidden.device),
+        temperature,
+        vocab_chunk_size,
+        None,  # no final-logit soft-capping
+        1.0,  # logit scale
+        (),  # no optional outputs
+    )[0]
+    return logprobs.float()
 
 
 def self_certainty(

@@ -15,19 +15,17 @@ kernels run on CPU tensors for testing; the interpreter's ``tl.dot`` is wrong on
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
+
+from ..constants import LN2, MAX_LOG_RATIO
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the `kernels` extra is not installed: the torch path is used
     triton = None
-
-LN2 = math.log(2.0)
-MAX_LOG_RATIO = 100.0
 
 
 def is_available() -> bool:
@@ -40,136 +38,143 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-if triton is not None:
+def _jit(fn):
+    """``triton.jit`` when Triton is installed; otherwise the plain function, which nothing calls (the torch path
+    runs instead). Keeps the kernels at module level, as TRL's kernels do."""
+    return triton.jit(fn) if triton is not None else fn
 
-    @triton.jit
-    def _row_offsets(rows, stride):
-        """Element offsets of rows in 64 bits: ``rows * stride`` passes 2^31 with many replayed tokens (e.g. 7
-        contexts x 90k tokens x H=3584), where int32 arithmetic would wrap."""
-        return rows.to(tl.int64) * stride
 
-    @triton.jit
-    def _logits_tile(
-        hidden_ptr,
-        rows,
-        row_mask,
-        weight_ptr,
-        bias_ptr,
-        cols,
-        col_mask,
-        hidden_size,
-        hidden_stride,
-        weight_stride,
-        inv_temperature,
-        HAS_BIAS: tl.constexpr,
-        FP32_DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-    ):
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        for h_start in range(0, hidden_size, BLOCK_H):
-            hs = h_start + tl.arange(0, BLOCK_H)
-            h_mask = hs < hidden_size
-            a = tl.load(
-                hidden_ptr + _row_offsets(rows, hidden_stride)[:, None] + hs[None, :],
-                mask=row_mask[:, None] & h_mask[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                weight_ptr + _row_offsets(cols, weight_stride)[None, :] + hs[:, None],
-                mask=col_mask[None, :] & h_mask[:, None],
-                other=0.0,
-            )
-            if FP32_DOT:
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-        return acc * inv_temperature
+@_jit
+def _row_offsets(rows, stride):
+    """Element offsets of rows in 64 bits: ``rows * stride`` passes 2^31 with many replayed tokens (e.g. 7
+    contexts x 90k tokens x H=3584), where int32 arithmetic would wrap."""
+    return rows.to(tl.int64) * stride
 
-    @triton.jit
-    def _log_normaliser_kernel(
-        hidden_ptr,
-        weight_ptr,
-        bias_ptr,
-        out_ptr,
-        num_rows,
-        vocab_size,
-        hidden_size,
-        hidden_stride,
-        weight_stride,
-        inv_temperature,
-        HAS_BIAS: tl.constexpr,
-        FP32_DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-    ):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < num_rows
-        running_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
-        running_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for v_start in range(0, vocab_size, BLOCK_V):
-            cols = v_start + tl.arange(0, BLOCK_V)
-            col_mask = cols < vocab_size
-            logits = _logits_tile(
-                hidden_ptr, rows, row_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
+
+@_jit
+def _logits_tile(
+    hidden_ptr,
+    rows,
+    row_mask,
+    weight_ptr,
+    bias_ptr,
+    cols,
+    col_mask,
+    hidden_size,
+    hidden_stride,
+    weight_stride,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for h_start in range(0, hidden_size, BLOCK_H):
+        hs = h_start + tl.arange(0, BLOCK_H)
+        h_mask = hs < hidden_size
+        a = tl.load(
+            hidden_ptr + _row_offsets(rows, hidden_stride)[:, None] + hs[None, :],
+            mask=row_mask[:, None] & h_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            weight_ptr + _row_offsets(cols, weight_stride)[None, :] + hs[:, None],
+            mask=col_mask[None, :] & h_mask[:, None],
+            other=0.0,
+        )
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return acc * inv_temperature
+
+
+@_jit
+def _log_normaliser_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    out_ptr,
+    num_rows,
+    vocab_size,
+    hidden_size,
+    hidden_stride,
+    weight_stride,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < num_rows
+    running_max = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for v_start in range(0, vocab_size, BLOCK_V):
+        cols = v_start + tl.arange(0, BLOCK_V)
+        col_mask = cols < vocab_size
+        logits = _logits_tile(
+            hidden_ptr, rows, row_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
+            weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+        )  # fmt: skip
+        logits = tl.where(col_mask[None, :], logits, float("-inf"))
+        new_max = tl.maximum(running_max, tl.max(logits, 1))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), 1)
+        running_max = new_max
+    tl.store(out_ptr + rows, running_max + tl.log(running_sum), mask=row_mask)
+
+
+@_jit
+def _js_kernel(
+    hidden_ptr,
+    weight_ptr,
+    bias_ptr,
+    log_normaliser_ptr,
+    out_ptr,
+    num_tokens,
+    num_removed,
+    vocab_size,
+    hidden_size,
+    hidden_stride,
+    weight_stride,
+    inv_temperature,
+    HAS_BIAS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    token_mask = tokens < num_tokens
+    normaliser_all = tl.load(log_normaliser_ptr + tokens, mask=token_mask, other=0.0)
+    for v_start in range(0, vocab_size, BLOCK_V):
+        cols = v_start + tl.arange(0, BLOCK_V)
+        col_mask = cols < vocab_size
+        logprobs_all = _logits_tile(
+            hidden_ptr, tokens, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
+            weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
+        ) - normaliser_all[:, None]  # fmt: skip
+        for m in range(num_removed):
+            rows = (m + 1) * num_tokens + tokens  # < the row count; offsets go 64-bit in _row_offsets
+            normaliser = tl.load(log_normaliser_ptr + rows, mask=token_mask, other=0.0)
+            logprobs = _logits_tile(
+                hidden_ptr, rows, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
                 weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
-            )  # fmt: skip
-            logits = tl.where(col_mask[None, :], logits, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(logits, 1))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(logits - new_max[:, None]), 1)
-            running_max = new_max
-        tl.store(out_ptr + rows, running_max + tl.log(running_sum), mask=row_mask)
-
-    @triton.jit
-    def _js_kernel(
-        hidden_ptr,
-        weight_ptr,
-        bias_ptr,
-        log_normaliser_ptr,
-        out_ptr,
-        num_tokens,
-        num_removed,
-        vocab_size,
-        hidden_size,
-        hidden_stride,
-        weight_stride,
-        inv_temperature,
-        HAS_BIAS: tl.constexpr,
-        FP32_DOT: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_V: tl.constexpr,
-        BLOCK_H: tl.constexpr,
-    ):
-        tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        token_mask = tokens < num_tokens
-        normaliser_all = tl.load(log_normaliser_ptr + tokens, mask=token_mask, other=0.0)
-        for v_start in range(0, vocab_size, BLOCK_V):
-            cols = v_start + tl.arange(0, BLOCK_V)
-            col_mask = cols < vocab_size
-            logprobs_all = _logits_tile(
-                hidden_ptr, tokens, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
-                weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
-            ) - normaliser_all[:, None]  # fmt: skip
-            for m in range(num_removed):
-                rows = (m + 1) * num_tokens + tokens  # < the row count; offsets go 64-bit in _row_offsets
-                normaliser = tl.load(log_normaliser_ptr + rows, mask=token_mask, other=0.0)
-                logprobs = _logits_tile(
-                    hidden_ptr, rows, token_mask, weight_ptr, bias_ptr, cols, col_mask, hidden_size, hidden_stride,
-                    weight_stride, inv_temperature, HAS_BIAS, FP32_DOT, BLOCK_N, BLOCK_V, BLOCK_H,
-                ) - normaliser[:, None]  # fmt: skip
-                gap = tl.minimum(tl.abs(logprobs - logprobs_all), MAX_LOG_RATIO)
-                smaller_share = tl.exp(-gap)
-                to_mixture = LN2 - tl.log(1.0 + smaller_share)
-                terms = tl.exp(tl.maximum(logprobs, logprobs_all)) * (
-                    (1.0 + smaller_share) * to_mixture - smaller_share * gap
-                )
-                partial = tl.sum(tl.where(col_mask[None, :], terms, 0.0), 1)
-                acc_ptr = out_ptr + m * num_tokens + tokens
-                tl.store(acc_ptr, tl.load(acc_ptr, mask=token_mask, other=0.0) + partial, mask=token_mask)
+            ) - normaliser[:, None]  # fmt: skip
+            gap = tl.minimum(tl.abs(logprobs - logprobs_all), MAX_LOG_RATIO)
+            smaller_share = tl.exp(-gap)
+            to_mixture = LN2 - tl.log(1.0 + smaller_share)
+            terms = tl.exp(tl.maximum(logprobs, logprobs_all)) * (
+                (1.0 + smaller_share) * to_mixture - smaller_share * gap
+            )
+            partial = tl.sum(tl.where(col_mask[None, :], terms, 0.0), 1)
+            acc_ptr = out_ptr + m * num_tokens + tokens
+            tl.store(acc_ptr, tl.load(acc_ptr, mask=token_mask, other=0.0) + partial, mask=token_mask)
 
 
 def fused_replay_divergence(

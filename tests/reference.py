@@ -1,0 +1,82 @@
+"""Independent float64 references, written from docs/method.md without the code under test: plain loops and
+textbook formulas. Used by the tests and by the benchmarks that report accuracy (``benchmarks/js_kernel.py``)."""
+
+import math
+
+import torch
+
+
+def js_float64(logits_p, logits_q):
+    """Textbook JS / ln 2 in float64 probability space."""
+    p = torch.softmax(logits_p.double(), -1)
+    q = torch.softmax(logits_q.double(), -1)
+    m = 0.5 * (p + q)
+
+    def kl(a, b):
+        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
+
+    return (0.5 * kl(p, m) + 0.5 * kl(q, m)) / math.log(2)
+
+
+def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
+    """Plain loops in float64, written from docs/method.md without using credit.py."""
+    n, k_count = rewards.shape
+    rewards, q, c = rewards.double(), q.double(), c.double()
+    adv = torch.zeros(n, k_count, dtype=torch.float64)
+    varying = torch.zeros(n, k_count, dtype=torch.bool)
+    for g in range(n // G):
+        for k in range(k_count):
+            vals = [rewards[g * G + j, k].item() for j in range(G)]
+            valid = [v for v in vals if not math.isnan(v)]
+            if len(valid) < 2:
+                continue
+            mean = sum(valid) / len(valid)
+            std = math.sqrt(sum((v - mean) ** 2 for v in valid) / (len(valid) - 1))
+            for j in range(G):
+                if not math.isnan(vals[j]):
+                    adv[g * G + j, k] = (vals[j] - mean) / (std + eps)
+                varying[g * G + j, k] = std > 0
+    lengths = [int(m.sum()) for m in mask]
+    scores, uniforms = [], []
+    for j in range(n):
+        length = lengths[j]
+        u = sum(c[k] * adv[j, k] for k in range(k_count)).item()
+        s_row = [0.0] * length
+        for k in range(k_count):
+            qs = q[j, k, :length].tolist()
+            qbar = sum(qs) / length if length else 0.0
+            for t in range(length):
+                w = 1.0
+                if varying[j, k] and qbar >= 1e-8:
+                    w = (1 - beta) + beta * qs[t] / qbar
+                s_row[t] += c[k].item() * adv[j, k].item() * w
+        scores.append(s_row)
+        uniforms.append(u)
+    uni_moment = sum(lengths[j] * uniforms[j] ** 2 for j in range(n))
+    red_moment = sum((s - uniforms[j]) ** 2 for j in range(n) for s in scores[j])
+    # As in credit.py, a redistribution below float rounding of the uniform part (relative 1e-12) is none.
+    s_cap = 1.0 if red_moment <= 1e-12 * uni_moment else min(1.0, math.sqrt((rho - 1) * uni_moment / red_moment))
+    capped = [[uniforms[j] + s_cap * (s - uniforms[j]) for s in scores[j]] for j in range(n)]
+    flat = [v for row in capped for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for j in range(n):
+        for t, v in enumerate(capped[j]):
+            out[j, t] = v / std if std > 0 else v
+    return out, s_cap
+
+
+def reference_saw(rewards):
+    """SAW weights in float64 loops: K * CV_k / sum CV with CV = std (Bessel) / |mean| over non-NaN values."""
+    cvs = []
+    for k in range(rewards.shape[1]):
+        values = [v for v in rewards[:, k].tolist() if not math.isnan(v)]
+        mean = sum(values) / len(values) if values else 0.0
+        if len(values) < 2 or abs(mean) < 1e-6:
+            cvs.append(0.0)
+            continue
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+        cvs.append(std / abs(mean))
+    total = sum(cvs)
+    return torch.tensor([len(cvs) * cv / total if total else 1.0 for cv in cvs], dtype=torch.float64)

@@ -1,0 +1,25 @@
+"""Constants shared by the maths, the replay and the configuration (one home, no copies)."""
+
+import math
+
+LN2 = math.log(2.0)
+# |log p - log q| beyond this changes a JS term by < e^-100; clamping keeps -inf entries finite (no NaN).
+MAX_LOG_RATIO = 100.0
+
+# Elements of [contexts, tokens, vocab] fp32 logits per chunk of the torch JS path (8 MB): bounds replay memory; on
+# CPU larger chunks were not faster (benchmarks/js_kernel.py --sweep-chunk). Every chunk streams the whole lm_head
+# weight, so it keeps at least MIN_CHUNK_TOKENS tokens: at V=152064, K=3 one 3-token chunk took 16.4 s, 8 tokens
+# 11.0 s (same inputs).
+DEFAULT_CHUNK_ELEMENTS = 1 << 21
+MIN_CHUNK_TOKENS = 8
+# Vocabulary columns per tile of the sampled-token log-probabilities (TRL's ChunkedLogProbFunction).
+VOCAB_TILE = 4096
+
+# Replay defaults (MRTPOConfig's replay_batch_size and replay_min_shared_prefix).
+REPLAY_BATCH_SIZE = 8
+MIN_SHARED_PREFIX = 16  # tokens; a shorter shared prefix is not worth its own forward
+
+DIVERGENCE_BACKENDS = ("auto", "torch", "triton")
+CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo", "joint", "shuffled", "cort")
+REWARD_WEIGHTINGS = ("static", "saw", "concur")
+CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
