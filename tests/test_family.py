@@ -111,8 +111,8 @@ def test_pava():
     assert pava(torch.tensor([1.0, 2.0]), torch.ones(2)).tolist() == [1.0, 2.0]
 
 
-def test_concur_seed_example_is_already_feasible():
-    """Seed 003: primary [0.3, 0.3, 0.7] with auxiliary advantages [-1, 0, 1] stays unchanged (the two 0.3
+def test_concur_worked_example_is_already_feasible():
+    """Worked example: primary [0.3, 0.3, 0.7] with auxiliary advantages [-1, 0, 1] stays unchanged (the two 0.3
     responses are not averaged: equal primary below the ceiling is unconstrained)."""
     primary = torch.tensor([0.3, 0.3, 0.7])
     auxiliary = torch.tensor([-1.0, 0.0, 1.0])
@@ -155,7 +155,7 @@ def test_concordance_readings():
 
 
 def test_concur_trust_uses_the_whole_batch_before_projecting():
-    """Seed 003: 60 concordant readings in history, the 61st comes from the batch's second group; the first group
+    """60 concordant readings in history, the 61st comes from the batch's second group; the first group
     must already use the merged state (the ceiling tie is released for it too)."""
     nan = float("nan")
     # two groups of 3; reward 0 primary, reward 1 auxiliary
