@@ -36,7 +36,8 @@ def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path):
     assert all(h["loss"] == h["loss"] for h in trainer.state.log_history if "loss" in h)  # not NaN
     assert (tmp_path / "adapter_model.safetensors").is_file()
     card = (tmp_path / "README.md").read_text()
-    assert "mrtpo" in card and "MRTPO" in card
+    assert "None" not in card and "Model Card for SmolLM2-135M-Instruct-MRTPO-demo-basic" in card
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "built-in `basic` task data" in card
 
 
 def test_eval_command_on_the_embedded_model(tmp_path):
@@ -62,4 +63,8 @@ def test_train_command_from_the_cpu_recipe(tmp_path):
          "--output_dir", str(tmp_path)]
     )  # fmt: skip
     card = (tmp_path / "README.md").read_text()
-    assert "recipe: `recipes/cpu/basic-smollm2.yaml`" in card and (tmp_path / "adapter_model.safetensors").is_file()
+    assert (
+        "Recipe: `recipes/cpu/basic-smollm2.yaml`" in card
+        and "None" not in card
+        and (tmp_path / "adapter_model.safetensors").is_file()
+    )

@@ -80,3 +80,70 @@ def test_sql_execution_accuracy(tmp_path):
     result = evaluate_sql(lambda prompts: answers, str(tmp_path / "spider"), "dev.json")
     assert result.metrics["execution_accuracy"] == 0.5
     assert [d["correct"] for d in result.details] == [True, False]
+
+
+def test_eval_places_the_model_on_the_accelerator(monkeypatch):
+    import trl_mrtpo.policy
+    from trl_mrtpo.evaluation import run_evaluation
+
+    seen = {}
+
+    def recording_load(model, adapter=None, device_map=None):
+        seen.update(model=model, adapter=adapter, device_map=device_map)
+        raise RuntimeError("stop after loading")
+
+    monkeypatch.setattr(trl_mrtpo.policy, "load_policy", recording_load)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(RuntimeError, match="stop after loading"):
+        run_evaluation(model="some/model", adapter="my-adapter", benchmarks=["ifeval"])
+    assert seen == {"model": "some/model", "adapter": "my-adapter", "device_map": "auto"}
+
+
+def test_vllm_backend_serves_a_lora_adapter(monkeypatch, tmp_path):
+    import importlib.machinery
+    import json
+    import sys
+    import types
+
+    from trl_mrtpo.evaluation import vllm_generator
+
+    calls = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            calls["llm"] = kwargs
+
+        def chat(self, prompts, params, **kwargs):
+            calls["chat"] = kwargs
+            return [types.SimpleNamespace(outputs=[types.SimpleNamespace(text="ok")]) for _ in prompts]
+
+    class LoRARequest:
+        def __init__(self, name, number, path):
+            self.path = path
+
+    vllm = types.ModuleType("vllm")
+    vllm.__spec__ = importlib.machinery.ModuleSpec("vllm", None)
+    vllm.LLM, vllm.SamplingParams = LLM, lambda **kwargs: kwargs
+    lora = types.ModuleType("vllm.lora.request")
+    lora.LoRARequest = LoRARequest
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 32}))
+    generate = vllm_generator("base/model", 16, adapter=str(tmp_path))
+    assert generate([[{"role": "user", "content": "hi"}]]) == ["ok"]
+    assert calls["llm"] == {"model": "base/model", "enable_lora": True, "max_lora_rank": 32}
+    assert calls["chat"]["lora_request"].path == str(tmp_path)
+
+
+def test_a_missing_evaluation_package_is_named(monkeypatch):
+    import importlib.util
+
+    from trl_mrtpo.evaluation import evaluate
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bfcl_eval" else real(name, *a))
+    with pytest.raises(ImportError, match="needs the 'bfcl_eval' package.*pip install --no-deps bfcl-eval"):
+        evaluate(lambda prompts: [], "bfcl_simple_python", limit=1)
+    with pytest.raises(ValueError, match="unknown benchmark 'mmlu'"):
+        evaluate(lambda prompts: [], "mmlu")

@@ -89,3 +89,76 @@ def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
     assert len(trainer.train_dataset) > 0
     if config.get("use_peft"):
         assert hasattr(trainer.model, "peft_config")
+
+
+class _Recorded:
+    """Stands in for MRTPOTrainer: keeps what build_trainer passes (no model is loaded)."""
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+
+def _built(monkeypatch, argv):
+    import trl_mrtpo.trainer
+
+    monkeypatch.setattr(trl_mrtpo.trainer, "MRTPOTrainer", _Recorded)
+    return build_trainer(*make_parser().parse_args_and_config(argv)).kwargs
+
+
+def test_train_forwards_model_options_and_quantization(monkeypatch, tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    kwargs = _built(
+        monkeypatch,
+        ["--config", "recipes/cpu/basic-smollm2.yaml", "--model_name_or_path", "some/model",
+         "--output_dir", str(tmp_path), "--load_in_4bit", "true", "--bnb_4bit_quant_type", "nf4",
+         "--attn_implementation", "sdpa", "--model_revision", "v2", "--trust_remote_code", "true",
+         "--dtype", "bfloat16"],
+    )  # fmt: skip
+    assert kwargs["model"] == "some/model"
+    init = kwargs["args"].model_init_kwargs
+    assert init["revision"] == "v2" and init["attn_implementation"] == "sdpa"
+    assert init["dtype"] == "bfloat16" and init["trust_remote_code"] is True
+    quantization = kwargs["quantization_config"]
+    assert isinstance(quantization, BitsAndBytesConfig)
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "nf4"
+    assert kwargs["peft_config"].r == 8  # the recipe's LoRA
+    assert kwargs["eval_dataset"] is None  # eval_strategy "no": no eval split is built
+
+
+def test_recipe_model_init_kwargs_win_over_script_defaults(monkeypatch, tmp_path):
+    kwargs = _built(
+        monkeypatch,
+        ["--config", "recipes/cpu/basic-smollm2.yaml", "--model_name_or_path", "some/model",
+         "--output_dir", str(tmp_path), "--model_init_kwargs", '{"dtype": "float16"}'],
+    )  # fmt: skip
+    assert kwargs["args"].model_init_kwargs["dtype"] == "float16" and kwargs["quantization_config"] is None
+
+
+def test_train_builds_an_eval_split_when_evaluation_is_on(monkeypatch, tmp_path):
+    kwargs = _built(
+        monkeypatch,
+        ["--config", "recipes/cpu/basic-smollm2.yaml", "--model_name_or_path", "some/model",
+         "--output_dir", str(tmp_path), "--eval_strategy", "steps", "--eval_steps", "5", "--num_prompts", "40"],
+    )  # fmt: skip
+    assert len(kwargs["eval_dataset"]) == 4 and len(kwargs["train_dataset"]) == 36
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "hi"}\n{"prompt": "there"}\n')  # one split: train
+    argv = ["--model_name_or_path", "some/model", "--output_dir", str(tmp_path), "--task", "basic", "--use_cpu",
+            "true", "--bf16", "false", "--eval_strategy", "steps", "--eval_steps", "5",
+            "--dataset_name", str(tmp_path / "data")]  # fmt: skip
+    with pytest.raises(ValueError, match="no split 'test'"):
+        _built(monkeypatch, argv)
+
+
+def test_train_reads_a_dataset_mixture(monkeypatch, tmp_path):
+    kwargs = _built(
+        monkeypatch,
+        ["--config", "recipes/cpu/own-rewards-smollm2.yaml", "--model_name_or_path", "some/model",
+         "--output_dir", str(tmp_path)],
+    )  # fmt: skip
+    assert len(kwargs["train_dataset"]) == 8 and {"reference", "schema"} <= set(kwargs["train_dataset"].column_names)
+    assert [f.__name__ for f in kwargs["reward_funcs"]] == [
+        "json_schema_reward", "answer_matches_reference", "length_reward"
+    ]  # fmt: skip
+    assert kwargs["info_blocks"][2] is None

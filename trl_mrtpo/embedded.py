@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was made from
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -60,3 +61,12 @@ def embedded_model_path() -> str:
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return str(target)
+
+
+def is_embedded_model_path(path: str | os.PathLike | None) -> bool:
+    """Whether ``path`` is the cached folder :func:`embedded_model_path` returns."""
+    return (
+        path is not None
+        and os.path.isdir(path)
+        and Path(path).resolve() == (cache_root() / EMBEDDED_MODEL_NAME).resolve()
+    )

@@ -161,10 +161,22 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
     )
 
 
+def data_source(script_args: MRTPOScriptArguments, dataset_args=None) -> str | None:
+    """The training data in words for the model card, when it is not a Hub dataset named by ``dataset_name``."""
+    if script_args.data_loader:
+        return f"`{script_args.data_path}` (read by trl-mrtpo's `{script_args.data_loader}` reader)"
+    if dataset_args is not None and dataset_args.datasets:
+        return "a mixture of " + ", ".join(f"`{d.path}`" for d in dataset_args.datasets)
+    if not script_args.dataset_name and script_args.task:
+        return f"trl-mrtpo's built-in `{script_args.task}` task data"
+    return None
+
+
 def main(script_args, training_args, model_args, dataset_args=None, recipe: str | None = None):
     """Build, train, save, write the model card and (with ``push_to_hub``) push; returns the trainer."""
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     trainer.recipe = recipe
+    trainer.data_source = data_source(script_args, dataset_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")

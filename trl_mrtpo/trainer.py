@@ -33,6 +33,7 @@ from .credit import (
     weighted_token_advantages,
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
+from .embedded import is_embedded_model_path
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
 from .utils import completion_text
@@ -183,6 +184,8 @@ class MRTPOTrainer(GRPOTrainer):
         if args.save_credit_plots:
             self.add_callback(CreditPlotCallback(self.reward_func_names))
         self.recipe: str | None = None  # the recipe file a run came from, for the model card (set by the CLI)
+        self.data_source: str | None = None  # built-in data, in words, for the model card (set by the CLI, demo)
+        self._name_base_model()
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
         self._concur_trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward (train batches only)
         self._concur_primary = 0
@@ -193,6 +196,19 @@ class MRTPOTrainer(GRPOTrainer):
                     f"they are {', '.join(self.reward_func_names)}."
                 )
             self._concur_primary = self.reward_func_names.index(args.concur_primary)
+
+    def _name_base_model(self) -> None:
+        """An adapter of the embedded model records its Hub id, not the local cache folder it was loaded from, so
+        that whoever downloads the adapter can load it."""
+        from peft import PeftModel
+
+        from .model_card import base_model_id
+
+        model = self.accelerator.unwrap_model(self.model)
+        if isinstance(model, PeftModel):
+            for config in model.peft_config.values():
+                if is_embedded_model_path(config.base_model_name_or_path):
+                    config.base_model_name_or_path = base_model_id(config.base_model_name_or_path)
 
     def _credit_state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
@@ -604,24 +620,11 @@ class MRTPOTrainer(GRPOTrainer):
             logged[-i] = gathered[-i]
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card plus the MRTPO settings a reader needs to reproduce the run."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        """The model card (``README.md`` in ``output_dir``): TRL's, with the real base model, the data, and the
+        MRTPO settings, rewards, info blocks and recipe in the training procedure (:mod:`trl_mrtpo.model_card`)."""
         if not self.is_world_process_zero():
             return
-        rewards = ", ".join(
-            f"`{name}` (weight {weight:g}, {'info block' if builder is not None else 'no info block'})"
-            for name, weight, builder in zip(
-                self.reward_func_names, self.reward_weights.tolist(), self.info_block_builders
-            )
-        )
-        section = (
-            "\n## MRTPO settings\n\n"
-            f"- credit assignment: `{self.args.credit_assignment}`\n"
-            f"- credit_beta: {self.args.credit_beta:g} (warm-up {self.args.credit_warmup_steps} steps), "
-            f"second-moment cap rho: {self.args.max_second_moment_ratio:g}\n"
-            f"- rewards: {rewards}\n"
-        )
-        if self.recipe:
-            section += f"- recipe: `{self.recipe}`\n"
-        with open(os.path.join(self.args.output_dir, "README.md"), "a", encoding="utf-8") as card:
-            card.write(section)
+        from .model_card import build_model_card
+
+        card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+        card.save(os.path.join(self.args.output_dir, "README.md"))

@@ -1,0 +1,74 @@
+"""The journey's last steps on the embedded model: train from a recipe, push to the Hub (up to the upload, no
+network), and load what would be uploaded back into a model that generates what the trained one generates."""
+
+import json
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+class FakeHub:
+    """Stands in for huggingface_hub's HfApi at transformers' upload boundary: keeps a copy of each upload."""
+
+    def __init__(self, root: Path):
+        self.root, self.uploads = root, []
+
+    def create_repo(self, repo_id, **kwargs):
+        return types.SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        copy = self.root / f"upload{len(self.uploads)}"
+        ignored = shutil.ignore_patterns(*kwargs.get("ignore_patterns", []))
+        shutil.copytree(folder_path, copy, ignore=ignored)
+        self.uploads.append((repo_id, copy))
+
+
+def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkeypatch):
+    import transformers.trainer
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_mrtpo.embedded import EMBEDDED_HUB_ID, embedded_model_path
+    from trl_mrtpo.train import run
+
+    hub = FakeHub(tmp_path)
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    torch.manual_seed(0)
+    trainer = run(
+        ["--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "1", "--max_completion_length", "16",
+         "--output_dir", str(tmp_path / "out"), "--push_to_hub", "true", "--hub_model_id", "me/smol-mrtpo"]
+    )  # fmt: skip
+    repo_id, pushed = hub.uploads[-1]
+    assert repo_id == "me/smol-mrtpo"
+    files = {p.name for p in pushed.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "README.md", "tokenizer.json"} <= files
+    assert json.loads((pushed / "adapter_config.json").read_text())["base_model_name_or_path"] == EMBEDDED_HUB_ID
+
+    card = (pushed / "README.md").read_text()
+    assert "None" not in card
+    assert f"fine-tuned version of [{EMBEDDED_HUB_ID}](https://huggingface.co/{EMBEDDED_HUB_ID})" in card
+    assert "trl-mrtpo's built-in `basic` task data" in card and "huggingface.co/datasets" not in card
+    assert 'AutoPeftModelForCausalLM.from_pretrained("me/smol-mrtpo")' in card
+    procedure, citations = card.index("## Training procedure"), card.index("## Citations")
+    settings = card.index("### MRTPO settings")
+    assert procedure < settings < citations  # the MRTPO section is part of the training procedure
+    for line in ["credit assignment: `mrtpo`", "credit_warmup_steps: 5 (default 10)", "learning_rate: 5e-05",
+                 "| `end_phrase_reward` | 1 | `end_phrase_block` |", "| `length_reward` | 1 | none (uniform credit) |",
+                 "Recipe: `recipes/cpu/basic-smollm2.yaml`", "- trl-mrtpo: 0.1.0"]:  # fmt: skip
+        assert line in card, line
+
+    # What was uploaded loads back (base model + adapter) and generates the trained policy's greedy tokens.
+    tokenizer = AutoTokenizer.from_pretrained(pushed)
+    messages = [{"role": "user", "content": "Write two sentences about rain."}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    trained = trainer.accelerator.unwrap_model(trainer.model).eval()
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(embedded_model_path()), pushed).eval()
+    with torch.no_grad():
+        expected = trained.generate(**inputs, max_new_tokens=12, do_sample=False)
+        got = loaded.generate(**inputs, max_new_tokens=12, do_sample=False)
+    assert torch.equal(got, expected)

@@ -1,0 +1,110 @@
+"""The model card of an MRTPO run: TRL's card with the real base model, the data, and a section on the credit
+settings, the rewards and their info blocks, and the recipe, inside the training procedure."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from importlib import resources
+from importlib.metadata import version
+
+from huggingface_hub import ModelCard, ModelCardData
+from trl import GRPOConfig
+
+from .config import MRTPOConfig
+from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
+
+# Training settings a reader needs besides MRTPO's own, shown whatever their value.
+TRAINING_FIELDS = ("learning_rate", "num_generations", "per_device_train_batch_size", "max_completion_length",
+                   "temperature", "loss_type", "beta", "num_iterations")  # fmt: skip
+
+
+def base_model_id(name_or_path: str | None) -> str | None:
+    """The Hub id of a base model: the id itself, SmolLM2-135M-Instruct's for the embedded model's cached folder, and
+    None for any other local folder (nobody who downloads the card could load it)."""
+    if not name_or_path:
+        return None
+    if is_embedded_model_path(name_or_path):
+        return EMBEDDED_HUB_ID
+    return None if os.path.isdir(name_or_path) else name_or_path
+
+
+def settings_lines(args: MRTPOConfig) -> list[str]:
+    """``name: value`` for the training essentials, then every MRTPO field that differs from its default."""
+    lines = [f"{name}: {getattr(args, name)}" for name in TRAINING_FIELDS]
+    steps = f"max_steps: {args.max_steps}" if args.max_steps > 0 else f"num_train_epochs: {args.num_train_epochs}"
+    lines.append(steps)
+    grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    for field in dataclasses.fields(MRTPOConfig):
+        if field.name in grpo_fields or field.name in ("credit_assignment", "reward_weighting"):
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else None
+        value = getattr(args, field.name)
+        if value != default:
+            lines.append(f"{field.name}: {value!r} (default {default!r})")
+    return lines
+
+
+def build_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> ModelCard:
+    """The card of ``trainer``'s run (an :class:`~trl_mrtpo.MRTPOTrainer`), as :meth:`create_model_card` saves it."""
+    from peft import PeftModel
+    from trl.trainer.utils import get_config_model_id
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    adapter = isinstance(model, PeftModel)
+    base_path = model.peft_config["default"].base_model_name_or_path if adapter else get_config_model_id(model.config)
+    base_model = base_model_id(base_path)
+    model_id = trainer.hub_model_id or trainer.args.output_dir
+    model_name = model_name or os.path.basename(os.path.normpath(trainer.hub_model_id or trainer.args.output_dir))
+    tags = {tags} if isinstance(tags, str) else set(tags or [])
+    tags.update(trainer._tag_names)
+    if adapter:
+        tags.add("lora")
+    card_data = ModelCardData(
+        base_model=base_model,
+        datasets=dataset_name,
+        library_name="peft" if adapter else "transformers",
+        model_name=model_name,
+        tags=["generated_from_trainer", *sorted(tags)],
+    )
+    rewards = [
+        (name, f"{weight:g}", f"`{builder.__name__}`" if builder is not None else "none (uniform credit)")
+        for name, weight, builder in zip(
+            trainer.reward_func_names, trainer.reward_weights.tolist(), trainer.info_block_builders
+        )
+    ]
+    report_to = trainer.args.report_to or []
+    return ModelCard.from_template(
+        card_data,
+        template_path=str(resources.files("trl_mrtpo").joinpath("templates/mrtpo_model_card.md")),
+        base_model=base_model,
+        model_name=model_name,
+        model_id=model_id,
+        adapter=adapter,
+        dataset_name=dataset_name,
+        data_source=trainer.data_source,
+        mrtpo_version=version("trl-mrtpo"),
+        trainer_name=trainer._name,
+        paper_title=trainer._paper["title"],
+        trainer_citation=trainer._paper["citation"],
+        credit_assignment=trainer.args.credit_assignment,
+        reward_weighting=trainer.args.reward_weighting,
+        settings=settings_lines(trainer.args),
+        rewards=rewards,
+        recipe=trainer.recipe,
+        wandb_url=_wandb_url() if "wandb" in report_to else None,
+        trackio_url=None,
+        trl_version=version("trl"),
+        transformers_version=version("transformers"),
+        pytorch_version=version("torch"),
+        datasets_version=version("datasets"),
+        tokenizers_version=version("tokenizers"),
+    )
+
+
+def _wandb_url() -> str | None:
+    try:
+        import wandb
+    except ImportError:
+        return None
+    return wandb.run.url if wandb.run is not None else None
