@@ -64,6 +64,7 @@ def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
     config = yaml.safe_load(recipe.read_text())
     overrides = ["--model_name_or_path", tiny_dir, "--output_dir", str(tmp_path), "--use_cpu", "true"]
     overrides += ["--bf16", "false", "--use_vllm", "false", "--gradient_checkpointing", "false", "--dtype", "float32"]
+    overrides += ["--load_in_4bit", "false"]  # bitsandbytes needs a GPU
     if config.get("data_loader"):
         overrides += ["--data_path", local_data[{"bird": "spider"}.get(config["data_loader"], config["data_loader"])]]
     script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
@@ -162,3 +163,35 @@ def test_train_reads_a_dataset_mixture(monkeypatch, tmp_path):
         "json_schema_reward", "answer_matches_reference", "length_reward"
     ]  # fmt: skip
     assert kwargs["info_blocks"][2] is None
+
+
+def test_train_launches_under_trls_accelerate_configs(monkeypatch):
+    import accelerate.commands.launch
+
+    import trl_mrtpo.train
+    from trl_mrtpo.cli import main
+
+    launched = []
+    monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
+    main(["train", "--accelerate_config", "zero3", "--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "2"])
+    (args,) = launched
+    assert args.config_file.endswith("trl/accelerate_configs/zero3.yaml")
+    assert args.training_script == trl_mrtpo.train.__file__
+    assert args.training_script_args == ["--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "2"]
+    with pytest.raises(ValueError, match="neither a file nor a valid config"):
+        main(["train", "--accelerate_config", "zero9", "--config", "recipes/cpu/basic-smollm2.yaml"])
+
+
+@pytest.mark.parametrize("task", ["sql", "if", "tools"])
+def test_each_paper_task_has_the_single_gpu_and_vllm_lora_recipes(task):
+    import yaml
+
+    (single,) = [p for p in RECIPES if p.parent.name == task and p.stem.endswith("-24gb")]
+    (colocate,) = [p for p in RECIPES if p.parent.name == "vllm" and p.stem.startswith(f"{task}-")
+                   and p.stem.endswith("-lora-colocate")]  # fmt: skip
+    single_config, colocate_config = yaml.safe_load(single.read_text()), yaml.safe_load(colocate.read_text())
+    assert single_config["use_peft"] and single_config["gradient_checkpointing"]
+    assert single_config.get("load_in_4bit", False) == ("7b" in single.stem)  # QLoRA for the 7B models
+    assert "Memory" in single.read_text() and "--accelerate_config single_gpu" in single.read_text()
+    assert colocate_config["use_peft"] and colocate_config["use_vllm"] and colocate_config["vllm_mode"] == "colocate"
+    assert colocate_config["task"] == task

@@ -196,6 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_train(argv: Sequence[str]) -> None:
+    """``trl-mrtpo train --accelerate_config NAME ...``: the train script under ``accelerate launch``, with NAME one
+    of the configs TRL ships (``single_gpu``, ``multi_gpu``, ``zero1``-``zero3``, ``fsdp1``, ``fsdp2``) or a file,
+    resolved by TRL's own helper as ``trl grpo --accelerate_config`` does."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    from . import train
+
+    argv = list(argv)
+    at = argv.index("--accelerate_config")
+    launch_args = resolve_accelerate_config_argument(argv[at : at + 2])
+    script_args = argv[:at] + argv[at + 2 :]
+    launch_command(launch_command_parser().parse_args([*launch_args, train.__file__, *script_args]))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # TrlParser owns every flag of `train`, --help included
@@ -203,6 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         if "--help" in argv or "-h" in argv:
             make_parser().print_help()
+            print("\n  --accelerate_config NAME   run under accelerate launch with a config TRL ships (single_gpu,")
+            print("                             multi_gpu, zero1-3, fsdp1, fsdp2) or a config file")
+            return
+        if "--accelerate_config" in argv:
+            launch_train(argv[1:])
             return
         run(argv[1:])
         return

@@ -195,3 +195,9 @@ def run(argv: Sequence[str]):
     parsed = make_parser().parse_args_and_config(argv)
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
     return main(*parsed, recipe=recipe)
+
+
+if __name__ == "__main__":  # what `trl-mrtpo train --accelerate_config ...` launches
+    import sys
+
+    run(sys.argv[1:])
