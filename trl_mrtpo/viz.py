@@ -12,10 +12,16 @@ _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
 h1{font-size:20px}.resp{border:1px solid #ddd;border-radius:6px;padding:12px;margin:16px 0}
 .prompt{color:#555;font-size:13px;white-space:pre-wrap;margin-bottom:8px}
-.row{margin:6px 0}.label{font-size:12px;color:#444;margin-bottom:2px}
-.tokens{font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap;line-height:1.7}
-.tok{border-radius:2px}.legend{font-size:12px;color:#555}
+.row{margin:8px 0}.label{font-size:12px;color:#444;margin-bottom:2px}
+.tokens{font-family:ui-monospace,monospace;font-size:13px;white-space:pre-wrap;line-height:1.9}
+.tok{border-radius:2px;padding-bottom:2px}.legend{font-size:12px;color:#555}
+.bar{display:inline-block;width:90px;height:10px;vertical-align:middle;margin:0 4px;border:1px solid #bbb}
+.scale{font-size:11px;color:#666;margin-left:10px;white-space:nowrap}
 """
+# Two encodings that cannot be confused: signed credit is the token's background (green +, red -), where a reward
+# looks (its q profile) is a blue bar under the token. Both are scaled per row, each with its own colour bar.
+_POSITIVE, _NEGATIVE, _Q = "0,150,60", "210,40,40", "40,70,220"
+_Q_BAR_PX = 5
 
 
 def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
@@ -37,18 +43,48 @@ def credit_summary(
     return " | ".join(parts)
 
 
-def _colour(value: float, scale: float) -> str:
-    alpha = 0.0 if scale <= 0 or not math.isfinite(value) else min(1.0, abs(value) / scale)
-    rgb = "0,150,60" if value >= 0 else "210,40,40"
-    return f"rgba({rgb},{alpha:.3f})"
+def _alpha(value: float, scale: float) -> float:
+    return 0.0 if scale <= 0 or not math.isfinite(value) else min(1.0, abs(value) / scale)
 
 
-def _token_row(tokens: Sequence[str], values: Sequence[float], hovers: Sequence[str], scale: float) -> str:
+def _token_style(credit: float, credit_scale: float, q: float | None, q_scale: float) -> str:
+    rgb = _POSITIVE if credit >= 0 else _NEGATIVE
+    style = f"background:rgba({rgb},{_alpha(credit, credit_scale):.3f})"
+    if q is not None:
+        style += f";box-shadow:inset 0 -{_Q_BAR_PX}px 0 rgba({_Q},{_alpha(q, q_scale):.3f})"
+    return style
+
+
+def _token_row(
+    tokens: Sequence[str], credits: Sequence[float], hovers: Sequence[str], q: Sequence[float] | None = None
+) -> tuple[str, float, float]:
+    """A row of tokens (HTML, credit scale, q scale): background = signed credit scaled to the row's largest
+    ``|credit|``; with ``q``, a bar under each token scaled to the row's largest q."""
+    credit_scale = max((abs(c) for c in credits if math.isfinite(c)), default=0.0)
+    q_scale = max(q, default=0.0) if q is not None else 0.0
     spans = [
-        f'<span class="tok" style="background:{_colour(v, scale)}" title="{html.escape(h)}">{html.escape(t)}</span>'
-        for t, v, h in zip(tokens, values, hovers)
+        f'<span class="tok" style="{_token_style(c, credit_scale, None if q is None else q[t], q_scale)}" '
+        f'title="{html.escape(h)}">{html.escape(token)}</span>'
+        for t, (token, c, h) in enumerate(zip(tokens, credits, hovers))
     ]
-    return f'<div class="tokens">{"".join(spans)}</div>'
+    return f'<div class="tokens">{"".join(spans)}</div>', credit_scale, q_scale
+
+
+def _colour_bars(credit_scale: float, q_scale: float | None) -> str:
+    """The row's scales: signed credit from -s (red) to +s (green), and q from 0 to its maximum (blue)."""
+    credit_bar = (
+        f'credit <span class="bar" style="background:linear-gradient(to right,rgb({_NEGATIVE}),#fff,'
+        f'rgb({_POSITIVE}))"></span>{-credit_scale:+.3g} … {credit_scale:+.3g}'
+        if credit_scale > 0
+        else "credit 0 on every token"
+    )
+    q_bar = ""
+    if q_scale is not None:
+        q_bar = (
+            f' · q <span class="bar" style="background:linear-gradient(to right,#fff,rgb({_Q}))"></span>'
+            f"0 … {q_scale:.3g}"
+        )
+    return f'<span class="scale">{credit_bar}{q_bar}</span>'
 
 
 def credit_heatmap_html(
@@ -58,21 +94,24 @@ def credit_heatmap_html(
     title: str = "MRTPO token credit",
     max_responses: int | None = None,
 ) -> str:
-    """One page: per response, a row per reward with every token coloured by that reward's token advantage
-    ``A_k * w_k,t`` (green positive, red negative; hover shows q, w and A), then the summed token advantage row
-    (what the loss receives, after the cap and batch rescale)."""
+    """One page: per response, a row per reward, then the summed token advantage row (what the loss receives,
+    after the cap and batch rescale).
+
+    In a reward's row each token's background is that reward's signed token advantage ``A_k * w_k,t`` (green
+    positive, red negative) and, when the reward was replayed, a blue bar under the token is its q: where that
+    reward looks, visible even when its advantage is 0. Every row is scaled to its own largest value, stated by the
+    row's colour bars; hover a token for the exact q, w and ``A * w``.
+    """
     count = len(record.completions) if max_responses is None else min(max_responses, len(record.completions))
     per_reward = record.group_advantages[:, :, None] * record.weights  # [B, K, C]
     mask = record.mask.bool()
-    reward_scale = (
-        per_reward[:count][mask[:count, None, :].expand_as(per_reward[:count])].abs().max().item() if count else 0
-    )
-    final_scale = record.advantages[:count][mask[:count]].abs().max().item() if count else 0
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-        f'<p class="legend">credit_beta in effect: {record.beta:.3g}. Green: positive advantage, red: negative; '
-        "colour strength is relative to the largest value on the page. Hover a token for q, w and A.</p>",
+        f'<p class="legend">credit_beta in effect: {record.beta:.3g}. Background: signed token credit A·w (green '
+        "positive, red negative). Blue bar under a token: that reward's q (where its information changes the "
+        "policy's prediction), shown for replayed rewards even when their advantage is 0. Each row is scaled to its "
+        "own largest value (colour bars on the right). Hover a token for q, w and A·w.</p>",
     ]
     for j in range(count):
         length = int(mask[j].sum())
@@ -93,11 +132,13 @@ def credit_heatmap_html(
             w = record.weights[j, k, :length].tolist()
             values = per_reward[j, k, :length].tolist()
             hovers = [f"q={qi:.4f} w={wi:.3f} A*w={vi:+.4f}" for qi, wi, vi in zip(q, w, values)]
-            parts.append(f'<div class="row"><div class="label">{label}</div>')
-            parts.append(_token_row(tokens, values, hovers, reward_scale) + "</div>")
+            row, credit_scale, q_scale = _token_row(tokens, values, hovers, q if replayed else None)
+            bars = _colour_bars(credit_scale, q_scale if replayed else None)
+            parts.append(f'<div class="row"><div class="label">{label}{bars}</div>{row}</div>')
         final = record.advantages[j, :length].tolist()
-        parts.append('<div class="row"><div class="label"><b>summed token advantage (to the loss)</b></div>')
-        parts.append(_token_row(tokens, final, [f"A_t={v:+.4f}" for v in final], final_scale) + "</div></div>")
+        row, credit_scale, _ = _token_row(tokens, final, [f"A_t={v:+.4f}" for v in final])
+        label = f"<b>summed token advantage (to the loss)</b>{_colour_bars(credit_scale, None)}"
+        parts.append(f'<div class="row"><div class="label">{label}</div>{row}</div></div>')
     parts.append("</body></html>")
     return "".join(parts)
 
