@@ -1,5 +1,6 @@
-"""The journey's last steps on the embedded model: train from a recipe, push to the Hub (up to the upload, no
-network), and load what would be uploaded back into a model that generates what the trained one generates."""
+"""The user's journey on the embedded model, as one path: train from a recipe, push to the Hub (up to the upload, no
+network), load what would be uploaded back into a model that generates what the trained one generates, and
+evaluate it."""
 
 import json
 import shutil
@@ -72,3 +73,9 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
         expected = trained.generate(**inputs, max_new_tokens=12, do_sample=False)
         got = loaded.generate(**inputs, max_new_tokens=12, do_sample=False)
     assert torch.equal(got, expected)
+
+    # ... and evaluates like any adapter (`trl-mrtpo eval --model embedded --adapter <folder>`).
+    from trl_mrtpo.evaluation import run_evaluation
+
+    (result,) = run_evaluation(model="embedded", adapter=str(pushed), benchmarks=["ifeval"], limit=2, max_new_tokens=8)
+    assert result.count == 2 and 0.0 <= result.metrics["instruction_loose"] <= 1.0
