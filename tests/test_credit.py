@@ -241,3 +241,110 @@ def test_gdpo_mode_matches_trl_normalize_then_sum_for_equal_lengths():
     # Bessel's correction counts tokens (B*T - 1) on our side and responses (B - 1) on TRL's
     bessel = math.sqrt((16 * 7 - 1) / (7 * (16 - 1)))
     torch.testing.assert_close(ours, bessel * trl[:, None].expand(16, 7), atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------- edge cases that mutation testing found unguarded
+def test_a_constant_group_is_not_varying_beside_groups_with_lower_rewards():
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [1.0], [2.0], [2.0]])
+    advantages, varying = group_advantages(rewards, num_generations=2)
+    assert varying[:, 0].tolist() == [False, False, True, True, False, False]
+    assert advantages[[0, 1, 4, 5], 0].abs().max() == 0
+
+
+def test_a_group_of_one_is_allowed_and_never_varies():
+    advantages, varying = group_advantages(torch.tensor([[1.0, 0.0], [0.0, 3.0]]), num_generations=1)
+    assert not varying.any() and advantages.abs().max() == 0
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(2, 1), num_generations=0)
+
+
+def test_one_step_warmup():
+    assert warmup_beta(0.5, 0, 1) == 0.0 and warmup_beta(0.5, 1, 1) == 0.5 and warmup_beta(0.5, 0, 0) == 0.5
+
+
+def _two_process_all_reduce():
+    """reduce_sum for two threads standing in for two data-parallel processes (an all-reduce by summation)."""
+    import threading
+
+    barrier, slots = threading.Barrier(2), [None, None]
+
+    def for_rank(rank):
+        def reduce_sum(tensor):
+            slots[rank] = tensor
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()  # both have read before either writes again
+            return total
+
+        return reduce_sum
+
+    return for_rank
+
+
+@pytest.mark.parametrize("rho", [1.05, 2.0, None])
+def test_two_processes_compute_what_one_computes_on_the_whole_batch(rho):
+    """Each half of a batch (whole groups) on its own 'process' gets the same advantages, cap factor and std as one
+    process on the whole batch: steps 7 and 8 reduce their sums over processes."""
+    import threading
+
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.randint(0, 2, (8, 2), generator=gen).float()
+    rewards[:4, 0] = torch.tensor([1.0, 0.0, 0.0, 0.0])  # the halves differ in how much they redistribute
+    mask = torch.ones(8, 6)
+    mask[2, 3:] = 0
+    mask[6, 1:] = 0
+    q = torch.rand(8, 2, 6, generator=gen) ** 4
+    advantages, varying = group_advantages(rewards, num_generations=2)
+    whole = token_advantages(advantages, q, varying, mask, torch.ones(2), beta=0.9, max_second_moment_ratio=rho)
+    for_rank, results = _two_process_all_reduce(), [None, None]
+
+    def run(rank):
+        rows = slice(4 * rank, 4 * rank + 4)
+        results[rank] = token_advantages(
+            advantages[rows], q[rows], varying[rows], mask[rows], torch.ones(2), 0.9, rho, for_rank(rank)
+        )
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    torch.testing.assert_close(torch.cat([r.advantages for r in results]), whole.advantages)
+    assert results[0].cap_factor == results[1].cap_factor == pytest.approx(whole.cap_factor, rel=1e-6)
+    if rho == 1.05:
+        assert whole.cap_factor < 1  # the cap binds, so its reduction matters
+
+
+def test_a_rounding_sized_redistribution_is_no_redistribution_even_at_rho_one():
+    uniform = torch.tensor([1000.0, -1000.0])
+    redistributed = torch.tensor([[1e-9, -1e-9], [0.0, 0.0]])
+    scores, s = cap_redistribution(uniform, redistributed, torch.ones(2, 2), max_second_moment_ratio=1.0)
+    assert s == 1.0 and torch.equal(scores, uniform[:, None] + redistributed)
+
+
+def test_without_a_cap_padding_stays_zero_and_the_cap_factor_is_one():
+    adv, varying = group_advantages(REWARDS, num_generations=2)
+    credit = token_advantages(adv, Q, varying, MASK, torch.ones(2), beta=0.5, max_second_moment_ratio=None)
+    assert credit.cap_factor == 1.0
+    assert credit.advantages[1, 2] == 0  # padding
+    torch.testing.assert_close(credit.advantages, HAND_EXPECTED)  # the hand example's cap is inactive anyway
+
+
+def test_the_default_cap_is_rho_two():
+    adv, varying = group_advantages(REWARDS, num_generations=2)
+    peaked = torch.zeros(2, 2, 3)
+    peaked[0, 0] = torch.tensor([1.0, 0.0, 0.0])
+    default = token_advantages(adv, peaked, varying, MASK, torch.ones(2), beta=1.0)
+    explicit = token_advantages(adv, peaked, varying, MASK, torch.ones(2), beta=1.0, max_second_moment_ratio=2.0)
+    other = token_advantages(adv, peaked, varying, MASK, torch.ones(2), beta=1.0, max_second_moment_ratio=3.0)
+    assert default.cap_factor == explicit.cap_factor < other.cap_factor <= 1.0
+
+
+def test_shuffling_is_reproducible_from_its_generator():
+    q = torch.rand(3, 2, 7)
+    mask = torch.ones(3, 7)
+
+    def shuffled(seed):
+        return shuffle_relevance(q, mask, torch.Generator().manual_seed(seed))
+
+    assert torch.equal(shuffled(0), shuffled(0)) and not torch.equal(shuffled(0), shuffled(1))

@@ -317,3 +317,65 @@ def test_concur_primary_must_be_a_reward(tiny_model, tiny_tokenizer, tmp_path):
             train_dataset=make_basic_dataset(4),
             processing_class=tiny_tokenizer,
         )
+
+
+# ---------------------------------------------------------------- edge cases that mutation testing found unguarded
+def test_cort_defaults_offset_and_one_token_responses():
+    contrast = torch.tensor([[2.0, -1.0, 0.5], [3.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    torch.testing.assert_close(cort_weights(contrast, mask, 1.0), cort_weights(contrast, mask, 1.0, 1.0, 0.0))
+    raw = 1.0 + 1.5 * (torch.sigmoid(2.0 * (contrast[0] - 0.7)) - 0.5)  # by hand, offset 0.7, sharpness 2
+    torch.testing.assert_close(cort_weights(contrast, mask, 1.5, 2.0, 0.7)[0], raw / raw.mean())
+    assert cort_weights(contrast, mask, 1.5)[1].tolist() == [1.0, 1.0, 1.0]  # one token: its weight is exactly 1
+
+
+def _trust_reference(readings: list[float]) -> bool:
+    """CONCUR-A's rule in float64 with the statistics module: tie unless mean > 2 standard errors."""
+    import statistics
+
+    mean = statistics.fmean(readings)
+    return not mean > 2.0 * statistics.stdev(readings) / math.sqrt(len(readings))
+
+
+@pytest.mark.parametrize("batches", [1, 3])
+def test_concur_trust_rule_matches_a_reference(batches):
+    for concordant in range(30, 62):
+        readings = [1.0] * concordant + [-1.0] * (61 - concordant) + [1.0, -1.0] * (concordant % 3)
+        state = ConcurTrust()
+        for part in range(batches):  # the state accumulates over update calls
+            state.update(readings[part::batches])
+        assert state.count == len(readings) and state.total_squares == len(readings)
+        assert state.tie_ceiling() == _trust_reference(readings), concordant
+    too_few = ConcurTrust(min_readings=61)
+    too_few.update([1.0] * 60)
+    assert too_few.tie_ceiling()  # 60 perfectly concordant readings are not enough
+
+
+def test_concur_gates_at_the_threshold_inclusive_and_modes_differ():
+    # primary exactly at the pass threshold passes (and counts for readings)
+    assert concordance_readings(torch.tensor([1.0, 0.5]), torch.tensor([2.0, 1.0]), pass_threshold=0.5) == [1.0]
+    # one group of 4: primary [1, 1, 0.5, nan]; auxiliary [3, 1, 2, 5]; threshold 1 and ceiling 1
+    rewards = torch.tensor([[1.0, 3.0], [1.0, 1.0], [0.5, 2.0], [float("nan"), 5.0]])
+    advantages, _ = group_advantages(rewards, 4)
+    tie = concur_advantages(rewards, advantages, 4, 0, 1.0, 1.0, "tie")
+    free = concur_advantages(rewards, advantages, 4, 0, 1.0, 1.0, "none")
+    torch.testing.assert_close(tie[:, 0], advantages[:, 0])  # the primary is untouched
+    # failing responses (0.5, and NaN read as 0) are gated to 0, then standardised with the passing ones
+    gated, _ = group_advantages(torch.tensor([[3.0], [1.0], [0.0], [0.0]]), 4)
+    torch.testing.assert_close(free[:, 1], gated[:, 0])  # already in the primary's order: unchanged
+    assert tie[0, 1] == tie[1, 1] == gated[:2, 0].mean()  # tied at the ceiling: one shared advantage
+    assert free[0, 1] != free[1, 1]
+    with pytest.raises(ValueError, match="ceiling_mode must be 'tie', 'adaptive' or 'none', got 'both'"):
+        concur_advantages(rewards, advantages, 4, 0, 1.0, 1.0, "both")
+    with pytest.raises(ValueError, match="ceiling_mode='adaptive' needs a trust state"):
+        concur_advantages(rewards, advantages, 4, 0, 1.0, 1.0, "adaptive")
+    trust = {}
+    concur_advantages(rewards, advantages, 4, 0, 1.0, 1.0, "adaptive", trust)
+    assert trust[1].min_readings == 61  # the default
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_concur_projection_keeps_the_dtype(dtype):
+    assert pava(torch.tensor([2.0, 1.0], dtype=dtype), torch.ones(2, dtype=dtype)).dtype == dtype
+    out = concur_project(torch.tensor([0.2, 0.5]), torch.tensor([1.0, -1.0], dtype=dtype), True, 1.0)
+    assert out.dtype == dtype and out.tolist() == [0.0, 0.0]
