@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_mrtpo.replay import causal_lm_parts, replay_relevance, shared_prefix_length
+from trl_mrtpo.replay import causal_lm_parts, context_tree, replay_relevance
 
 
 def random_ids(gen, n):
@@ -39,12 +39,35 @@ def batch():
     return contexts, completions
 
 
-def test_shared_prefix_length():
-    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
-    # the last context token's state predicts the first completion token: it always stays in the suffix
-    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2
-    assert shared_prefix_length([[7], [7, 8]]) == 0
-    assert shared_prefix_length([[1, 2], [3, 2]]) == 0
+def test_context_tree_by_hand():
+    # P_all = 1 2 3 4 9, P_not_a = 1 3 4 9 (span 2 removed), P_not_b = 1 2 4 9 (span 3 removed), and P_all again
+    # for a second response of the group; the last token of each context stays out of the tree.
+    root = context_tree([[1, 2, 3, 4, 9], [1, 3, 4, 9], [1, 2, 4, 9], [1, 2, 3, 4, 9]])
+    (top,) = root.children.values()
+    assert top.tokens == [1] and top.consumers() == 2 and not top.sequences
+    two, three = top.children[2], top.children[3]
+    assert three.tokens == [3, 4] and three.sequences == [1]
+    assert two.tokens == [2] and set(two.children) == {3, 4}
+    assert two.children[3].tokens == [3, 4] and two.children[3].sequences == [0, 3]  # identical contexts meet
+    assert two.children[4].tokens == [4] and two.children[4].sequences == [2]
+    assert context_tree([[7]]).sequences == [0]  # a one-token context is all "last token"
+
+
+@pytest.fixture
+def group_batch():
+    """In-prompt blocks as in the instruction-following kit: a group of 3 responses to one prompt with three spans,
+    each response replaying P_all and the removal of each span (identical contexts across the group), plus one
+    response to another prompt."""
+    gen = torch.Generator().manual_seed(1)
+    parts = [random_ids(gen, n) for n in (12, 5, 9, 6, 8, 4, 10)]  # t0 s1 t1 s2 t2 s3 t3
+    spans = {1, 3, 5}
+    p_all = [t for part in parts for t in part]
+    removed = [[t for i, part in enumerate(parts) if i != k for t in part] for k in sorted(spans)]
+    contexts = [[p_all, *removed] for _ in range(3)]
+    other = random_ids(gen, 30)
+    contexts.append([other, other[:10] + other[15:]])
+    completions = [random_ids(gen, n) for n in (6, 9, 4, 7)]
+    return contexts, completions
 
 
 @pytest.mark.parametrize("min_shared_prefix", [None, 16])
@@ -59,30 +82,58 @@ def test_replay_matches_full_logits_reference(tiny_model, batch, min_shared_pref
         torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=0)
 
 
-def test_shared_prefix_is_run_once(tiny_model, batch, monkeypatch):
-    contexts, completions = batch
-    decoder, _ = causal_lm_parts(tiny_model)
-    original = decoder.forward
+def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch):
+    """Tokens the decoder computes over a whole replay (cached positions excluded)."""
+    decoder, _ = causal_lm_parts(model)
+    original, counts = decoder.forward, []
 
-    def new_tokens(min_shared_prefix):
-        """Tokens the decoder computes (cached prefix positions excluded), over the whole replay."""
-        counts = []
+    def forward(*args, input_ids, attention_mask=None, **kwargs):
+        mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else input_ids
+        counts.append(int((mask != 0).sum()))
+        return original(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
-        def forward(*args, input_ids, attention_mask=None, **kwargs):
-            mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else input_ids
-            counts.append(int((mask != 0).sum()))
-            return original(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    monkeypatch.setattr(decoder, "forward", forward)
+    replay_relevance(model, contexts, completions, 1.0, min_shared_prefix=min_shared_prefix)
+    monkeypatch.undo()
+    return sum(counts)
 
-        monkeypatch.setattr(decoder, "forward", forward)
-        replay_relevance(tiny_model, contexts, completions, 1.0, min_shared_prefix=min_shared_prefix)
-        monkeypatch.undo()
-        return sum(counts)
 
-    plain = sum(len(c) + len(comp) for ctx, comp in zip(contexts, completions) for c in ctx)
-    assert new_tokens(None) == plain
-    # 11 sequences share the 40-token prompt and 2 the 30-token one: each prefix is computed once.
-    assert new_tokens(16) == plain - 10 * 40 - 1 * 30
-    assert new_tokens(41) == plain  # no prefix that long: no reuse
+@pytest.mark.parametrize("fixture", ["batch", "group_batch"])
+def test_every_shared_prefix_is_run_once(tiny_model, fixture, request, monkeypatch):
+    contexts, completions = request.getfixturevalue(fixture)
+    sequences = [(c, comp) for ctx, comp in zip(contexts, completions) for c in ctx]
+    plain = sum(len(c) + len(comp) for c, comp in sequences)
+    # Independent count: each distinct context prefix (the last context token excluded) once, then the last
+    # context token and the completion of every sequence.
+    distinct = {tuple(c[:n]) for c, _ in sequences for n in range(1, len(c))}
+    tree = len(distinct) + sum(1 + len(comp) for _, comp in sequences)
+    # What reusing only the prefix every context of a group shares (the previous replay) computes.
+    groups: dict[tuple, list] = {}
+    for ctx, comp in zip(contexts, completions):
+        common = 0
+        while common < min(len(c) for c in ctx) - 1 and all(c[common] == ctx[0][common] for c in ctx):
+            common += 1
+        groups.setdefault(tuple(ctx[0][:common]), []).append((ctx, comp))
+    group_prefix = sum(len(key) + sum(len(c) - len(key) + len(comp) for ctx, comp in members for c in ctx)
+                       for key, members in groups.items())  # fmt: skip
+    assert decoder_tokens(tiny_model, contexts, completions, None, monkeypatch) == plain
+    assert decoder_tokens(tiny_model, contexts, completions, 1, monkeypatch) == tree
+    assert tree <= group_prefix < plain
+    between = decoder_tokens(tiny_model, contexts, completions, 16, monkeypatch)
+    assert tree <= between <= group_prefix
+    if fixture == "group_batch":  # identical contexts across the group and nested spans: far fewer tokens
+        assert tree < 0.5 * group_prefix
+
+
+@pytest.mark.parametrize("min_shared_prefix", [1, 16])
+def test_prefix_tree_replay_matches_full_logits_reference(tiny_model, group_batch, min_shared_prefix):
+    contexts, completions = group_batch
+    q = replay_relevance(
+        tiny_model, contexts, completions, 0.8, batch_size=2, min_shared_prefix=min_shared_prefix, backend="torch"
+    )
+    for ctx, completion, got in zip(contexts, completions, q):
+        expected = full_logits_relevance(tiny_model, ctx, completion, 0.8)
+        torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=0)
 
 
 def _scaled_model(kind):

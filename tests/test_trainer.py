@@ -275,8 +275,11 @@ def test_model_card_names_mrtpo(tiny_model, tiny_tokenizer, tmp_path):
     trainer.create_model_card(model_name="tiny-mrtpo")
     card = (tmp_path / "README.md").read_text()
     assert "mrtpo" in card and "Each Reward to Its Relevant Tokens" in card
-    assert "credit assignment: `mrtpo`" in card and "credit_beta: 0.5" in card
-    assert "`end_phrase_reward` (weight 1, info block)" in card and "`length_reward` (weight 1, no info block)" in card
+    assert "credit assignment: `mrtpo`" in card and "- credit_beta: 0.5" in card and "None" not in card
+    assert "| `end_phrase_reward` | 1 | `end_phrase_block` |" in card
+    assert "| `length_reward` | 1 | none (uniform credit) |" in card
+    assert "credit_warmup_steps: 0" in card and "replay_only_varying: False (default True)" in card
+    assert "a local model" in card  # the tiny model is a local folder nobody else could load: no base_model link
 
 
 # ---------------------------------------------------------------- bad input

@@ -14,9 +14,10 @@ from trl import GRPOConfig
 from .config import MRTPOConfig
 from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
 
-# Training settings a reader needs besides MRTPO's own, shown whatever their value.
-TRAINING_FIELDS = ("learning_rate", "num_generations", "per_device_train_batch_size", "max_completion_length",
-                   "temperature", "loss_type", "beta", "num_iterations")  # fmt: skip
+# Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
+ALWAYS_SHOWN = ("credit_beta", "credit_warmup_steps", "max_second_moment_ratio", "learning_rate", "num_generations",
+                "per_device_train_batch_size", "max_completion_length", "temperature", "loss_type", "beta",
+                "num_iterations")  # fmt: skip
 
 
 def base_model_id(name_or_path: str | None) -> str | None:
@@ -30,13 +31,13 @@ def base_model_id(name_or_path: str | None) -> str | None:
 
 
 def settings_lines(args: MRTPOConfig) -> list[str]:
-    """``name: value`` for the training essentials, then every MRTPO field that differs from its default."""
-    lines = [f"{name}: {getattr(args, name)}" for name in TRAINING_FIELDS]
+    """``name: value`` for the settings always shown, then every other MRTPO field that differs from its default."""
+    lines = [f"{name}: {getattr(args, name)}" for name in ALWAYS_SHOWN]
     steps = f"max_steps: {args.max_steps}" if args.max_steps > 0 else f"num_train_epochs: {args.num_train_epochs}"
     lines.append(steps)
     grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     for field in dataclasses.fields(MRTPOConfig):
-        if field.name in grpo_fields or field.name in ("credit_assignment", "reward_weighting"):
+        if field.name in grpo_fields or field.name in ("credit_assignment", "reward_weighting", *ALWAYS_SHOWN):
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
         value = getattr(args, field.name)

@@ -2,9 +2,11 @@
 step 4).
 
 The same completion tokens are teacher-forced after ``P_all`` and after each ``P_not_k`` with the sampling-time
-weights, dropout off and the sampling temperature. All sequences of a batch are run together, sorted by length, in
-mini-batches, with a shared prompt prefix run once and reused as a key/value cache; the last hidden states at
-completion positions then go through :func:`trl_mrtpo.ops.replay_divergence`.
+weights, dropout off and the sampling temperature. The contexts of a batch form a prefix tree: every prefix that
+several contexts share (a group's prompt; everything before a removed block or span; identical contexts of the
+responses of a group) is run once and its key/value cache reused; then each sequence runs only its last context
+token and its completion, batched with the sequences of the same context. The last hidden states at completion
+positions go through :func:`trl_mrtpo.ops.replay_divergence`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import copy
 import inspect
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -84,16 +87,45 @@ def eval_mode(model: nn.Module):
         model.train(was_training)
 
 
-def shared_prefix_length(contexts: Sequence[Sequence[int]]) -> int:
-    """Length of the token prefix every context shares, leaving at least the last token of each to the suffix.
+@dataclass
+class ContextNode:
+    """A node of the prefix tree of replay contexts: ``tokens`` extend the parent's prefix; ``children`` are keyed
+    by the first token of their own segment; ``sequences`` are the (context, completion) pairs whose context,
+    without its last token, ends exactly here."""
 
-    The last context token's state predicts completion token 0, so it must be computed with the completion.
-    """
-    limit = min(len(c) for c in contexts) - 1
-    length = 0
-    while length < limit and all(c[length] == contexts[0][length] for c in contexts[1:]):
-        length += 1
-    return max(length, 0)
+    tokens: list[int]
+    children: dict[int, ContextNode] = field(default_factory=dict)
+    sequences: list[int] = field(default_factory=list)
+
+    def consumers(self) -> int:
+        """Forwards that would continue from this node's prefix: one per child and one per sequence."""
+        return len(self.children) + len(self.sequences)
+
+
+def context_tree(contexts: Sequence[Sequence[int]]) -> ContextNode:
+    """The radix tree of the contexts without their last token (that token's state predicts completion token 0, so
+    it always runs with the completion). Contexts that share a prefix share the nodes of that prefix: ``P_all`` and
+    ``P_not_k`` share everything before block (or span) k, ``P_not_j`` and ``P_not_k`` everything before the earlier
+    of the two, and the responses of a group their prompt and every identical context."""
+    root = ContextNode([])
+    for index, context in enumerate(contexts):
+        node, key = root, list(context[:-1])
+        while key:
+            child = node.children.get(key[0])
+            if child is None:
+                child = node.children[key[0]] = ContextNode(key)
+                key = []
+                node = child
+                break
+            common = 0
+            while common < min(len(child.tokens), len(key)) and child.tokens[common] == key[common]:
+                common += 1
+            if common < len(child.tokens):  # split: the shared part stays, the rest becomes its only child
+                rest = ContextNode(child.tokens[common:], child.children, child.sequences)
+                child.tokens, child.children, child.sequences = child.tokens[:common], {rest.tokens[0]: rest}, []
+            node, key = child, key[common:]
+        node.sequences.append(index)
+    return root
 
 
 def _padded(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,65 +139,82 @@ def _padded(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.
     return input_ids, attention_mask
 
 
+class _Decoder:
+    """The decoder of a causal LM, run on new tokens after an optional cached prefix of ``cached`` tokens."""
+
+    def __init__(self, model: nn.Module):
+        self.decoder, _ = causal_lm_parts(model)
+        self.device = next(model.parameters()).device
+        # transformers >= 5.2x renamed `past_key_values` to `cache`
+        parameters = inspect.signature(self.decoder.forward).parameters
+        self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
+
+    def extend(self, cache, cached: int, tokens: Sequence[int]):
+        """The cache after running ``tokens`` on top of ``cache`` (which holds ``cached`` tokens; None: empty)."""
+        kwargs = {}
+        if cache is not None:
+            positions = torch.arange(cached, cached + len(tokens), device=self.device)
+            kwargs = {self.cache_arg: copy.deepcopy(cache), "position_ids": positions[None]}
+        out = self.decoder(input_ids=torch.tensor([list(tokens)], device=self.device), use_cache=True, **kwargs)
+        return out[self.cache_arg] if self.cache_arg in out else out.past_key_values
+
+    def hidden(self, cache, cached: int, rows: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``[len(rows), width, H]`` last hidden states of right-padded ``rows`` after the shared cached prefix."""
+        input_ids, attention_mask = _padded(rows, self.device)
+        kwargs = {}
+        if cache is not None:
+            batch_cache = copy.deepcopy(cache)
+            batch_cache.batch_repeat_interleave(len(rows))
+            positions = torch.arange(cached, cached + input_ids.shape[1], device=self.device)
+            kwargs = {self.cache_arg: batch_cache, "position_ids": positions.expand(len(rows), -1), "use_cache": True}
+            attention_mask = torch.cat([attention_mask.new_ones(len(rows), cached), attention_mask], dim=1)
+        return self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
+
+
 @torch.no_grad()
 def completion_hidden_states(
     model: nn.Module,
     contexts: Sequence[Sequence[int]],
     completions: Sequence[Sequence[int]],
     batch_size: int,
-    groups: Sequence[tuple[int, Sequence[int]]] | None = None,
+    min_shared_prefix: int | None = MIN_SHARED_PREFIX,
 ) -> list[torch.Tensor]:
     """Last hidden states ``[L_i, H]`` predicting each completion token, for each (context_i, completion_i) pair.
 
-    Args:
-        model: the causal LM.
-        contexts, completions: token ids per sequence.
-        batch_size: sequences per forward.
-        groups: ``(prefix_length, indices)``: the listed sequences share their first ``prefix_length`` context
-            tokens, which are run once and reused as a key/value cache by all of them (prefix length 0: no reuse).
-            Default: one group of every sequence, no reuse.
-
-    Within a group, sequences are sorted by length and right-padded per mini-batch.
+    With ``min_shared_prefix`` set, the contexts form a prefix tree (:func:`context_tree`) walked depth first: a
+    prefix that at least two forwards continue from and that has at least ``min_shared_prefix`` new tokens is run
+    once and its key/value cache reused below it; shorter ones are carried into the forwards below. Sequences with
+    the same context run together from its cache, ``batch_size`` at a time. ``None`` runs every sequence whole,
+    sorted by length, in mini-batches.
     """
-    decoder, _ = causal_lm_parts(model)
-    device = next(model.parameters()).device
-    if groups is None:
-        groups = [(0, range(len(contexts)))]
-    # transformers >= 5.2x renamed `past_key_values` to `cache`
-    cache_arg = "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+    decoder = _Decoder(model)
     out: list[torch.Tensor | None] = [None] * len(contexts)
+
+    def run(indices: Sequence[int], cache, cached: int, pending: Sequence[int]) -> None:
+        """Sequences whose context is ``cache``'s prefix + ``pending`` + their own rest, batched."""
+        order = sorted(indices, key=lambda i: -(len(contexts[i]) + len(completions[i])))
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            rows = [list(pending) + list(contexts[i][cached + len(pending) :]) + list(completions[i]) for i in chunk]
+            hidden = decoder.hidden(cache, cached, rows)
+            for row, i in enumerate(chunk):
+                first = len(contexts[i]) - cached - 1  # the state after the last context token predicts token 0
+                out[i] = hidden[row, first : first + len(completions[i])]
+
+    def walk(node: ContextNode, cache, cached: int, pending: list[int]) -> None:
+        pending = pending + node.tokens
+        if node.consumers() > 1 and len(pending) >= max(min_shared_prefix, 1):
+            cache, cached, pending = decoder.extend(cache, cached, pending), cached + len(pending), []
+        if node.sequences:
+            run(node.sequences, cache, cached, pending)
+        for child in node.children.values():
+            walk(child, cache, cached, pending)
+
     with eval_mode(model):
-        for prefix_length, indices in groups:
-            prefix_cache = None
-            if len(indices) < 2:  # a prefix used once is not worth a separate forward
-                prefix_length = 0
-            if prefix_length > 0:
-                prefix = torch.tensor([contexts[indices[0]][:prefix_length]], device=device)
-                prefix_out = decoder(input_ids=prefix, use_cache=True)
-                prefix_cache = prefix_out[cache_arg] if cache_arg in prefix_out else prefix_out.past_key_values
-            order = sorted(indices, key=lambda i: -(len(contexts[i]) + len(completions[i])))
-            for start in range(0, len(order), batch_size):
-                chunk = order[start : start + batch_size]
-                input_ids, attention_mask = _padded(
-                    [list(contexts[i][prefix_length:]) + list(completions[i]) for i in chunk], device
-                )
-                kwargs = {}
-                if prefix_cache is not None:
-                    cache = copy.deepcopy(prefix_cache)
-                    cache.batch_repeat_interleave(len(chunk))
-                    prefix_mask = attention_mask.new_ones(len(chunk), prefix_length)
-                    positions = torch.arange(prefix_length, prefix_length + input_ids.shape[1], device=device)
-                    kwargs = {
-                        cache_arg: cache,
-                        "position_ids": positions.expand(len(chunk), -1),
-                        "use_cache": True,
-                    }
-                    attention_mask = torch.cat([prefix_mask, attention_mask], dim=1)
-                hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
-                for row, i in enumerate(chunk):
-                    # the state after the last context token predicts completion token 0
-                    first = len(contexts[i]) - prefix_length - 1
-                    out[i] = hidden[row, first : first + len(completions[i])]
+        if min_shared_prefix is None:
+            run(range(len(contexts)), None, 0, [])
+        else:
+            walk(context_tree(contexts), None, 0, [])
     return out
 
 
@@ -180,26 +229,19 @@ def replayed_hidden_states(
     """Hidden states of every (context, completion) sequence of the responses with at least ``min_contexts``
     contexts and a non-empty completion, with ``(response j, number of contexts, index of its first sequence)``.
 
-    Responses whose contexts share the same prefix of at least ``min_shared_prefix`` tokens (the prompt of a group,
-    before the first removed block) run it once and reuse its key/value cache.
+    Every sequence of the batch goes through one prefix tree (:func:`completion_hidden_states`), so what the
+    contexts of a response, and the responses of a group, share is computed once.
     """
     if len(contexts) != len(completions):
         raise ValueError(f"{len(contexts)} context lists for {len(completions)} completions")
     flat_contexts, flat_completions, owners = [], [], []
-    prefix_members: dict[tuple[int, ...], list[int]] = {}
     for j, (ctx, completion) in enumerate(zip(contexts, completions)):
         if len(ctx) >= min_contexts and len(completion) > 0:
-            members = range(len(flat_contexts), len(flat_contexts) + len(ctx))
+            owners.append((j, len(ctx), len(flat_contexts)))
             flat_contexts.extend(ctx)
             flat_completions.extend([completion] * len(ctx))
-            owners.append((j, len(ctx), members.start))
-            # one context: its prompt is shared with the other responses of its group
-            length = shared_prefix_length(ctx) if len(ctx) > 1 else len(ctx[0]) - 1
-            if min_shared_prefix is None or length < min_shared_prefix:
-                length = 0
-            prefix_members.setdefault(tuple(ctx[0][:length]), []).extend(members)
-    groups = [(len(prefix), members) for prefix, members in prefix_members.items()]
-    return completion_hidden_states(model, flat_contexts, flat_completions, batch_size, groups), owners
+    hidden = completion_hidden_states(model, flat_contexts, flat_completions, batch_size, min_shared_prefix)
+    return hidden, owners
 
 
 @contextmanager
@@ -228,9 +270,9 @@ def replay_relevance(
 ) -> list[torch.Tensor]:
     """Relevance q for every replayed context of every response.
 
-    Lean replay: every sequence of the batch runs in one sorted, batched pass; each response's ``P_all`` is run
-    once and shared by its rewards; a shared prompt prefix is run once and reused as a key/value cache; the
-    divergence runs once per number of removed contexts over all responses' tokens.
+    Lean replay: the batch's contexts form one prefix tree whose shared prefixes run once (see
+    :func:`completion_hidden_states`); each response's ``P_all`` is shared by its rewards; the divergence runs once
+    per number of removed contexts over all responses' tokens.
 
     Args:
         model: the policy (sampling-time weights).
@@ -240,7 +282,8 @@ def replay_relevance(
         temperature: sampling temperature.
         batch_size: sequences per replay forward.
         chunk_size: tokens per divergence chunk (see :func:`replay_divergence`).
-        min_shared_prefix: shortest shared prefix worth a cached forward; None turns prefix reuse off.
+        min_shared_prefix: fewest new tokens a shared prefix needs for its own cached forward; None turns prefix
+            reuse off.
         backend: divergence backend (see :func:`replay_divergence`).
 
     Returns:
