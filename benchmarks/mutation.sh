@@ -9,7 +9,8 @@ export PYTHONPATH="$PWD/mutants${PYTHONPATH:+:$PYTHONPATH}"  # processes the tes
 FUNCTIONS=(
   "trl_mrtpo.credit.*"
   "trl_mrtpo.weighting.*"
-  "trl_mrtpo.replay.x__padded*" "trl_mrtpo.replay.x_shared_prefix_length*" "trl_mrtpo.replay.x_replayed_hidden_states*"
+  "trl_mrtpo.replay.x__padded*" "trl_mrtpo.replay.x_context_tree*" "trl_mrtpo.replay.xǁContextNodeǁ*"
+  "trl_mrtpo.replay.xǁ_Decoderǁ*" "trl_mrtpo.replay.x_replayed_hidden_states*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_calculate_rewards*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_reduce_sum*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_beta*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_weighted_batch*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_relevance_credit*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_cort_credit*"

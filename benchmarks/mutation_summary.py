@@ -13,8 +13,8 @@ def main(results_path: str, patterns: list[str]) -> None:
         if match and any(fnmatch.fnmatchcase(match[1] + "__mutmut_", p) for p in patterns):
             by_function[match[1]][match[2].strip()] += 1
     total: Counter = Counter()
-    print("| function | mutants | killed | survived | other | kill rate |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| function | mutants | run | killed | survived | other | kill rate |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, counts in sorted(by_function.items()):
         total.update(counts)
         print(_row(name.replace("ǁ", "."), counts))
@@ -25,7 +25,8 @@ def _row(name: str, counts: Counter) -> str:
     done = sum(n for status, n in counts.items() if status != "not checked")
     other = done - counts["killed"] - counts["survived"]
     rate = f"{counts['killed'] / done:.1%}" if done else "–"
-    return f"| {name} | {sum(counts.values())} | {counts['killed']} | {counts['survived']} | {other} | {rate} |"
+    total = sum(counts.values())
+    return f"| {name} | {total} | {done} | {counts['killed']} | {counts['survived']} | {other} | {rate} |"
 
 
 if __name__ == "__main__":
