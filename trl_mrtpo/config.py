@@ -52,8 +52,9 @@ class MRTPOConfig(GRPOConfig):
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Completion tokens per divergence chunk of the torch backend; `None` keeps about 2M logits at once.
         replay_min_shared_prefix (`int` or `None`, *optional*, defaults to `16`):
-            Contexts of a response (and responses of a group) that share at least this many leading tokens run
-            them once and reuse their key/value cache. `None` turns prefix reuse off.
+            The replay's contexts form a prefix tree (a group's prompt, everything before a removed block, the
+            identical contexts of a group's responses); a shared prefix with at least this many new tokens runs
+            once and its key/value cache is reused. `None` turns prefix reuse off.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
             `"triton"` (fused kernel, CUDA, needs the `kernels` extra), `"torch"` (chunked), or `"auto"`: Triton
             for CUDA models when it is installed, torch otherwise.
@@ -137,7 +138,7 @@ class MRTPOConfig(GRPOConfig):
     )
     replay_min_shared_prefix: int | None = field(
         default=MIN_SHARED_PREFIX,
-        metadata={"help": "Shortest shared context prefix run once and reused as a KV cache; None: no reuse."},
+        metadata={"help": "Fewest new tokens a shared context prefix needs to run once as a KV cache; None: no reuse."},
     )
     divergence_backend: str = field(
         default="auto",
