@@ -138,7 +138,9 @@ class MRTPOConfig(GRPOConfig):
     )
     replay_min_shared_prefix: int | None = field(
         default=MIN_SHARED_PREFIX,
-        metadata={"help": "Fewest new tokens a shared context prefix needs to run once as a KV cache; None: no reuse."},
+        metadata={
+            "help": "Fewest new tokens a shared context prefix needs to run once as a KV cache; None: no reuse."
+        },
     )
     divergence_backend: str = field(
         default="auto",
