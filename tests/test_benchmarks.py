@@ -93,3 +93,24 @@ def test_paired_lines_compare_each_method_with_gdpo_by_seed():
     args = argparse.Namespace(methods=["gdpo", "mrtpo"], tasks=["short"], final_window=1)
     lines = convergence.paired_lines(results, args)
     assert lines[-1] == "| short | mrtpo | 2 | +0.100 | 1/1/0 | 1.000 |"
+
+
+def test_replay_scaling_smoke_run(tmp_path):
+    import csv
+    import subprocess
+    import sys
+
+    output = tmp_path / "scaling.csv"
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "benchmarks/replay_scaling.py", "--quick", "--output", str(output)],
+        capture_output=True, text=True, env=env, check=True, timeout=300,
+    )  # fmt: skip
+    rows = list(csv.DictReader(output.open()))
+    assert [r["varied"] for r in rows] == ["base", "num_rewards", "completion_length"]
+    # more rewards and longer completions both cost more decoder tokens and more JS work
+    base, more_rewards, longer = rows
+    for row in (more_rewards, longer):
+        assert int(row["decoder_tokens"]) > int(base["decoder_tokens"])
+        assert int(row["js_pair_tokens"]) > int(base["js_pair_tokens"])
+    assert "R^2" in result.stdout and output.with_suffix(".png").is_file()
