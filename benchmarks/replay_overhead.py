@@ -63,8 +63,10 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
             credit_warmup_steps=0,
             save_credit_plots=False,
             disable_tqdm=True,
+            use_cpu=args.device == "cpu",
+            bf16=args.device == "cuda",  # bf16 on the GPU, like a real run
         )
-        trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset, callbacks=[timer])
+        trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset, callbacks=[timer], model=args.model)
         trainer.train()
     logs = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
     return [
@@ -92,6 +94,10 @@ def main() -> None:
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--model", default=None, help="a model folder instead of the embedded SmolLM2 (same tokenizer)"
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--output", default=str(RESULTS / "replay_overhead_cpu.csv"))
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -114,3 +114,31 @@ def test_replay_scaling_smoke_run(tmp_path):
         assert int(row["decoder_tokens"]) > int(base["decoder_tokens"])
         assert int(row["js_pair_tokens"]) > int(base["js_pair_tokens"])
     assert "R^2" in result.stdout and output.with_suffix(".png").is_file()
+
+
+@pytest.mark.parametrize("script", ["benchmarks/gpu_check.sh", "benchmarks/gpu_check.py"])
+def test_gpu_check_fails_fast_without_cuda(tmp_path, script):
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: the check would run")
+    command = ["bash", script] if script.endswith(".sh") else [sys.executable, script]
+    result = subprocess.run([*command, str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert result.returncode == 2 and "needs a CUDA device" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_model_has_smollm2s_shape():
+    sys.path.insert(0, str(BENCHMARKS))
+    from gpu_check import SMOLLM2
+    from transformers import AutoConfig
+
+    from trl_mrtpo.embedded import embedded_model_path
+
+    real = AutoConfig.from_pretrained(embedded_model_path())
+    for name, value in SMOLLM2.items():
+        expected = pytest.approx(value) if isinstance(value, float) else value
+        assert getattr(real, name) == expected, name

@@ -28,16 +28,19 @@ def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
     return MRTPOConfig(**settings)
 
 
-def embedded_lora_trainer(reward_funcs: list, info_blocks: list, args: MRTPOConfig, train_dataset, **kwargs):
-    """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct with a rank-8 LoRA adapter on the
-    attention projections (never on lm_head: the replay reads its weight). ``kwargs`` go to the trainer."""
+def embedded_lora_trainer(
+    reward_funcs: list, info_blocks: list, args: MRTPOConfig, train_dataset, model: str | None = None, **kwargs
+):
+    """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct (or the ``model`` folder) with a rank-8
+    LoRA adapter on the attention projections (never on lm_head: the replay reads its weight). ``kwargs`` go to the
+    trainer."""
     from peft import LoraConfig
 
     from .embedded import embedded_model_path
     from .trainer import MRTPOTrainer
 
     return MRTPOTrainer(
-        model=embedded_model_path(),
+        model=model or embedded_model_path(),
         reward_funcs=reward_funcs,
         info_blocks=info_blocks,
         args=args,

@@ -1,0 +1,161 @@
+"""Everything this project can only measure on a GPU, in one run of a few minutes (``bash benchmarks/gpu_check.sh``).
+
+1. The Triton kernel's tests on the real device (``tests/test_triton_divergence.py``).
+2. The JS op: naive full logits, TRL's ``ChunkedDivergenceFunction`` x K, our torch path and our fused Triton kernel
+   (``benchmarks/js_kernel.py --device cuda``) at V = 49152 (H = 576) and V = 152064 (H = 1536), K = 1, 3, 8.
+3. Liger-Kernel's fused linear JSD (``LigerFusedLinearJSD``, the published fused anchor; it returns a reduced
+   loss, so only time and memory compare) called once per removed context, on the same inputs.
+4. A block-size sweep of our kernel (tokens x vocabulary x hidden tiles).
+5. The optimizer-step overhead of MRTPO over GDPO (``benchmarks/replay_overhead.py --device cuda``) on a randomly
+   initialised model of SmolLM2-135M's shape (no weights travel; timing does not need trained ones).
+
+Every part writes under ``OUTPUT_DIR`` and a failing part is recorded in ``summary.json`` without stopping the
+others. Without CUDA it stops at once (exit code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# SmolLM2-135M-Instruct's shape (its config.json); weights are random.
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
+               rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
+               rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)  # fmt: skip
+BLOCKS = [(16, 64, 64), (32, 128, 64), (32, 128, 128), (64, 128, 64), (64, 256, 64), (128, 128, 32)]
+
+
+def run(command: list[str], log: Path, timeout: int) -> dict:
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        done = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout)
+    return {"returncode": done.returncode, "seconds": round(time.perf_counter() - started, 1), "log": log.name}
+
+
+def _timed(function, repeats: int = 5) -> tuple[float, float]:
+    """Median seconds of ``repeats`` calls after a warm-up, and the peak extra CUDA memory (MB)."""
+    import torch
+
+    function()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        function()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _inputs(tokens: int, hidden: int, vocab: int, k: int):
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h_all = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    h_removed = torch.randn(k, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+    return h_all, h_removed, weight
+
+
+def _per_removed_context(jsd, h_all, h_removed, weight) -> list:
+    """Liger's fused linear JSD between P_all's and each removed context's next-token distributions."""
+    return [jsd(h, weight, h_all, weight) for h in h_removed]
+
+
+def liger_and_blocks(output: Path) -> None:
+    from trl_mrtpo.ops import triton_divergence
+
+    rows = []
+    for vocab, hidden in ((49152, 576), (152064, 1536)):
+        for k in (1, 3, 8):
+            h_all, h_removed, weight = _inputs(4096, hidden, vocab, k)
+            ours, ours_mb = _timed(partial(triton_divergence.fused_replay_divergence, h_all, h_removed, weight))
+            row = {"vocab": vocab, "hidden": hidden, "k": k, "ours_s": ours, "ours_mb": ours_mb}
+            try:
+                from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
+
+                jsd = LigerFusedLinearJSD(jsd_beta=0.5)
+                liger, liger_mb = _timed(partial(_per_removed_context, jsd, h_all, h_removed, weight))
+                row.update(liger_s=liger, liger_mb=liger_mb, liger_over_ours=liger / ours)
+            except Exception as error:  # noqa: BLE001 - recorded, the other rows go on
+                row["liger_error"] = f"{type(error).__name__}: {error}"
+            rows.append(row)
+    (output / "liger_vs_ours.json").write_text(json.dumps(rows, indent=1))
+    sweep = []
+    h_all, h_removed, weight = _inputs(4096, 1536, 152064, 3)
+    for block_n, block_v, block_h in BLOCKS:
+        try:
+            kernel = partial(
+                triton_divergence.fused_replay_divergence, block_n=block_n, block_v=block_v, block_h=block_h
+            )
+            seconds, megabytes = _timed(partial(kernel, h_all, h_removed, weight))
+            sweep.append({"block_n": block_n, "block_v": block_v, "block_h": block_h, "seconds": seconds,
+                          "peak_mb": megabytes})  # fmt: skip
+        except Exception as error:  # noqa: BLE001
+            sweep.append({"block_n": block_n, "block_v": block_v, "block_h": block_h, "error": str(error)})
+    (output / "block_sweep.json").write_text(json.dumps(sweep, indent=1))
+
+
+def random_smollm2(folder: Path, tokenizer: Path) -> str:
+    """A randomly initialised model of SmolLM2-135M's shape with the embedded model's tokenizer, saved in folder."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
+    return str(folder)
+
+
+def main(output: Path, tokenizer: Path | None) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("benchmarks/gpu_check.sh needs a CUDA device; none is available here.", file=sys.stderr)
+        return 2
+    output.mkdir(parents=True, exist_ok=True)
+    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    python = sys.executable
+    summary["triton_tests"] = run(
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_divergence.py",
+         f"--junitxml={output / 'triton_tests.xml'}"], output / "triton_tests.log", 300,
+    )  # fmt: skip
+    for vocab, hidden in ((49152, 576), (152064, 1536)):
+        summary[f"js_kernel_{vocab}"] = run(
+            [python, "benchmarks/js_kernel.py", "--device", "cuda", "--tokens", "4096", "--hidden", str(hidden),
+             "--vocab", str(vocab), "--k", "1", "3", "8", "--output", str(output / f"js_kernel_cuda_{vocab}.csv")],
+            output / f"js_kernel_{vocab}.log", 240,
+        )  # fmt: skip
+    try:
+        liger_and_blocks(output)
+        summary["liger_and_blocks"] = "ok"
+    except Exception:  # noqa: BLE001
+        summary["liger_and_blocks"] = traceback.format_exc()
+    if tokenizer is not None:
+        model = random_smollm2(Path("/tmp/smollm2-random"), tokenizer)
+        summary["step_overhead"] = run(
+            [python, "benchmarks/replay_overhead.py", "--device", "cuda", "--model", model, "--methods", "gdpo",
+             "mrtpo", "--steps", "6", "--batch-size", "16", "--max-completion-length", "256",
+             "--output", str(output / "replay_overhead_cuda.csv")], output / "replay_overhead.log", 300,
+        )  # fmt: skip
+    else:
+        summary["step_overhead"] = "skipped: no tokenizer folder (run benchmarks/prepare_gpu_wheels.sh here first)"
+    (output / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "gpu_check"
+    tokenizer_dir = ROOT / ".whl" / "smollm2-tokenizer"
+    sys.exit(main(out, tokenizer_dir if tokenizer_dir.is_dir() else None))

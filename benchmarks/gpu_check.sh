@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Everything GPU-only in one command of at most 8 minutes (benchmarks/gpu_check.py says what it measures).
+#
+#     bash benchmarks/prepare_gpu_wheels.sh          # here, once: .whl/ (wheels + the embedded model's tokenizer)
+#     bash benchmarks/gpu_check.sh [OUTPUT_DIR]      # there: device `run` with carry [".whl"]
+#
+# Writes OUTPUT_DIR (default $OUT/gpu_check, or benchmarks/results/gpu_check). Without CUDA it stops at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+output="${1:-${OUT:-benchmarks/results}/gpu_check}"
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "benchmarks/gpu_check.sh needs a CUDA device; none is available here." >&2
+    exit 2
+fi
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export OMP_NUM_THREADS=4
+timeout 480 python3 benchmarks/gpu_check.py "$output"
