@@ -195,3 +195,25 @@ def test_each_paper_task_has_the_single_gpu_and_vllm_lora_recipes(task):
     assert "Memory" in single.read_text() and "--accelerate_config single_gpu" in single.read_text()
     assert colocate_config["use_peft"] and colocate_config["use_vllm"] and colocate_config["vllm_mode"] == "colocate"
     assert colocate_config["task"] == task
+
+
+def test_ignore_bias_buffers_takes_effect(monkeypatch, tmp_path):
+    import torch
+
+    import trl_mrtpo.trainer
+
+    class WithBuffers(_Recorded):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.model = torch.nn.Module()
+            self.model.register_buffer("causal_mask", torch.ones(2, 2, dtype=torch.bool))
+            self.model.register_buffer("inv_freq", torch.ones(2))
+
+    monkeypatch.setattr(trl_mrtpo.trainer, "MRTPOTrainer", WithBuffers)
+    argv = ["--config", "recipes/cpu/basic-smollm2.yaml", "--model_name_or_path", "some/model", "--output_dir",
+            str(tmp_path)]  # fmt: skip
+    assert not hasattr(
+        build_trainer(*make_parser().parse_args_and_config(argv)).model, "_ddp_params_and_buffers_to_ignore"
+    )
+    trainer = build_trainer(*make_parser().parse_args_and_config([*argv, "--ignore_bias_buffers", "true"]))
+    assert trainer.model._ddp_params_and_buffers_to_ignore == ["causal_mask"]

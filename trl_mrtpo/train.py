@@ -149,7 +149,7 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
-    return MRTPOTrainer(
+    trainer = MRTPOTrainer(
         model=model,
         reward_funcs=rewards,
         info_blocks=blocks,
@@ -159,6 +159,13 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    if script_args.ignore_bias_buffers:  # as TRL's scripts do: DDP skips boolean buffers (e.g. causal masks)
+        import torch
+
+        trainer.model._ddp_params_and_buffers_to_ignore = [
+            name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
+        ]
+    return trainer
 
 
 def data_source(script_args: MRTPOScriptArguments, dataset_args=None) -> str | None:
