@@ -8,13 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 output="${1:-${OUT:-benchmarks/results}/gpu_check}"
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "benchmarks/gpu_check.sh needs a CUDA device; none is available here." >&2
-    exit 2
-fi
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh
+gpu_env benchmarks/gpu_check.sh
 export OMP_NUM_THREADS=4
 timeout 480 python3 benchmarks/gpu_check.py "$output"

@@ -10,13 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 output="${1:-${OUT:-benchmarks/results}/credit_gym_large}"
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "benchmarks/gpu_gym.sh needs a CUDA device; none is available here." >&2
-    exit 2
-fi
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source benchmarks/gpu_env.sh
+gpu_env benchmarks/gpu_gym.sh
 export OMP_NUM_THREADS=1
 timeout 480 python3 -m trl_mrtpo.cli gym --large --jobs 8 --work-dir /tmp/gym_large --output-dir "$output"
