@@ -114,10 +114,9 @@ def context_tree(contexts: Sequence[Sequence[int]]) -> ContextNode:
             child = node.children.get(key[0])
             if child is None:
                 child = node.children[key[0]] = ContextNode(key)
-                key = []
                 node = child
                 break
-            common = 0
+            common = 1  # the child was found by its first token
             while common < min(len(child.tokens), len(key)) and child.tokens[common] == key[common]:
                 common += 1
             if common < len(child.tokens):  # split: the shared part stays, the rest becomes its only child
