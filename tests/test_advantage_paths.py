@@ -283,3 +283,57 @@ def test_cort_advantages_are_gdpo_aggregate_times_its_token_weights(tiny_model, 
         tokens = scores[mask.bool()]
         expected = scores / tokens.std()
         torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_taco_on_mrtpo_matches_float64_reference(tiny_model, tiny_tokenizer, tmp_path):
+    """TACO stacked on MRTPO: the surprisal the trainer computes equals plain forwards, and the advantages handed to
+    the loss equal the float64 MRTPO reference with positive token advantages scaled by TACO's factor."""
+
+    class SurprisalTrainer(CreditTrainer):
+        def _surprisal(self, output):
+            surprisal = super()._surprisal(output)
+            model, by_hand = self.model, torch.zeros(surprisal.shape, dtype=torch.float64)
+            was_training = model.training
+            model.eval()
+            with torch.no_grad():
+                for j, (prompt, keep) in enumerate(zip(output["prompt_ids"], output["prompt_mask"])):
+                    length = int(output["completion_mask"][j].sum())
+                    prompt = prompt[keep.bool()].tolist()
+                    completion = output["completion_ids"][j, :length].tolist()
+                    logits = model(torch.tensor([prompt + completion])).logits[0].double() / self.temperature
+                    logprobs = logits[len(prompt) - 1 : len(prompt) - 1 + length].log_softmax(-1)
+                    by_hand[j, :length] = -logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+            model.train(was_training)
+            self.surprisals = [*getattr(self, "surprisals", []), (surprisal, by_hand)]
+            return surprisal
+
+    strength, threshold, sharpness = 0.5, 4.0, 1.0
+    trainer = SurprisalTrainer(
+        model=tiny_model,
+        reward_funcs=[graded_length, *BASIC.rewards],
+        info_blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
+        args=make_args(
+            tmp_path,
+            max_steps=2,
+            per_device_train_batch_size=8,
+            num_generations=4,
+            replay_only_varying=True,
+            taco_strength=strength,
+            taco_threshold=threshold,
+            taco_sharpness=sharpness,
+        ),  # fmt: skip
+        train_dataset=make_basic_dataset(16),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert len(trainer.credits) == len(trainer.surprisals) == 2
+    for credit, (surprisal, by_hand) in zip(trainer.credits, trainer.surprisals):
+        torch.testing.assert_close(surprisal.double(), by_hand, atol=2e-5, rtol=0)
+        expected, _ = reference_token_advantages(
+            credit.rewards.double(), credit.relevance.double(), credit.mask, trainer.reward_weights.double(),
+            credit.beta, 2.0, G=4,
+        )  # fmt: skip
+        factor = 1 - strength / (1 + torch.exp(-sharpness * (by_hand - threshold)))
+        expected = torch.where(expected > 0, expected * factor, expected)
+        torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
+        assert (expected > 0).any() and (expected < 0).any()
