@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +79,25 @@ def tiny_tokenizer():
 @pytest.fixture
 def tiny_model(tiny_tokenizer):
     return build_tiny_model(tiny_tokenizer)
+
+
+@pytest.fixture
+def embedded_model_in_hub_cache(tmp_path, monkeypatch):
+    """The embedded model resolvable by its Hub id, offline: a Hub cache whose snapshot links to the embedded folder.
+    What a shared adapter records (``HuggingFaceTB/SmolLM2-135M-Instruct``) then loads as on a machine with the
+    model cached, with no network."""
+    import huggingface_hub.constants
+
+    from trl_mrtpo.embedded import EMBEDDED_HUB_ID, embedded_model_path
+
+    revision = "0" * 40
+    repo = tmp_path / "hub" / ("models--" + EMBEDDED_HUB_ID.replace("/", "--"))
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for path in Path(embedded_model_path()).iterdir():
+        (snapshot / path.name).symlink_to(path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return EMBEDDED_HUB_ID

@@ -31,9 +31,10 @@ def test_readme_has_the_lora_quickstart_and_the_load_back_example():
     assert any("AutoPeftModelForCausalLM" in b and "merge_and_unload" in b for b in blocks)
 
 
-def test_every_python_block_runs(tmp_path, monkeypatch):
+def test_every_python_block_runs(tmp_path, monkeypatch, embedded_model_in_hub_cache):
     from trl_mrtpo.embedded import embedded_model_path
 
+    # the saved adapter records the embedded model's Hub id, which the load-back block resolves from the Hub cache
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for block in python_blocks():

@@ -29,12 +29,12 @@ class FakeHub:
         self.uploads.append((repo_id, copy))
 
 
-def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkeypatch):
+def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkeypatch, embedded_model_in_hub_cache):
     import transformers.trainer
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
 
-    from trl_mrtpo.embedded import EMBEDDED_HUB_ID, embedded_model_path
+    from trl_mrtpo.embedded import EMBEDDED_HUB_ID
     from trl_mrtpo.train import run
 
     hub = FakeHub(tmp_path)
@@ -68,7 +68,8 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
     messages = [{"role": "user", "content": "Write two sentences about rain."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(embedded_model_path()), pushed).eval()
+    # as the card's quick start does: the adapter names its base by Hub id (resolved from the Hub cache, offline)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(pushed).eval()
     with torch.no_grad():
         expected = trained.generate(**inputs, max_new_tokens=12, do_sample=False)
         got = loaded.generate(**inputs, max_new_tokens=12, do_sample=False)
