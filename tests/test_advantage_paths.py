@@ -261,6 +261,7 @@ def test_cort_advantages_are_gdpo_aggregate_times_its_token_weights(tiny_model, 
         credit_warmup_steps=0,
     )
     for credit in trainer.credits:
+        assert credit.beta == 1.0  # CoRT's lambda ramps to 1 (not to credit_beta)
         mask = credit.mask.double()
         weights = credit.weights.double()
         assert torch.allclose(weights, weights[:, :1].expand_as(weights))  # one profile per response

@@ -411,7 +411,10 @@ def test_non_finite_reward_names_the_reward_and_sample(tiny_model, tiny_tokenize
     def exploding(completions, **_):
         return [1.0] * 2 + [bad] + [0.0] * (len(completions) - 3)
 
-    with pytest.raises(ValueError, match=r"reward function 'exploding' returned .*inf.* for sample 2"):
+    message = (
+        r"reward function 'exploding' returned .*inf.* for sample 2 .* \(return None where a reward does not apply\)\."
+    )
+    with pytest.raises(ValueError, match=message):
         train(tiny_model, tiny_tokenizer, tmp_path, rewards=[exploding, *BASIC.rewards[1:]])
 
 
