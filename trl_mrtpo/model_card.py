@@ -9,7 +9,9 @@ from importlib import resources
 from importlib.metadata import version
 
 from huggingface_hub import ModelCard, ModelCardData
+from transformers import is_wandb_available
 from trl import GRPOConfig
+from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
 from .config import MRTPOConfig
 from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
@@ -74,7 +76,6 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
             trainer.reward_func_names, trainer.reward_weights.tolist(), trainer.info_block_builders
         )
     ]
-    report_to = trainer.args.report_to or []
     return ModelCard.from_template(
         card_data,
         template_path=str(resources.files("trl_mrtpo").joinpath("templates/mrtpo_model_card.md")),
@@ -93,8 +94,9 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         settings=settings_lines(trainer.args),
         rewards=rewards,
         recipe=trainer.recipe,
-        wandb_url=_wandb_url() if "wandb" in report_to else None,
-        trackio_url=None,
+        wandb_url=_wandb_url(),
+        trackio_url=get_trackio_space_url(),
+        comet_url=get_comet_experiment_url(),
         trl_version=version("trl"),
         transformers_version=version("transformers"),
         pytorch_version=version("torch"),
@@ -104,8 +106,9 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
 
 
 def _wandb_url() -> str | None:
-    try:
-        import wandb
-    except ImportError:
+    """The active Weights & Biases run's URL, as TRL's own card reads it."""
+    if not is_wandb_available():
         return None
+    import wandb
+
     return wandb.run.url if wandb.run is not None else None
