@@ -31,10 +31,18 @@ class CreditTrainer(RecordingTrainer):
         return output
 
 
-def run(tiny_model, tiny_tokenizer, tmp_path, rewards=BASIC.rewards, blocks=BASIC.info_blocks, **overrides):
+def run(
+    tiny_model,
+    tiny_tokenizer,
+    tmp_path,
+    rewards=BASIC.rewards,
+    blocks=BASIC.info_blocks,
+    trainer_class=CreditTrainer,
+    **overrides,
+):
     values = dict(max_steps=2, per_device_train_batch_size=8, num_generations=4, replay_only_varying=True)
     values.update(overrides)
-    trainer = CreditTrainer(
+    trainer = trainer_class(
         model=tiny_model,
         reward_funcs=rewards,
         info_blocks=blocks,
@@ -309,24 +317,17 @@ def test_taco_on_mrtpo_matches_float64_reference(tiny_model, tiny_tokenizer, tmp
             return surprisal
 
     strength, threshold, sharpness = 0.5, 4.0, 1.0
-    trainer = SurprisalTrainer(
-        model=tiny_model,
-        reward_funcs=[graded_length, *BASIC.rewards],
-        info_blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
-        args=make_args(
-            tmp_path,
-            max_steps=2,
-            per_device_train_batch_size=8,
-            num_generations=4,
-            replay_only_varying=True,
-            taco_strength=strength,
-            taco_threshold=threshold,
-            taco_sharpness=sharpness,
-        ),  # fmt: skip
-        train_dataset=make_basic_dataset(16),
-        processing_class=tiny_tokenizer,
+    trainer = run(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        rewards=[graded_length, *BASIC.rewards],
+        blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
+        trainer_class=SurprisalTrainer,
+        taco_strength=strength,
+        taco_threshold=threshold,
+        taco_sharpness=sharpness,
     )
-    trainer.train()
     assert len(trainer.credits) == len(trainer.surprisals) == 2
     for credit, (surprisal, by_hand) in zip(trainer.credits, trainer.surprisals):
         torch.testing.assert_close(surprisal.double(), by_hand, atol=2e-5, rtol=0)
