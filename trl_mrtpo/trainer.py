@@ -33,7 +33,7 @@ from .credit import (
     weighted_token_advantages,
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
-from .embedded import is_embedded_model_path
+from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
 from .utils import completion_text
@@ -202,13 +202,11 @@ class MRTPOTrainer(GRPOTrainer):
         that whoever downloads the adapter can load it."""
         from peft import PeftModel
 
-        from .model_card import base_model_id
-
         model = self.accelerator.unwrap_model(self.model)
         if isinstance(model, PeftModel):
             for config in model.peft_config.values():
                 if is_embedded_model_path(config.base_model_name_or_path):
-                    config.base_model_name_or_path = base_model_id(config.base_model_name_or_path)
+                    config.base_model_name_or_path = EMBEDDED_HUB_ID
 
     def _credit_state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
