@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import random
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -241,3 +242,67 @@ def test_gpu_script_fails_fast_without_cuda(tmp_path):
     )
     assert result.returncode == 2 and "needs a CUDA device" in result.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_default_task_and_run_keep_their_keys():
+    """Variants and options are keyed only where set: the default task's cached policies and runs stay valid."""
+    from trl_mrtpo.gym import RunSettings, variant_spec
+    from trl_mrtpo.gym.grid import Run
+
+    assert GymSpec().key() == "2f43cee80e" == variant_spec("default").key()
+    assert Run(GymSpec(), RunSettings(), 0).key() == "3ea843d9b3529ec9"  # as before variants existed
+    assert len({variant_spec(name).key() for name in ("default", "variable_length", "topical_filler", "weak")}) == 4
+    with_option = RunSettings(options=(("preserve_reward_totals", True),))
+    assert Run(GymSpec(), with_option, 0).key() != Run(GymSpec(), RunSettings(), 0).key()
+
+
+def test_variant_responses():
+    from trl_mrtpo.gym import variant_spec
+    from trl_mrtpo.gym.task import FILLER_WORDS, KEY_WORDS, filler_pool
+
+    rng = random.Random(0)
+    spec = variant_spec("realistic")
+    lengths, topical, stray, met = [], [], [], []
+    for _ in range(2000):
+        constraints = sample_constraints(rng, 3)
+        length = spec.response_length(rng)
+        words = supervised_response(rng, constraints, length, [0.0] * 3, spec.topical_filler, spec.stray_rate)
+        lengths.append(len(words))
+        keys = {c.word for c in constraints} | {c.other for c in constraints}
+        fillers = [w for w in words if w in FILLER_WORDS]
+        topical += [w in filler_pool(constraints) for w in fillers]
+        stray += [w in KEY_WORDS for w in words]
+        met += [c.satisfied(words) for c in constraints if c.kind == "has"]
+        assert all(w in FILLER_WORDS or w in KEY_WORDS for w in words) and keys
+    assert set(lengths) == set(range(4, 11))  # every length from min_length to length
+    # a filler word comes from the prompt's topics 80 % of the time, plus its share of the uniform draws
+    pool_share = statistics.fmean(len(filler_pool(sample_constraints(rng, 3))) / 16 for _ in range(500))
+    assert statistics.fmean(topical) == pytest.approx(0.8 + 0.2 * pool_share, abs=0.03)
+    assert statistics.fmean(stray) == pytest.approx(0.5, abs=0.02)
+    assert 0.05 < statistics.fmean(met) < 0.3  # met by stray words alone, with no constraint met on purpose
+    with pytest.raises(ValueError, match="min_length"):
+        GymSpec(min_length=2)
+    with pytest.raises(ValueError, match="unknown gym variant"):
+        variant_spec("hard")
+
+
+def test_oracle_relevance_is_the_ground_truth():
+    from trl_mrtpo.gym import oracle_relevance
+
+    rows = [{"constraints": [["first", "red", ""], ["has", "fox", ""], ["last", "dog", ""]]}]
+    relevance = oracle_relevance([" ".join(W)], rows, 10)
+    assert relevance[0, 0].tolist() == [1.0] + [0.0] * 9  # first: the first word
+    assert relevance[0, 1].tolist() == [1.0] * 8 + [0.0] * 2  # has fox, failing: any word could become fox
+    assert relevance[0, 2].tolist() == [0.0] * 7 + [1.0, 0.0, 0.0]  # last: the last word, not the end token
+
+
+def test_localisation_rows_split_passing_and_failing():
+    from trl_mrtpo.gym.report import localisation_rows
+
+    records = [
+        {"kind": "first", "satisfied": s, "relevant_share": 0.1, "ratio": r, "control": 1.0, "specificity": 0.5}
+        for s, r in ((1, 4.0), (0, 2.0), (0, 1.0))
+    ]
+    rows = {r["responses"]: r for r in localisation_rows(records)}
+    assert rows["all"]["pairs"] == 3 and rows["satisfied"]["mass_ratio"] == 4.0
+    assert rows["failing"]["pairs"] == 2 and rows["failing"]["mass_ratio"] == 1.5

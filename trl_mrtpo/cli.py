@@ -100,6 +100,7 @@ def run_gym(args: argparse.Namespace) -> str:
         command += f" --sweep-seeds {args.sweep_seeds}"
     markdown = run_and_report(grid, args.sweeps, args.jobs, args.work_dir, args.output_dir, command)
     print(markdown)
+    print(f"Results written to {os.path.abspath(args.output_dir)}")
     return markdown
 
 
@@ -185,7 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
     gym.add_argument("--methods", nargs="+", default=None, choices=CREDIT_ASSIGNMENTS, help="default: all six modes")
     gym.add_argument("--jobs", type=int, default=2, help="parallel runs, one core each (default 2)")
     gym.add_argument("--work-dir", default="gym_runs", help="finished runs and cached supervised policies (resumable)")
-    gym.add_argument("--output-dir", default="benchmarks/results/credit_gym", help="CSV, PNG and markdown results")
+    gym.add_argument(
+        "--output-dir",
+        default="gym_results",
+        help="CSV, PNG and markdown results (default: gym_results/ in the working directory; the published results "
+        "were written with --output-dir benchmarks/results/credit_gym)",
+    )
     gym.set_defaults(func=run_gym)
 
     sub.add_parser(

@@ -93,6 +93,26 @@ class MRTPOConfig(GRPOConfig):
             Surprisal (nats, `-log pi_old` of the sampled token) at which the scaling is half way.
         taco_sharpness (`float`, *optional*, defaults to `1.0`):
             Slope of the sigmoid in surprisal.
+        > Parameters that control calibrated credit (our extension of MRTPO; all off by default)
+
+        relevance_null_correction (`bool`, *optional*, defaults to `False`):
+            Subtract from each reward's q the pointwise minimum of the other replayed rewards' q of the same
+            response (the background every removal shares), floored at 0. No extra forward.
+        directional_relevance (`bool`, *optional*, defaults to `False`):
+            Keep a reward's q only where the information's vote on the sampled token, `log p(y_t | P_all) -
+            log p(y_t | P_not_k)`, has the sign of the reward's advantage (a reward lands where the information
+            agrees with what was sampled, a penalty where it disagrees). One extra lm_head pass per context.
+        reward_strength (`bool`, *optional*, defaults to `False`):
+            Per-reward strength: reward k's beta is `credit_beta * g_k`, `g_k` from a running estimate of how much
+            its q stands out from the other rewards' (train batches only, saved in checkpoints, logged as
+            `mrtpo/beta/<reward>`). After warm-up, a reward whose `g_k` is 0 is replayed only every 10th step.
+        reward_strength_floor (`float`, *optional*, defaults to `0.25`):
+            Specificity (`1 - cos` between a reward's q and the mean q of the other replayed rewards) at or below
+            which `g_k` is 0; `g_k` rises linearly to 1 at twice the floor. Chosen on the credit gym's development
+            seeds (`benchmarks/calibrated_credit_choice.json`).
+        preserve_reward_totals (`bool`, *optional*, defaults to `False`):
+            Cap each reward's redistribution on its own and rescale by the std of uniform spreading, so every
+            reward's total credit per response equals what GDPO gives it.
         > Parameters that control the diagnostics
 
         collapse_warning_steps (`int`, *optional*, defaults to `5`):
@@ -186,6 +206,27 @@ class MRTPOConfig(GRPOConfig):
     )
     taco_threshold: float = field(default=4.0, metadata={"help": "TACO surprisal midpoint (nats)."})
     taco_sharpness: float = field(default=1.0, metadata={"help": "TACO sigmoid slope in surprisal."})
+    # Parameters that control calibrated credit
+    relevance_null_correction: bool = field(
+        default=False,
+        metadata={"help": "Subtract the other replayed rewards' pointwise minimum q from each reward's q."},
+    )
+    directional_relevance: bool = field(
+        default=False,
+        metadata={"help": "Keep q only where the information's vote on the sampled token has the advantage's sign."},
+    )
+    reward_strength: bool = field(
+        default=False,
+        metadata={"help": "Per-reward beta from a running estimate of how much each reward's q stands out."},
+    )
+    reward_strength_floor: float = field(
+        default=0.25,
+        metadata={"help": "Specificity in (0, 0.5] at or below which a reward's strength is 0 (1 from twice it)."},
+    )
+    preserve_reward_totals: bool = field(
+        default=False,
+        metadata={"help": "Cap each reward on its own and rescale by the uniform std: GDPO's total per reward."},
+    )
     # Parameters that control the diagnostics
     collapse_warning_steps: int = field(
         default=5,
@@ -256,3 +297,12 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError("divergence_backend='triton' needs Triton: pip install 'trl-mrtpo[kernels]'.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")
+        if not 0.0 < self.reward_strength_floor <= 0.5:
+            raise ValueError(f"reward_strength_floor must be in (0, 0.5], got {self.reward_strength_floor}.")
+        per_reward_options = ("relevance_null_correction", "directional_relevance", "reward_strength")
+        chosen = [name for name in per_reward_options if getattr(self, name)]
+        if chosen and self.credit_assignment not in ("mrtpo", "shuffled"):
+            raise ValueError(
+                f"{', '.join(chosen)} act on each reward's own q profile, which only credit_assignment='mrtpo' (or "
+                f"its 'shuffled' ablation) computes; got credit_assignment={self.credit_assignment!r}."
+            )

@@ -23,3 +23,8 @@ DIVERGENCE_BACKENDS = ("auto", "torch", "triton")
 CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo", "joint", "shuffled", "cort")
 REWARD_WEIGHTINGS = ("static", "saw", "concur")
 CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
+
+# Per-reward strength (MRTPOConfig.reward_strength): momentum of the running specificity, and how often a reward
+# whose strength is 0 is still replayed, so that its reading can recover.
+STRENGTH_MOMENTUM = 0.9
+STRENGTH_PROBE_INTERVAL = 10

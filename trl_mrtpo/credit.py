@@ -74,13 +74,14 @@ def warmup_beta(beta: float, step: int, warmup_steps: int) -> float:
     return float(beta * (3 * u**2 - 2 * u**3))
 
 
-def token_weights(relevance: torch.Tensor, mask: torch.Tensor, beta: float) -> torch.Tensor:
+def token_weights(relevance: torch.Tensor, mask: torch.Tensor, beta: float | torch.Tensor) -> torch.Tensor:
     """Step 5: ``w_t = (1 - beta) + beta * q_t / qbar`` per response (and per reward on leading dims).
 
     Args:
         relevance: ``[..., C]`` per-token relevance q in [0, 1].
         mask: ``[..., C]`` (broadcastable) completion mask.
-        beta: redistribution strength in [0, 1].
+        beta: redistribution strength in [0, 1], a number or a tensor broadcastable to ``[..., 1]`` (``[K, 1]``
+            for ``[B, K, C]`` relevance: one per reward).
 
     Returns:
         ``[..., C]`` weights: mean exactly 1 over each response's tokens, at least ``1 - beta`` everywhere; 1 where the
@@ -153,21 +154,34 @@ def cap_redistribution(
     return (uniform[:, None] + s * redistributed) * mask, s
 
 
-def batch_rescale(token_scores: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum | None = None) -> torch.Tensor:
-    """Step 8: divide by the token-weighted std (Bessel) over all completion tokens; unscaled if that std is 0.
+def batch_std(token_scores: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum | None = None) -> float | None:
+    """The token-weighted std (Bessel) of ``token_scores`` over all completion tokens of the generation batch, in
+    float64 and two passes; None when it is 0, undefined (fewer than 2 tokens) or not finite.
 
-    No mean is subtracted (per-reward advantages are already centred per group). Padded positions are exactly 0.
     Under data parallelism ``reduce_sum`` sums the token count and the (centred) sums over the processes: the std
-    is the whole generation batch's, the same on every rank. Computed in float64, two passes.
+    is the whole generation batch's, the same on every rank.
     """
-    mask = mask.bool()
-    values = token_scores[mask].double()
+    values = token_scores[mask.bool()].double()
     count, total = _reduced([values.new_tensor(values.numel()), values.sum()], reduce_sum)
     if count < 2:
-        return torch.where(mask, token_scores, torch.zeros_like(token_scores))
+        return None
     (squares,) = _reduced([((values - total / count) ** 2).sum()], reduce_sum)
-    std = (squares / (count - 1)).sqrt().to(token_scores.dtype)
-    if not torch.isfinite(std) or std == 0:
+    std = (squares / (count - 1)).sqrt().item()
+    return std if math.isfinite(std) and std > 0 else None
+
+
+def batch_rescale(
+    token_scores: torch.Tensor, mask: torch.Tensor, reduce_sum: ReduceSum | None = None, std: float | None = None
+) -> torch.Tensor:
+    """Step 8: divide by the token-weighted std (Bessel) over all completion tokens (:func:`batch_std`), or by
+    ``std`` when given; unscaled if that std is 0.
+
+    No mean is subtracted (per-reward advantages are already centred per group). Padded positions are exactly 0.
+    """
+    mask = mask.bool()
+    if std is None:
+        std = batch_std(token_scores, mask, reduce_sum)
+    if std is None:
         return torch.where(mask, token_scores, torch.zeros_like(token_scores))
     return torch.where(mask, token_scores / std, torch.zeros_like(token_scores))
 
@@ -205,9 +219,10 @@ def token_advantages(
     replayed: torch.Tensor,
     mask: torch.Tensor,
     reward_weights: torch.Tensor,
-    beta: float,
+    beta: float | torch.Tensor,
     max_second_moment_ratio: float | None = 2.0,
     reduce_sum: ReduceSum | None = None,
+    preserve_reward_totals: bool = False,
 ) -> TokenCredit:
     """Steps 5-8 end to end: weights, combine, cap, batch rescale.
 
@@ -217,14 +232,135 @@ def token_advantages(
         replayed: ``[B, K]`` bool, the replayed (response, reward) pairs; all other pairs keep w = 1.
         mask: ``[B, C]`` completion mask.
         reward_weights: ``[K]`` c_k.
-        beta: beta_n in effect (0 gives uniform GDPO: every token of response j gets ``U_j / std_B(U)``).
+        beta: beta_n in effect (0 gives uniform GDPO: every token of response j gets ``U_j / std_B(U)``), or a
+            ``[K]`` tensor, one per reward (:func:`reward_strength`).
         max_second_moment_ratio: rho of step 7.
         reduce_sum: under data parallelism, sums a tensor over the processes (steps 7 and 8 then see the whole
             generation batch); None for a single process.
+        preserve_reward_totals: steps 7-8 per reward, keeping each reward's GDPO total
+            (:func:`preserved_token_advantages`).
     """
+    if isinstance(beta, torch.Tensor):
+        beta = beta.to(relevance)[:, None]
     weights = token_weights(relevance, mask[:, None, :], beta)
     weights = torch.where(replayed[..., None], weights, torch.ones_like(weights))
-    return weighted_token_advantages(advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum)
+    combine_and_scale = preserved_token_advantages if preserve_reward_totals else weighted_token_advantages
+    return combine_and_scale(advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum)
+
+
+def preserved_token_advantages(
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    mask: torch.Tensor,
+    reward_weights: torch.Tensor,
+    max_second_moment_ratio: float | None,
+    reduce_sum: ReduceSum | None = None,
+) -> TokenCredit:
+    """Steps 6-8 with every reward's total kept (docs/method.md, "Calibrated credit", preserved totals).
+
+    Each reward is capped on its own: ``S = U + sum_k s_k R_k`` with ``R_{k,t} = c_k A_k (w_{k,t} - 1)`` and
+    ``s_k = min(1, sqrt((rho - 1) sum_j T_j (c_k A_k)^2 / sum_{j,t} R_{k,j,t}^2))``; the batch rescale divides by
+    ``std_B(U)``, the std of uniform spreading, not by ``std_B(S)``. Invariant: for every response j and reward k the
+    tokens carry exactly ``T_j c_k A_k / std_B(U)`` of that reward in total, what GDPO gives it; each reward's
+    redistributed second moment is at most ``rho - 1`` times its own uniform one.
+
+    Returns:
+        :class:`TokenCredit` whose ``cap_factor`` is the smallest ``s_k``.
+    """
+    mask_f = mask.to(advantages)
+    scaled = advantages * reward_weights.to(advantages)
+    uniform = scaled.sum(-1)
+    redistributed = scaled[..., None] * (weights.to(advantages) - 1.0) * mask_f[:, None, :]
+    num_rewards = scaled.shape[-1]
+    factors = torch.ones(num_rewards, dtype=torch.float64, device=scaled.device)
+    if max_second_moment_ratio is not None:
+        lengths = mask_f.sum(-1).double()
+        moments = _reduced(
+            [*(lengths[:, None] * scaled.double() ** 2).sum(0), *(redistributed.double() ** 2).sum((0, 2))],
+            reduce_sum,
+        )
+        uniform_moments, redistributed_moments = moments[:num_rewards], moments[num_rewards:]
+        spread = redistributed_moments > ROUNDING_MOMENT * uniform_moments
+        headroom = max(max_second_moment_ratio - 1.0, 0.0) * uniform_moments
+        ratio = headroom / torch.where(spread, redistributed_moments, 1.0)
+        factors = torch.where(spread, ratio.sqrt().clamp(max=1.0), factors)
+    scores = (uniform[:, None] + (factors.to(scaled)[None, :, None] * redistributed).sum(1)) * mask_f
+    std = batch_std(uniform[:, None] * mask_f, mask, reduce_sum)
+    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std), weights, float(factors.min()))
+
+
+def null_corrected_relevance(relevance: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+    """Null-corrected q (docs/method.md, "Calibrated credit"): each replayed profile minus the pointwise minimum of
+    the other replayed profiles of the same response, floored at 0.
+
+    Removing any block perturbs the same early, uncertain tokens: what every removal of a response shares is that
+    background, and what stands above it is specific to the reward. No extra forward: the control is the other
+    rewards' replays. A profile with no other replayed profile in its response is returned unchanged.
+
+    Args:
+        relevance: ``[B, K, C]`` q profiles.
+        replayed: ``[B, K]`` bool, the profiles that hold a replay.
+    """
+    others = torch.where(replayed[..., None], relevance, torch.full_like(relevance, math.inf))
+    corrected = relevance.clone()
+    for k in range(relevance.shape[1]):
+        rest = torch.cat([others[:, :k], others[:, k + 1 :]], dim=1)
+        if rest.shape[1] == 0:
+            break
+        control = rest.amin(dim=1)
+        has_control = torch.isfinite(control) & replayed[:, k, None]
+        corrected[:, k] = torch.where(has_control, (relevance[:, k] - control).clamp(min=0.0), relevance[:, k])
+    return corrected
+
+
+def directed_relevance(relevance: torch.Tensor, votes: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """Direction-aware q (docs/method.md, "Calibrated credit"): ``q_{k,t}`` is kept only where the information's
+    vote on the sampled token agrees with the sign of the reward's advantage, 0 elsewhere.
+
+    ``vote_{k,t} = log p(y_t | P_all) - log p(y_t | P_not_k)`` is positive where the information makes the sampled
+    token more likely: a reward (``A_k > 0``) lands where the information agrees with what was sampled, a penalty
+    (``A_k < 0``) where it disagrees. Profiles with a zero advantage are unchanged (they carry no credit). Step 5
+    normalises what is left to mean 1; a profile left without mass keeps uniform credit.
+
+    Args:
+        relevance: ``[B, K, C]`` q profiles.
+        votes: ``[B, K, C]`` log-probability differences of the sampled tokens.
+        advantages: ``[B, K]`` per-reward advantages.
+    """
+    direction = torch.sign(advantages)[..., None].to(votes)
+    agrees = (direction * votes > 0) | (direction == 0)
+    return torch.where(agrees, relevance, torch.zeros_like(relevance))
+
+
+def relevance_specificity(relevance: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+    """``[K]`` how much each reward's q stands out from the control in this batch: the mean, over its replayed
+    responses with another replayed reward, of ``1 - cos(q_k, control)``, the control being the mean profile of the
+    other replayed rewards of the response (0: q_k has the shape of what every removal perturbs; 1: it lies where no
+    other removal reaches). Profiles without mass give no reading; NaN for a reward without any reading.
+
+    Args:
+        relevance: ``[B, K, C]`` q profiles.
+        replayed: ``[B, K]`` bool.
+    """
+    weight = replayed.to(relevance.dtype)[..., None]
+    total = (relevance * weight).sum(1, keepdim=True)
+    others = replayed.sum(-1, keepdim=True) - replayed.long()  # other replayed rewards of the response
+    control = (total - relevance * weight) / others.clamp(min=1)[..., None]
+    norms = relevance.norm(dim=-1) * control.norm(dim=-1)
+    cosine = (relevance * control).sum(-1) / norms.clamp(min=1e-30)
+    dissimilarity = torch.where(control.norm(dim=-1) > 0, 1.0 - cosine, torch.ones_like(cosine))
+    read = replayed & (others > 0) & (relevance.sum(-1) > 0)
+    count = read.sum(0)
+    summed = torch.where(read, dissimilarity, torch.zeros_like(dissimilarity)).sum(0)
+    return torch.where(count > 0, summed / count.clamp(min=1), torch.full_like(summed, math.nan))
+
+
+def reward_strength(running_specificity: torch.Tensor, floor: float) -> torch.Tensor:
+    """``[K]`` per-reward strength ``g_k = clip(m_k / floor - 1, 0, 1)`` of a running specificity ``m_k``
+    (:func:`relevance_specificity`): 0 at or below ``floor``, 1 from twice the floor; 1 where there is no reading yet
+    (NaN). Reward k's beta is ``beta_n * g_k``."""
+    strength = (running_specificity / floor - 1.0).clamp(0.0, 1.0)
+    return torch.where(torch.isnan(running_specificity), torch.ones_like(strength), strength)
 
 
 def weighted_token_advantages(

@@ -22,10 +22,15 @@ from trl.trainer.utils import get_config_model_id
 
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
+from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from .credit import (
     TokenCredit,
     cort_weights,
+    directed_relevance,
     group_advantages,
+    null_corrected_relevance,
+    relevance_specificity,
+    reward_strength,
     shuffle_relevance,
     taco_scale,
     token_advantages,
@@ -35,7 +40,7 @@ from .credit import (
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
-from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
+from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
 from .utils import completion_text
 from .viz import credit_summary, token_strings
 from .weighting import concur_advantages, saw_weights
@@ -188,6 +193,8 @@ class MRTPOTrainer(GRPOTrainer):
         self._name_base_model()
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
         self._concur_trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward (train batches only)
+        # running specificity of each reward's q (reward_strength; NaN until its first reading)
+        self._specificity = torch.full((len(self.reward_funcs),), float("nan"), dtype=torch.float64)
         self._concur_primary = 0
         if args.concur_primary is not None:
             if args.concur_primary not in self.reward_func_names:
@@ -219,6 +226,7 @@ class MRTPOTrainer(GRPOTrainer):
             "concur_trust": copy.deepcopy(self._concur_trust),
             "shuffle_generator": self._shuffle_generator.get_state(),
             "collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {},
+            "reward_specificity": self._specificity.clone(),
         }
         torch.save(state, self._credit_state_path(output_dir))
 
@@ -238,6 +246,8 @@ class MRTPOTrainer(GRPOTrainer):
         self._shuffle_generator.set_state(state["shuffle_generator"])
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
+        if "reward_specificity" in state:
+            self._specificity = state["reward_specificity"].clone()
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -364,15 +374,19 @@ class MRTPOTrainer(GRPOTrainer):
         if self._replays and beta > 0:
             with self._replay_clock():
                 relevance, replayed = self._replay(batch)
+        betas = beta
+        if self.args.reward_strength:
+            betas = beta * reward_strength(self._specificity, self.args.reward_strength_floor).float()
         credit = token_advantages(
             batch.group_advantages,
             relevance,
             replayed,
             batch.mask,
             batch.reward_weights,
-            beta,
+            betas.to(batch.mask.device) if isinstance(betas, torch.Tensor) else betas,
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
+            preserve_reward_totals=self.args.preserve_reward_totals,
         )
         return credit, relevance, replayed
 
@@ -409,6 +423,7 @@ class MRTPOTrainer(GRPOTrainer):
         """
         num_samples, num_rewards = batch.varying.shape
         prompts, rewards = batch.prompts, batch.rewards
+        resting = self._resting_rewards() if not joint else set()
         blocks = [
             [
                 build_block(
@@ -435,6 +450,7 @@ class MRTPOTrainer(GRPOTrainer):
                 if blocks[i][k] is not None
                 and not torch.isnan(rewards[i, k])
                 and (batch.varying[i, k] or not self.args.replay_only_varying)
+                and k not in resting
             ]
             for i in range(num_samples)
         ]
@@ -459,6 +475,32 @@ class MRTPOTrainer(GRPOTrainer):
             context_ids.append(flat_ids[cursor : cursor + count])
             cursor += count
         return wanted, context_ids, completion_token_lists(batch.output)
+
+    def _resting_rewards(self) -> set[int]:
+        """Rewards not replayed this step (``reward_strength``): after warm-up, those whose strength is 0, except on
+        every ``STRENGTH_PROBE_INTERVAL``-th step, when their reading is refreshed."""
+        step = self.state.global_step
+        probing = step < self.args.credit_warmup_steps or step % STRENGTH_PROBE_INTERVAL == 0
+        if not self.args.reward_strength or probing:
+            return set()
+        strength = reward_strength(self._specificity, self.args.reward_strength_floor)
+        return set((strength == 0).nonzero(as_tuple=True)[0].tolist())
+
+    def _calibrate(self, relevance, votes, replayed, batch: ScoredBatch) -> torch.Tensor:
+        """The calibrated-credit options on the replayed q (docs/method.md, "Calibrated credit"): the specificity
+        reading of ``reward_strength`` (train batches only), then null correction and direction."""
+        args = self.args
+        if args.reward_strength and self.model.training:
+            reading = relevance_specificity(relevance, replayed).double().cpu()
+            momentum = torch.where(torch.isnan(self._specificity), 0.0, STRENGTH_MOMENTUM).double()
+            updated = momentum * torch.nan_to_num(self._specificity) + (1 - momentum) * reading
+            self._specificity = torch.where(torch.isnan(reading), self._specificity, updated)
+        if args.relevance_null_correction:
+            relevance = null_corrected_relevance(relevance, replayed)
+        if args.directional_relevance:
+            scaled = batch.group_advantages * batch.reward_weights.to(batch.group_advantages)
+            relevance = directed_relevance(relevance, votes, scaled)
+        return relevance
 
     @cached_property
     def _assistant_header(self) -> str | None:
@@ -501,16 +543,18 @@ class MRTPOTrainer(GRPOTrainer):
         wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
         mask = batch.mask
         relevance = torch.zeros(*batch.varying.shape, mask.shape[1], device=mask.device)
+        votes = torch.zeros_like(relevance)
         replayed = torch.zeros_like(batch.varying)
         if not any(wanted):
             return relevance, replayed
-        q = replay_relevance(
+        q, voted = replay_relevance_and_votes(
             self.accelerator.unwrap_model(self.model),
             context_ids,
             completion_ids,
             self._replay_temperature,
             backend=self.args.divergence_backend,
             chunk_size=self.args.replay_chunk_size,
+            votes=self.args.directional_relevance,
             **self._replay_options(),
         )
         for i, ids in enumerate(completion_ids):
@@ -519,7 +563,10 @@ class MRTPOTrainer(GRPOTrainer):
                 continue
             for row, k in enumerate(wanted[i]):
                 relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
+                if self.args.directional_relevance:
+                    votes[i, k, :length] = voted[i][row].to(mask.device)
                 replayed[i, k] = True
+        relevance = self._calibrate(relevance, votes, replayed, batch)
         if self._credit_mode.shuffled:
             relevance = shuffle_relevance(relevance, mask, self._shuffle_generator)
         return relevance, replayed
@@ -567,6 +614,10 @@ class MRTPOTrainer(GRPOTrainer):
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
         metrics = self._metrics[mode]
         metrics["mrtpo/beta"].append(beta)
+        if self.args.reward_strength:
+            strength = reward_strength(self._specificity, self.args.reward_strength_floor)
+            for name, g in zip(self.reward_func_names, strength.tolist()):
+                metrics[f"mrtpo/beta/{name}"].append(beta * g)
         metrics["mrtpo/replayed_fraction"].append(replayed.float().mean().item())
         metrics["mrtpo/cap_factor"].append(credit.cap_factor)
         metrics["mrtpo/replay_seconds"].append(replay_seconds)

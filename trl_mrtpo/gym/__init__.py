@@ -3,9 +3,10 @@
 ``trl-mrtpo gym`` writes."""
 
 from .grid import METHODS, Grid, Run, large_grid, quick_grid, run_all, steps_to_threshold, wilcoxon_signed_rank
-from .runs import RunSettings, localisation, mass_ratio, satisfaction, step_record, train_run
+from .runs import RunSettings, localisation, mass_ratio, oracle_relevance, satisfaction, step_record, train_run
 from .task import (
     KINDS,
+    VARIANTS,
     Constraint,
     GymSpec,
     build_tokenizer,
@@ -17,11 +18,13 @@ from .task import (
     sample_constraints,
     supervised_policy,
     supervised_response,
+    variant_spec,
 )
 
 __all__ = [
     "KINDS",
     "METHODS",
+    "VARIANTS",
     "Constraint",
     "Grid",
     "GymSpec",
@@ -33,6 +36,7 @@ __all__ = [
     "large_grid",
     "localisation",
     "mass_ratio",
+    "oracle_relevance",
     "parse_constraints",
     "prompt_text",
     "quick_grid",
@@ -45,5 +49,6 @@ __all__ = [
     "supervised_policy",
     "supervised_response",
     "train_run",
+    "variant_spec",
     "wilcoxon_signed_rank",
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 from .runs import RunSettings
 from .task import KINDS, GymSpec
 
-METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "cort")
+METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "cort")  # the default grid's (``oracle`` on request)
 MOVING_WINDOW = 10  # steps of the moving mean that must reach the threshold
 FINAL_WINDOW = 10  # last steps averaged into the final reward
 
@@ -36,7 +36,7 @@ class Run:
     value: str = ""
 
     def key(self) -> str:
-        text = json.dumps({"spec": asdict(self.spec), "settings": asdict(self.settings), "seed": self.seed})
+        text = json.dumps({"spec": self.spec.identity(), "settings": self.settings.identity(), "seed": self.seed})
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -112,6 +112,9 @@ def _execute(run: Run, work_dir: str, device: str) -> tuple[str, list[dict]]:
     from .runs import train_run
 
     folder = Path(work_dir)
+    stored = folder / "runs" / f"{run.key()}.json"
+    if stored.exists():  # finished meanwhile by another sitting on the same work dir
+        return run.key(), json.loads(stored.read_text())["records"]
     records = train_run(run.spec, run.settings, run.seed, folder / "policies", folder / "trainer" / run.key(), device)
     return run.key(), records
 

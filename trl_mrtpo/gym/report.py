@@ -64,10 +64,16 @@ def comparison_rows(summary: Sequence[dict], methods: Sequence[str], steps: int,
 
 
 def localisation_rows(records: Sequence[dict]) -> list[dict]:
-    """Per constraint kind (and satisfied or not): mean mass ratio on the true positions, and the control's."""
+    """Per constraint kind, over all responses and separately for those that meet the constraint (``satisfied``)
+    and those that do not (``failing``): mean mass ratio on the true positions, and the control's."""
     rows = []
+    groups = (
+        ("all", lambda r: True),
+        ("satisfied", lambda r: r["satisfied"] == 1),
+        ("failing", lambda r: r["satisfied"] == 0),
+    )
     for kind in KINDS:
-        for label, keep in (("all", lambda r: True), ("satisfied", lambda r: r["satisfied"] == 1)):
+        for label, keep in groups:
             chosen = [r for r in records if r["kind"] == kind and keep(r) and not math.isnan(r["ratio"])]
             if not chosen:
                 continue
@@ -80,6 +86,7 @@ def localisation_rows(records: Sequence[dict]) -> list[dict]:
                     "relevant_token_share": statistics.fmean(r["relevant_share"] for r in chosen),
                     "mass_ratio": statistics.fmean(r["ratio"] for r in chosen),
                     "control_mass_ratio": statistics.fmean(controls) if controls else float("nan"),
+                    "specificity": statistics.fmean(r.get("specificity", math.nan) for r in chosen),
                 }
             )
     return rows

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from ..credit import relevance_specificity
 from ..info_blocks import build_contexts
 from ..replay import replay_relevance
 from .task import (
@@ -39,7 +41,11 @@ def gym_dataset(spec: GymSpec, num_prompts: int, seed: int):
 
 @dataclass(frozen=True)
 class RunSettings:
-    """What one RL run of the gym uses besides the task and its seed."""
+    """What one RL run of the gym uses besides the task and its seed.
+
+    ``method`` is a credit mode, or ``"oracle"``: MRTPO's steps 5-8 with q set to the ground-truth relevant
+    positions instead of the replay's (the upper bound of what any relevance profile can give). ``options`` are
+    further ``MRTPOConfig`` fields as ``(name, value)`` pairs (the credit options under test)."""
 
     method: str = "mrtpo"
     steps: int = 150
@@ -50,17 +56,50 @@ class RunSettings:
     credit_warmup_steps: int = 10
     max_second_moment_ratio: float = 2.0
     reward_weighting: str = "static"
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def identity(self) -> dict:
+        """The fields that define the run (``options`` only when set, so earlier runs keep their keys)."""
+        fields = asdict(self)
+        if not self.options:
+            del fields["options"]
+        return fields
+
+
+def oracle_relevance(completions: Sequence[str], rows: Sequence[dict], num_positions: int) -> torch.Tensor:
+    """``[B, K, C]`` the oracle's q: 1 on the positions whose word, changed alone, flips reward k (for a failing
+    pair, the positions that would make it pass), 0 elsewhere. The gym's tokenizer is word-level, so word t is
+    completion token t."""
+    constraints = [row_constraints(row["constraints"]) for row in rows]
+    relevance = torch.zeros(len(completions), len(constraints[0]) if constraints else 0, num_positions)
+    for i, (text, owned) in enumerate(zip(completions, constraints)):
+        words = response_words(text)
+        for k, constraint in enumerate(owned):
+            positions = [t for t in relevant_positions(constraint, words) if t < num_positions]
+            relevance[i, k, positions] = 1.0
+    return relevance
 
 
 def _gym_trainer_class():
     from ..trainer import MRTPOTrainer
+    from ..utils import completion_text
 
     class GymTrainer(MRTPOTrainer):
-        """Records every generation's rewards with the constraints they were scored against."""
+        """Records every generation's rewards with the constraints they were scored against; with ``oracle``, q is
+        the ground truth (:func:`oracle_relevance`) on the pairs the replay would have replayed."""
 
-        def __init__(self, *args, **kwargs):
+        def __init__(self, *args, oracle: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.scored_batches: list[tuple[torch.Tensor, list]] = []
+            self.oracle = oracle
+
+        def _replay(self, batch):
+            if not self.oracle:
+                return super()._replay(batch)
+            mask = batch.mask
+            texts = [completion_text(c) for c in batch.completions]
+            relevance = oracle_relevance(texts, batch.inputs, mask.shape[1]).to(mask.device)
+            return relevance, batch.varying.clone()
 
         def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -101,7 +140,7 @@ def train_run(
     model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     config = MRTPOConfig(
         output_dir=str(output_dir),
-        credit_assignment=settings.method,
+        credit_assignment="mrtpo" if settings.method == "oracle" else settings.method,
         credit_beta=settings.credit_beta,
         credit_warmup_steps=settings.credit_warmup_steps,
         max_second_moment_ratio=settings.max_second_moment_ratio,
@@ -124,6 +163,7 @@ def train_run(
         replay_batch_size=64,
         replay_min_shared_prefix=4,
         info_block_separator=SEPARATOR,
+        **dict(settings.options),
     )
     set_seed(seed)
     trainer = _gym_trainer_class()(
@@ -133,6 +173,7 @@ def train_run(
         args=config,
         train_dataset=gym_dataset(spec, settings.steps * settings.prompts_per_step, seed),
         processing_class=tokenizer,
+        oracle=settings.method == "oracle",
     )
     trainer.train()
     return [
@@ -210,7 +251,8 @@ def localisation(
 
     For every response and constraint k whose relevant positions are a proper subset of the response: the mass
     ratio of q_k on them (``ratio``) and, as a control, the mass ratio on the same positions of q_j for the next
-    constraint j of the prompt, which the reward of k does not depend on (``control``).
+    constraint j of the prompt, which the reward of k does not depend on (``control``); and ``1 - cos`` between q_k
+    and the other constraints' mean profile (``specificity``, what ``reward_strength`` reads).
     """
     model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     blocks = constraint_blocks(spec.num_constraints, spec.placement)
@@ -231,6 +273,7 @@ def localisation(
     records = []
     for profiles, ids, constraints in zip(q, completions, owners):
         words = response_words(tokenizer.decode(ids, skip_special_tokens=False))
+        specificity = relevance_specificity(profiles[None], torch.ones(1, len(constraints), dtype=torch.bool))
         for k, constraint in enumerate(constraints):
             positions = relevant_positions(constraint, words)
             if not 0 < len(positions) < len(ids):
@@ -243,6 +286,7 @@ def localisation(
                     "relevant_share": len(positions) / len(ids),
                     "ratio": mass_ratio(profiles[k], positions),
                     "control": mass_ratio(profiles[(k + 1) % len(constraints)], positions),
+                    "specificity": specificity[k].item(),
                 }
             )
     return records

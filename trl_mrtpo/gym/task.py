@@ -17,6 +17,12 @@ pair      ``red before cat``   spans several tokens: an ordered pair
 twice     ``twice red``        spans several tokens: a count
 ========  ===================  ==============================================
 
+Variants make the task closer to a real model's (:data:`VARIANTS`): responses of varying length that end when the
+policy emits its end token (``last`` is then the last word before the end, wherever that falls); filler drawn from
+a distribution that depends on the prompt's key words (removing any constraint then shifts every filler position:
+a background that is not specific to one reward); key words that also appear as stray filler, with constraints
+stated only rarely met (the policy then meets a constraint only slightly more often when it is stated).
+
 Info blocks are either each constraint's own span of the prompt (``in_prompt``, as in instruction following) or
 a ``note`` restating it, appended only in the replay (``appended``, as with a rule text or a reference answer).
 The policy is a tiny Llama taught by a short supervised phase to satisfy each constraint only part of the time
@@ -186,12 +192,26 @@ def response_words(text: str) -> list[str]:
     return text.split("<eos>")[0].split()
 
 
+def topic(word: str) -> tuple[str, ...]:
+    """The four filler words a key word makes likely (topical filler): a fixed, overlapping share of the fillers."""
+    i = KEY_WORDS.index(word)
+    return tuple(FILLER_WORDS[(5 * i + j) % len(FILLER_WORDS)] for j in range(4))
+
+
+def filler_pool(constraints: Sequence[Constraint]) -> tuple[str, ...]:
+    """The filler words a prompt makes likely: the topics of its constraints' first words."""
+    return tuple(dict.fromkeys(w for c in constraints for w in topic(c.word)))
+
+
 @dataclass(frozen=True)
 class GymSpec:
     """What defines one gym task and its supervised policy."""
 
     num_constraints: int = 3
-    length: int = 8
+    length: int = 8  # words per response (the most, when ``min_length`` is set)
+    min_length: int = 0  # > 0: responses have min_length..length words and end when the policy emits its end token
+    topical_filler: float = 0.0  # share of filler words drawn from the prompt's topics (:func:`filler_pool`)
+    stray_rate: float = 0.0  # share of filler positions holding a random key word instead
     placement: str = "in_prompt"
     hidden_size: int = 64
     num_layers: int = 2
@@ -207,17 +227,58 @@ class GymSpec:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}")
         if self.length < 3:
             raise ValueError(f"responses need at least 3 words, got length={self.length}")
+        if self.min_length and not 3 <= self.min_length <= self.length:
+            raise ValueError(f"min_length must be 0 (fixed length) or in [3, length], got {self.min_length}")
+        for name in ("topical_filler", "stray_rate"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+
+    def identity(self) -> dict:
+        """The fields that define the task: the variant fields only where set, so the default task keeps the key
+        (and the cached policies and runs) it had before variants existed."""
+        fields = asdict(self)
+        for name, default in VARIANT_DEFAULTS.items():
+            if fields[name] == default:
+                del fields[name]
+        return fields
 
     def key(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+        return hashlib.sha1(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:10]
+
+    def response_length(self, rng: random.Random) -> int:
+        return rng.randint(self.min_length, self.length) if self.min_length else self.length
+
+
+VARIANT_DEFAULTS = {"min_length": 0, "topical_filler": 0.0, "stray_rate": 0.0}
+VARIANTS: dict[str, dict] = {
+    "default": {},
+    "variable_length": {"min_length": 4, "length": 10},
+    "topical_filler": {"topical_filler": 0.8},
+    "weak": {"stray_rate": 0.5, "sft_rates": (0.15, 0.15, 0.15, 0.3, 0.3)},
+}
+VARIANTS["realistic"] = {**VARIANTS["variable_length"], **VARIANTS["topical_filler"], **VARIANTS["weak"]}
+
+
+def variant_spec(variant: str, **fields) -> GymSpec:
+    """The gym task of a named variant (:data:`VARIANTS`), with any other field changed."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown gym variant {variant!r}; variants are {', '.join(VARIANTS)}")
+    return GymSpec(**{**VARIANTS[variant], **fields})
 
 
 def supervised_response(
-    rng: random.Random, constraints: Sequence[Constraint], length: int, rates: Sequence[float]
+    rng: random.Random,
+    constraints: Sequence[Constraint],
+    length: int,
+    rates: Sequence[float],
+    topical_filler: float = 0.0,
+    stray_rate: float = 0.0,
 ) -> list[str]:
     """A response that meets constraint i with probability ``rates[i]`` (where the positions allow). The other
-    words are filler, never a constraint's key word: key words appear only where a constraint placed them."""
-    words = [rng.choice(FILLER_WORDS) for _ in range(length)]
+    words are filler: a share ``topical_filler`` from the prompt's topics, and with ``stray_rate`` a random key
+    word (with both at 0, key words appear only where a constraint placed them)."""
+    pool = filler_pool(constraints) if topical_filler else FILLER_WORDS
+    words = [_filler_word(rng, pool, topical_filler, stray_rate) for _ in range(length)]
     free = list(range(1, length - 1))  # middle positions not yet claimed
     rng.shuffle(free)
     for constraint, rate in zip(constraints, rates):
@@ -234,6 +295,15 @@ def supervised_response(
             words[a] = constraint.word
             words[b] = constraint.other or constraint.word
     return words
+
+
+def _filler_word(rng: random.Random, pool: Sequence[str], topical: float, stray_rate: float) -> str:
+    # Random draws only for the variants that are on, so the default task's stream of draws is unchanged.
+    if stray_rate and rng.random() < stray_rate:
+        return rng.choice(KEY_WORDS)
+    if topical and rng.random() < topical:
+        return rng.choice(pool)
+    return rng.choice(FILLER_WORDS)
 
 
 def build_policy(tokenizer, spec: GymSpec, seed: int):
@@ -285,7 +355,8 @@ def _sft_batch(rng: random.Random, spec: GymSpec, tokenizer, size: int) -> tuple
             if notes:
                 messages = [{"role": "user", "content": messages[0]["content"] + " " + " ".join(notes)}]
         prompt_ids = chat_prompt_ids(tokenizer, messages)
-        words = supervised_response(rng, constraints, spec.length, rates)
+        length = spec.response_length(rng)
+        words = supervised_response(rng, constraints, length, rates, spec.topical_filler, spec.stray_rate)
         response_ids = tokenizer.convert_tokens_to_ids(words) + [tokenizer.eos_token_id]
         sequences.append(list(prompt_ids) + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)

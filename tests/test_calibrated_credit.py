@@ -1,0 +1,299 @@
+"""Calibrated credit (docs/method.md, "Calibrated credit"): null correction, direction, per-reward strength and
+preserved totals, against float64 loop references, hand-worked examples and invariants; the replay's votes against
+plain forwards; the trainer's wiring (per-reward beta, resting rewards, checkpointed state)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_replay import batch  # noqa: F401  (fixture)
+from tests.test_trainer import RecordingTrainer, make_args
+from trl_mrtpo.credit import (
+    directed_relevance,
+    group_advantages,
+    null_corrected_relevance,
+    preserved_token_advantages,
+    relevance_specificity,
+    reward_strength,
+    token_advantages,
+    token_weights,
+)
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.replay import replay_relevance, replay_relevance_and_votes
+
+
+def reference_preserved(adv, weights, mask, c, rho):
+    """Preserved totals in float64 loops, from docs/method.md: per-reward cap, rescale by the uniform std."""
+    n, k_count = adv.shape
+    lengths = [int(m.sum()) for m in mask]
+    adv, weights, c = adv.double(), weights.double(), c.double()
+    factors = []
+    for k in range(k_count):
+        uni = sum(lengths[j] * (c[k] * adv[j, k]).item() ** 2 for j in range(n))
+        red = sum(
+            ((c[k] * adv[j, k]).item() * (weights[j, k, t].item() - 1)) ** 2
+            for j in range(n)
+            for t in range(lengths[j])
+        )
+        factors.append(1.0 if red <= 1e-12 * uni else min(1.0, math.sqrt((rho - 1) * uni / red)))
+    uniform = [sum((c[k] * adv[j, k]).item() for k in range(k_count)) for j in range(n)]
+    flat = [uniform[j] for j in range(n) for _ in range(lengths[j])]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for j in range(n):
+        for t in range(lengths[j]):
+            s = uniform[j] + sum(
+                factors[k] * (c[k] * adv[j, k]).item() * (weights[j, k, t].item() - 1) for k in range(k_count)
+            )
+            out[j, t] = s / std if std > 0 else s
+    return out, factors, std
+
+
+@st.composite
+def batches(draw):
+    groups, G, K, C = (
+        draw(st.integers(1, 3)),
+        draw(st.integers(2, 4)),
+        draw(st.integers(1, 4)),
+        draw(st.integers(1, 6)),
+    )
+    n = groups * G
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    rewards = torch.randint(0, 3, (n, K), generator=gen).float() / draw(st.sampled_from([1.0, 3.0]))
+    lengths = torch.randint(1, C + 1, (n,), generator=gen)
+    mask = (torch.arange(C)[None] < lengths[:, None]).long()
+    q = torch.rand(n, K, C, generator=gen) * (torch.rand(n, K, 1, generator=gen) < 0.8)
+    c = torch.rand(K, generator=gen) * 2
+    return rewards, q, mask, c, draw(st.floats(0.0, 1.0)), draw(st.floats(1.0, 4.0)), G
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_preserved_totals_match_float64_reference(drawn):
+    rewards, q, mask, c, beta, rho, G = drawn
+    adv, varying = group_advantages(rewards, G)
+    weights = torch.where(varying[..., None], token_weights(q, mask[:, None], beta), torch.ones_like(q))
+    credit = preserved_token_advantages(adv, weights, mask, c, rho)
+    expected, factors, _ = reference_preserved(adv, weights, mask, c, rho)
+    torch.testing.assert_close(credit.advantages.double(), expected, rtol=1e-4, atol=1e-4)
+    assert credit.cap_factor == pytest.approx(min(factors), rel=1e-4, abs=1e-6)
+    assert (credit.advantages[mask == 0] == 0).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(batches())
+def test_preserved_totals_give_every_response_its_gdpo_total(drawn):
+    """The invariant: each response's token advantages sum to GDPO's (beta 0), whatever q, beta and rho."""
+    rewards, q, mask, c, beta, rho, G = drawn
+    adv, varying = group_advantages(rewards, G)
+    preserved = token_advantages(adv, q, varying, mask, c, beta, rho, preserve_reward_totals=True)
+    gdpo = token_advantages(adv, q, varying, mask, c, 0.0, rho)
+    torch.testing.assert_close(preserved.advantages.sum(-1), gdpo.advantages.sum(-1), rtol=1e-4, atol=1e-4)
+    if beta == 0:  # and at beta 0 it is GDPO token for token
+        torch.testing.assert_close(preserved.advantages, gdpo.advantages)
+
+
+def test_preserved_totals_hold_per_reward_and_the_per_reward_cap_binds():
+    """Two rewards on one group of 2; reward 0's q is sharp (its cap binds at rho 1.25), reward 1's is flat."""
+    adv = torch.tensor([[1.0, 0.5], [-1.0, -0.5]])
+    mask = torch.ones(2, 4, dtype=torch.long)
+    q = torch.tensor([[[1.0, 0.0, 0.0, 0.0], [0.3, 0.3, 0.2, 0.2]], [[0.0, 0.0, 0.0, 1.0], [0.2, 0.2, 0.3, 0.3]]])
+    c = torch.ones(2)
+    weights = token_weights(q, mask[:, None], 1.0)
+    credit = preserved_token_advantages(adv, weights, mask, c, 1.25)
+    expected, factors, std = reference_preserved(adv, weights, mask, c, 1.25)
+    assert factors[0] < 1 and factors[1] == 1.0  # only the sharp reward is capped, on its own
+    torch.testing.assert_close(credit.advantages.double(), expected, rtol=1e-6, atol=1e-6)
+    # per reward: the token sum of reward k's part is T c_k A_k / std_B(U) (its GDPO total)
+    for k in range(2):
+        part = (adv[:, k, None] * (1 + factors[k] * (weights[:, k] - 1))).double() / std
+        torch.testing.assert_close(part.sum(-1), 4 * adv[:, k].double() / std)
+    # with the shared cap of steps 7-8, the flat reward's share is scaled down together with the sharp one's
+    shared = token_advantages(adv, q, torch.ones(2, 2, dtype=torch.bool), mask, c, 1.0, 1.25)
+    assert shared.advantages.abs().sum() < credit.advantages.abs().sum()
+
+
+def test_null_correction_by_hand():
+    q = torch.tensor([[[0.5, 0.1, 0.2], [0.1, 0.1, 0.4], [0.3, 0.0, 0.9]]])
+    replayed = torch.tensor([[True, True, False]])
+    out = null_corrected_relevance(q, replayed)
+    torch.testing.assert_close(out[0, 0], torch.tensor([0.4, 0.0, 0.0]))  # minus reward 1's profile
+    torch.testing.assert_close(out[0, 1], torch.tensor([0.0, 0.0, 0.2]))  # minus reward 0's profile
+    torch.testing.assert_close(out[0, 2], q[0, 2])  # not replayed: untouched
+    alone = null_corrected_relevance(q, torch.tensor([[True, False, False]]))
+    torch.testing.assert_close(alone, q)  # no control in the response: unchanged
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_null_correction_matches_float64_loops(n, k_count, c_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.rand(n, k_count, c_len, generator=gen)
+    replayed = torch.rand(n, k_count, generator=gen) < 0.7
+    out = null_corrected_relevance(q, replayed)
+    for j in range(n):
+        for k in range(k_count):
+            others = [i for i in range(k_count) if i != k and replayed[j, i]]
+            for t in range(c_len):
+                value = q[j, k, t].item()
+                if replayed[j, k] and others:
+                    value = max(0.0, value - min(q[j, i, t].item() for i in others))
+                assert out[j, k, t].item() == pytest.approx(value, abs=1e-7)
+    assert (out >= 0).all() and (out <= q).all()
+
+
+def test_identical_profiles_are_all_background():
+    q = torch.rand(2, 3, 5)
+    same = q[:, :1].expand(2, 3, 5).clone()
+    assert (null_corrected_relevance(same, torch.ones(2, 3, dtype=torch.bool)) == 0).all()
+
+
+def test_direction_by_hand():
+    q = torch.tensor([[[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]])
+    votes = torch.tensor([[[1.0, -1.0, 0.5, 0.0]] * 3])
+    advantages = torch.tensor([[0.7, -0.7, 0.0]])
+    out = directed_relevance(q, votes, advantages)
+    torch.testing.assert_close(out[0, 0], torch.tensor([0.4, 0.0, 0.2, 0.0]))  # a reward: where the vote agrees
+    torch.testing.assert_close(out[0, 1], torch.tensor([0.0, 0.3, 0.0, 0.0]))  # a penalty: where it disagrees
+    torch.testing.assert_close(out[0, 2], q[0, 2])  # no credit to place: untouched
+    # what is left is normalised to mean 1 by step 5; a profile left without mass keeps uniform weights
+    w = token_weights(directed_relevance(q, -votes.abs() - 1, advantages), torch.ones(1, 1, 4), 0.5)
+    assert (w[0, 0] == 1).all()
+
+
+def test_specificity_and_strength_by_hand():
+    q = torch.tensor(
+        [
+            [[1.0, 0.0], [0.0, 1.0], [9.0, 9.0]],  # orthogonal profiles: each stands out fully
+            [[0.4, 0.2], [0.2, 0.1], [0.0, 0.0]],  # reward 1 has reward 0's shape: no specificity; 2 not replayed
+            [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]],  # no control in the response: no reading
+        ]
+    )
+    replayed = torch.tensor([[True, True, False], [True, True, False], [True, False, False]])
+    reading = relevance_specificity(q, replayed)
+    # reward 0: 1 - cos = 1 (response 0) and 0 (response 1); reward 1 the same; reward 2 never read
+    torch.testing.assert_close(reading[:2], torch.tensor([0.5, 0.5]))
+    assert math.isnan(reading[2].item())
+    strength = reward_strength(torch.tensor([0.2, 0.25, 0.375, 0.6, math.nan], dtype=torch.float64), 0.25)
+    torch.testing.assert_close(strength, torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0], dtype=torch.float64))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_specificity_matches_float64_loops(n, k_count, c_len, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.rand(n, k_count, c_len, generator=gen) * (torch.rand(n, k_count, 1, generator=gen) < 0.8)
+    replayed = torch.rand(n, k_count, generator=gen) < 0.7
+    reading = relevance_specificity(q, replayed)
+    for k in range(k_count):
+        values = []
+        for j in range(n):
+            others = [i for i in range(k_count) if i != k and replayed[j, i]]
+            own = q[j, k].double()
+            if not replayed[j, k] or not others or own.sum() == 0:
+                continue
+            control = sum(q[j, i].double() for i in others) / len(others)
+            if control.norm() == 0:
+                values.append(1.0)
+            else:
+                values.append(1 - ((own @ control) / (own.norm() * control.norm())).item())
+        if values:
+            assert reading[k].item() == pytest.approx(sum(values) / len(values), abs=1e-5)
+        else:
+            assert math.isnan(reading[k].item())
+
+
+def test_per_reward_beta_is_each_rewards_own_beta():
+    """A [K] beta gives reward k exactly the weights of a scalar beta_k: [0.5, 0] equals reward 1 not replayed."""
+    gen = torch.Generator().manual_seed(0)
+    adv, _ = group_advantages(torch.randint(0, 2, (4, 2), generator=gen).float(), 4)
+    q, mask = torch.rand(4, 2, 5, generator=gen), torch.ones(4, 5, dtype=torch.long)
+    replayed, c = torch.ones(4, 2, dtype=torch.bool), torch.ones(2)
+    per_reward = token_advantages(adv, q, replayed, mask, c, torch.tensor([0.5, 0.0]))
+    only_first = token_advantages(adv, q, torch.tensor([[True, False]] * 4), mask, c, 0.5)
+    torch.testing.assert_close(per_reward.advantages, only_first.advantages)
+
+
+def test_votes_match_plain_forwards(tiny_model, batch):  # noqa: F811
+    contexts, completions = batch
+    q_alone = replay_relevance(tiny_model, contexts, completions, 0.7, min_shared_prefix=4)
+    q, votes = replay_relevance_and_votes(tiny_model, contexts, completions, 0.7, min_shared_prefix=4)
+    for j, (ctx, completion) in enumerate(zip(contexts, completions)):
+        torch.testing.assert_close(q[j], q_alone[j])
+        with torch.no_grad():
+            logprobs = []
+            for c in ctx:
+                logits = tiny_model(torch.tensor([c + completion])).logits[
+                    0, len(c) - 1 : len(c) - 1 + len(completion)
+                ]
+                lp = torch.log_softmax(logits.double() / 0.7, -1)
+                logprobs.append(lp.gather(-1, torch.tensor(completion)[:, None])[:, 0])
+        expected = torch.stack([logprobs[0] - lp for lp in logprobs[1:]])
+        torch.testing.assert_close(votes[j].double(), expected, rtol=1e-4, atol=2e-5)
+
+
+def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_tokenizer, tmp_path):
+    """reward_strength: readings are taken, beta per reward is logged, a reward whose strength is 0 is not replayed
+    after warm-up (except on probe steps), and the running specificity is checkpointed."""
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(
+            tmp_path,
+            max_steps=3,
+            reward_strength=True,
+            reward_strength_floor=0.5,  # 1 - cos below 0.5 rests a reward: q profiles of one prompt look alike
+            save_strategy="steps",
+            save_steps=3,
+        ),
+        train_dataset=make_basic_dataset(12),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert not torch.isnan(trainer._specificity).all()
+    logged = trainer.state.log_history[1]
+    name = next(n for n, s in zip(trainer.reward_func_names, trainer._specificity) if not torch.isnan(s))
+    assert logged[f"mrtpo/beta/{name}"] == 0.0
+    # step 0 is a probe (replayed), steps 1 and 2 rest every reward that has a reading
+    read = ~torch.isnan(trainer._specificity)
+    assert trainer.replays[0]["replayed"].any()
+    for replay in trainer.replays[1:]:
+        assert not replay["replayed"][:, read].any()
+    state = torch.load(tmp_path / "checkpoint-3" / "mrtpo_state_0.pt", weights_only=False)
+    torch.testing.assert_close(state["reward_specificity"], trainer._specificity, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "option", ["relevance_null_correction", "directional_relevance", "reward_strength", "preserve_reward_totals"]
+)
+def test_trainer_runs_each_option(tiny_model, tiny_tokenizer, tmp_path, option):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, **{option: True}),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    for generated in trainer.batches:
+        assert torch.isfinite(generated["advantages"]).all()
+        assert (generated["advantages"][generated["completion_mask"] == 0] == 0).all()
+    assert trainer.replays and any(r["replayed"].any() for r in trainer.replays)
+
+
+@pytest.mark.parametrize("mode", ["joint", "cort", "gdpo"])
+def test_per_reward_options_need_per_reward_q(tmp_path, mode):
+    with pytest.raises(ValueError, match="reward_strength.*credit_assignment"):
+        make_args(tmp_path, credit_assignment=mode, reward_strength=True)
+
+
+def test_strength_floor_range(tmp_path):
+    with pytest.raises(ValueError, match="reward_strength_floor"):
+        make_args(tmp_path, reward_strength_floor=0.0)
