@@ -15,6 +15,7 @@ from .constants import (
     REWARD_WEIGHTINGS,
 )
 from .ops import triton_divergence
+from .validation import check_finite_fields
 
 
 @dataclass
@@ -237,6 +238,9 @@ class MRTPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        # NaN passes every range check below (each comparison is False): refuse non-finite numbers first, by name.
+        own = [name for name in self.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__]
+        check_finite_fields(self, [*own, "temperature"])
         super().__post_init__()
         if self.credit_assignment not in CREDIT_ASSIGNMENTS:
             raise ValueError(

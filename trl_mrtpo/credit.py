@@ -55,7 +55,8 @@ def group_advantages(
     n, k = rewards.shape
     if num_generations < 1 or n % num_generations != 0:
         raise ValueError(f"{n} rows cannot be split into groups of num_generations={num_generations}")
-    grouped = rewards.view(-1, num_generations, k)
+    # float64: the squares of user-scale rewards (1e19 and beyond) overflow float32
+    grouped = rewards.double().view(-1, num_generations, k)
     mean = torch.nanmean(grouped, dim=1, keepdim=True)
     std = _nan_std(grouped, dim=1)
     missing = torch.isnan(grouped)
@@ -63,7 +64,7 @@ def group_advantages(
     lowest = torch.where(missing, float("inf"), grouped).amin(dim=1, keepdim=True)
     varying = (highest > lowest).expand_as(grouped)  # False for all-NaN groups too (-inf > inf is False)
     advantages = torch.where(varying, torch.nan_to_num((grouped - mean) / (std + eps), nan=0.0), 0.0)
-    return advantages.reshape(n, k), varying.reshape(n, k)
+    return advantages.reshape(n, k).to(rewards.dtype), varying.reshape(n, k)
 
 
 def warmup_beta(beta: float, step: int, warmup_steps: int) -> float:
@@ -143,7 +144,7 @@ def cap_redistribution(
     mask = mask.to(uniform)
     lengths = mask.sum(-1)
     uniform_moment, redistributed_moment = _reduced(
-        [(lengths * uniform**2).sum(), (redistributed**2).sum()], reduce_sum
+        [(lengths.double() * uniform.double() ** 2).sum(), (redistributed.double() ** 2).sum()], reduce_sum
     )
     # R below fp32 rounding of S (e.g. one-token responses, whose weights are exactly 1) is no redistribution.
     if redistributed_moment > ROUNDING_MOMENT * uniform_moment:

@@ -66,7 +66,8 @@ def build_block(
     """Call one builder for one sample and validate what it returns (empty text counts as no block)."""
     where = f"info block builder of reward '{reward_name}' on sample {sample_index} (prompt {_prompt_preview(prompt)})"
     try:
-        result = builder(prompt=prompt, completion=completion, row=row, score=score)
+        # copies: a builder that edits what it is given must not change the sample for the next builder or the replay
+        result = builder(prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score)
     except Exception as error:
         raise InfoBlockError(f"The {where} raised {type(error).__name__}: {error}") from error
     if result is None:
@@ -170,17 +171,48 @@ def build_contexts(
     """
 
     def assemble(dropped: set[int]) -> Prompt:
-        out = _append(
-            prompt,
-            [b.text for k, b in enumerate(blocks) if b is not None and b.placement == "appended" and k not in dropped],
-            separator,
-        )
+        # spans first, from the prompt where each was found once; appended text cannot be mistaken for them
+        out = prompt
         for k in sorted(dropped):
             if blocks[k] is not None and blocks[k].placement == "in_prompt":
                 out = _remove_span(out, blocks[k].text)
-        return out
+        return _append(
+            out,
+            [b.text for k, b in enumerate(blocks) if b is not None and b.placement == "appended" and k not in dropped],
+            separator,
+        )
 
     return assemble(set()), [assemble(set(removal)) for removal in removals]
+
+
+def _span_location(prompt: Prompt, text: str) -> tuple[int, int, int]:
+    """``(message, start, end)`` of a span found once in the prompt (message 0 for a string prompt)."""
+    if isinstance(prompt, str):
+        start = prompt.index(text)
+        return 0, start, start + len(text)
+    for i, message in enumerate(prompt):
+        content = message.get("content")
+        if isinstance(content, str) and text in content:
+            start = content.index(text)
+            return i, start, start + len(text)
+    raise ValueError(f"{text[:60]!r} is not a span of the prompt")
+
+
+def check_spans(prompt: Prompt, blocks: Sequence[InfoBlock | None], reward_names: Sequence[str], sample: int) -> None:
+    """Two in-prompt spans of one sample must not overlap or nest: removing one would cut into the other."""
+    spans = [
+        (name, _span_location(prompt, b.text))
+        for name, b in zip(reward_names, blocks)
+        if b is not None and b.placement == "in_prompt"
+    ]
+    for i, (name, (message, start, end)) in enumerate(spans):
+        for other, (other_message, other_start, other_end) in spans[i + 1 :]:
+            if message == other_message and start < other_end and other_start < end:
+                raise InfoBlockError(
+                    f"The in_prompt blocks of rewards '{name}' and '{other}' on sample {sample} overlap in the prompt "
+                    f"(characters {start}-{end} and {other_start}-{other_end} of message {message}); each reward's "
+                    "span must be a separate part of the prompt."
+                )
 
 
 def check_builders(info_blocks: Sequence[Callable[..., Any] | None] | None, reward_names: Sequence[str]) -> list:

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 
 import torch
@@ -39,11 +39,12 @@ from .credit import (
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
-from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
+from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders, check_spans
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
 from .utils import completion_text
+from .validation import STATE_VERSION, check_dataset, checked_reward, read_credit_state
 from .viz import credit_summary, token_strings
-from .weighting import concur_advantages, saw_weights
+from .weighting import ConcurTrust, concur_advantages, saw_weights
 
 logger = logging.get_logger(__name__)
 
@@ -154,6 +155,8 @@ class MRTPOTrainer(GRPOTrainer):
             raise TypeError(
                 f"args must be an MRTPOConfig, got {type(args).__name__}; MRTPOConfig accepts every GRPOConfig field."
             )
+        check_dataset(train_dataset, "train")
+        check_dataset(eval_dataset, "eval")
         super().__init__(
             model,
             reward_funcs,
@@ -167,6 +170,11 @@ class MRTPOTrainer(GRPOTrainer):
         for reward_func in self.reward_funcs:  # a reward that reads the policy (e.g. self-certainty) binds to it
             if callable(getattr(reward_func, "bind", None)):
                 reward_func.bind(self)
+        # every value a reward function returns is checked where it returns, naming the function and the sample
+        self.reward_funcs = [
+            func if isinstance(func, torch.nn.Module) else checked_reward(func, name)
+            for func, name in zip(self.reward_funcs, self.reward_func_names)
+        ]
         removal = CREDIT_MODES[args.credit_assignment].removal if args.credit_assignment in CREDIT_MODES else None
         self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
@@ -218,12 +226,24 @@ class MRTPOTrainer(GRPOTrainer):
     def _credit_state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
 
+    def _state_identity(self) -> dict:
+        """What a checkpointed MRTPO state was written for; a resume under another setup is refused."""
+        return {
+            "reward_names": list(self.reward_func_names),
+            "credit_assignment": self.args.credit_assignment,
+            "reward_weighting": self.args.reward_weighting,
+            "concur_primary": self._concur_primary,
+        }
+
     def _save_rng_state(self, output_dir: str) -> None:
         """Checkpoint MRTPO's own state beside TRL's (each process its own): CONCUR-A's trust readings, the
-        ``shuffled`` ablation's generator and the collapse monitor, so that a resumed run continues exactly."""
+        ``shuffled`` ablation's generator, the collapse monitor and the per-reward specificity, so that a resumed run
+        continues exactly. Plain tensors, numbers and strings only: it loads with ``weights_only=True``."""
         super()._save_rng_state(output_dir)
         state = {
-            "concur_trust": copy.deepcopy(self._concur_trust),
+            "version": STATE_VERSION,
+            **self._state_identity(),
+            "concur_trust": {k: asdict(trust) for k, trust in self._concur_trust.items()},
             "shuffle_generator": self._shuffle_generator.get_state(),
             "collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {},
             "reward_specificity": self._specificity.clone(),
@@ -241,13 +261,13 @@ class MRTPOTrainer(GRPOTrainer):
                 "the resumed run will not continue exactly as an uninterrupted one."
             )
             return
-        state = torch.load(path, weights_only=False)  # our own file, written by _save_rng_state
-        self._concur_trust = state["concur_trust"]
+        state = read_credit_state(path, self._state_identity())
+        self._concur_trust = {k: ConcurTrust(**trust) for k, trust in state["concur_trust"].items()}
         self._shuffle_generator.set_state(state["shuffle_generator"])
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
         if "reward_specificity" in state:
-            self._specificity = state["reward_specificity"].clone()
+            self._specificity = state["reward_specificity"].clone().double()
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -442,6 +462,7 @@ class MRTPOTrainer(GRPOTrainer):
             for i in range(num_samples)
         ]
         self._check_appendable(prompts, blocks)
+        self._check_blocks(prompts, blocks)
         wanted = [
             [
                 k
@@ -474,7 +495,10 @@ class MRTPOTrainer(GRPOTrainer):
             count = 1 + len(removed) if removed else 0
             context_ids.append(flat_ids[cursor : cursor + count])
             cursor += count
-        return wanted, context_ids, completion_token_lists(batch.output)
+        completion_ids = completion_token_lists(batch.output)
+        prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
+        self._check_context_length(context_ids, completion_ids, blocks, prompt_lengths)
+        return wanted, context_ids, completion_ids
 
     def _resting_rewards(self) -> set[int]:
         """Rewards not replayed this step (``reward_strength``): after warm-up, those whose strength is 0, except on
@@ -533,6 +557,43 @@ class MRTPOTrainer(GRPOTrainer):
                         f"header {header!r}: the block would be appended after it, in the assistant's turn. Pass "
                         "conversational prompts (a list of messages), or make the block in_prompt."
                     )
+
+    @cached_property
+    def _special_tokens(self) -> list[str]:
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return [token for token in getattr(tokenizer, "all_special_tokens", []) if token]
+
+    def _check_blocks(self, prompts, blocks) -> None:
+        """Refuse blocks that would forge a chat turn (a special token of the template), and in-prompt spans of one
+        sample that overlap or nest (removing one would cut into the other)."""
+        for i, sample_blocks in enumerate(blocks):
+            for name, block in zip(self.reward_func_names, sample_blocks):
+                found = next((t for t in self._special_tokens if block is not None and t in block.text), None)
+                if found is not None:
+                    raise InfoBlockError(
+                        f"The info block of reward '{name}' on sample {i} contains the special token {found!r}: in "
+                        "the replay context it would forge a turn or an end of text. Info blocks must be plain text."
+                    )
+            check_spans(prompts[i], sample_blocks, self.reward_func_names, i)
+
+    def _check_context_length(self, context_ids, completion_ids, blocks, prompt_lengths) -> None:
+        """Info blocks that carry a replay context past the model's positions (where its prompt and completion fit)
+        would give meaningless q and slow replays: refused, naming the sample and the longest block."""
+        limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        if not limit:
+            return
+        for i, (contexts, completion) in enumerate(zip(context_ids, completion_ids)):
+            if not contexts or prompt_lengths[i] + len(completion) > limit:
+                continue  # nothing replayed, or already beyond the positions without any block: not the blocks' doing
+            if len(contexts[0]) + len(completion) > limit:
+                lengths = {name: len(b.text) for name, b in zip(self.reward_func_names, blocks[i]) if b is not None}
+                longest = max(lengths, key=lengths.get)
+                raise InfoBlockError(
+                    f"Sample {i}: its info blocks make the replay context {len(contexts[0])} tokens (the prompt alone "
+                    f"is {prompt_lengths[i]}), plus {len(completion)} completion tokens, beyond the model's {limit} "
+                    f"positions. The longest block is reward '{longest}''s ({lengths[longest]} characters): shorten "
+                    "it."
+                )
 
     def _replay_options(self) -> dict:
         return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": self.args.replay_min_shared_prefix}

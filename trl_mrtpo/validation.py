@@ -1,0 +1,179 @@
+"""Checks at the edges: what a user passes in (configuration, dataset, reward values, info blocks) is refused early
+with a message naming the field, row, reward or sample, instead of turning into wrong numbers or a crash deep inside
+a training step (docs/behaviour.md lists what is refused and what falls back)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def check_finite_fields(config: Any, names: Sequence[str]) -> None:
+    """Refuse a non-finite value (NaN or infinity) in any of the named numeric fields, or in ``reward_weights``."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}.")
+    weights = getattr(config, "reward_weights", None)
+    if weights is not None:
+        for i, weight in enumerate(weights):
+            if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
+                raise ValueError(f"reward_weights[{i}] must be a finite number, got {weight!r}.")
+            if abs(weight) > FLOAT32_MAX:
+                raise ValueError(f"reward_weights[{i}]={weight} is beyond float32's range.")
+
+
+def _reward_value(name: str, index: int, value: Any) -> float | None:
+    """One reward value as a float (None stays None), or a TypeError/ValueError naming the reward and sample."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise TypeError(
+                f"reward function '{name}' returned a tensor of shape {tuple(value.shape)} and dtype {value.dtype} "
+                f"for sample {index}; each reward must be one real number (or None where it does not apply)."
+            )
+        value = value.item()
+    elif hasattr(value, "item") and hasattr(value, "dtype") and getattr(value, "shape", None) == ():  # numpy scalar
+        value = value.item()
+    if isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"reward function '{name}' returned {type(value).__name__} {value!r:.60} for sample {index}; each reward "
+            "must be a real number (int, float, bool, numpy scalar or 0-d tensor) or None where it does not apply."
+        )
+    value = float(value)
+    if math.isinf(value) or abs(value) > FLOAT32_MAX:
+        raise ValueError(
+            f"reward function '{name}' returned {value} for sample {index}; rewards must be finite and within "
+            "float32's range (return None where a reward does not apply, and rescale scores beyond 3.4e38)."
+        )
+    return value
+
+
+def check_reward_values(name: str, values: Any, expected: int) -> list[float | None]:
+    """What a reward function returned for ``expected`` completions, as floats (None: does not apply; NaN counts as
+    None), or an error naming the function and the sample."""
+    if (
+        isinstance(values, (str, bytes, dict))
+        or not isinstance(values, (Sequence, torch.Tensor))
+        and not hasattr(values, "__array__")
+    ):
+        raise TypeError(
+            f"reward function '{name}' returned a {type(values).__name__}; it must return a list with one reward per "
+            f"completion ({expected} here)."
+        )
+    values = list(values)
+    if len(values) != expected:
+        raise ValueError(
+            f"reward function '{name}' returned {len(values)} rewards for {expected} completions; it must return "
+            "exactly one per completion."
+        )
+    return [_reward_value(name, i, v) for i, v in enumerate(values)]
+
+
+def checked_reward(func: Callable, name: str) -> Callable:
+    """``func`` with its return value checked by :func:`check_reward_values` (sync or async, name kept)."""
+    if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
+
+        @functools.wraps(func)
+        async def checked_async(*args, **kwargs):
+            return check_reward_values(name, await func(*args, **kwargs), len(kwargs["completions"]))
+
+        return checked_async
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        return check_reward_values(name, func(*args, **kwargs), len(kwargs["completions"]))
+
+    return checked
+
+
+def _check_prompt(prompt: Any, where: str) -> None:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise ValueError(f"{where} is an empty string; each prompt must be non-empty text or a list of messages.")
+        return
+    if not isinstance(prompt, list) or not prompt:
+        described = "an empty list" if isinstance(prompt, list) else f"a {type(prompt).__name__}"
+        raise ValueError(
+            f"{where} is {described}; each prompt must be non-empty text or a non-empty list of messages."
+        )
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} of {where} is not a dict with 'role' and 'content': {message!r:.80}")
+
+
+def check_dataset(dataset: Any, split: str) -> None:
+    """Before the first step: the dataset has a ``prompt`` column and every prompt is non-empty text or a
+    non-empty list of ``{"role", "content"}`` messages. Streaming datasets are checked on their first row."""
+    if dataset is None:
+        return
+    if isinstance(dataset, dict):  # several evaluation datasets
+        for key, part in dataset.items():
+            check_dataset(part, f"{split} '{key}'")
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and hasattr(dataset, "__len__"):  # a datasets.Dataset: read the column at once
+        rows = None
+    elif isinstance(dataset, Sequence):  # a list of rows
+        rows = list(dataset)
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+    else:  # streaming: its first row
+        rows = [next(iter(dataset))]
+        columns = list(rows[0])
+    if "prompt" not in columns:
+        raise ValueError(
+            f"the {split} dataset has no 'prompt' column (columns: {', '.join(map(str, columns))}); MRTPOTrainer, "
+            "like GRPOTrainer, samples completions for each row's 'prompt'."
+        )
+    prompts = dataset["prompt"] if rows is None else [row.get("prompt") for row in rows]
+    for i, prompt in enumerate(prompts):
+        _check_prompt(prompt, f"the prompt of row {i} of the {split} dataset")
+
+
+STATE_VERSION = 1  # of the mrtpo_state_<rank>.pt files in checkpoints
+
+
+def read_credit_state(path: str, identity: dict) -> dict:
+    """MRTPO's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only) and
+    checked against the run resuming from it: a damaged or foreign file, or one written for other rewards, credit
+    mode or weighting, stops with a message naming the file and what differs."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:
+        raise ValueError(
+            f"{path} cannot be read as MRTPO's checkpoint state ({type(error).__name__}: {error}). It is damaged, "
+            "from another program, or from a trl-mrtpo release before 0.2; delete it to resume with a fresh MRTPO "
+            "state (CONCUR trust, shuffle generator, collapse monitor)."
+        ) from error
+    required = ("concur_trust", "shuffle_generator", "collapse_streaks")
+    if not isinstance(state, dict) or any(key not in state for key in required):
+        found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"{path} has MRTPO state version {state.get('version')}, this release reads version {STATE_VERSION}; "
+            "delete it to resume with a fresh MRTPO state."
+        )
+    differences = [
+        f"{key}: {state.get(key)!r} in the checkpoint, {value!r} now"
+        for key, value in identity.items()
+        if state.get(key) != value
+    ]
+    if differences:
+        raise ValueError(
+            f"{path} was written by a run with another setup ({'; '.join(differences)}); its CONCUR trust and "
+            "per-reward state would be applied to the wrong rewards. Resume with the same rewards and credit "
+            "settings, or start a new run."
+        )
+    return state
