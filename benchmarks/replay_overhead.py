@@ -8,6 +8,10 @@ first step. The first step (start-up) is dropped from the means. Writes
 
     python benchmarks/replay_overhead.py                          # basic and if tasks, 6 steps
     python benchmarks/replay_overhead.py --tasks if --steps 4 --methods gdpo mrtpo
+    python benchmarks/replay_overhead.py --methods gdpo mrtpo mrtpo+strength   # with per-reward strength (resting)
+
+A method ``mrtpo+<option>`` is MRTPO with a calibrated-credit option on: ``strength`` (``reward_strength``),
+``null``, ``direction``, ``preserve``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+OPTIONS = {
+    "strength": "reward_strength",
+    "null": "relevance_null_correction",
+    "direction": "directional_relevance",
+    "preserve": "preserve_reward_totals",
+}
 
 
 def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Namespace) -> list[dict]:
@@ -59,7 +69,8 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
             max_completion_length=args.max_completion_length,
             learning_rate=args.learning_rate,
             seed=seed,
-            credit_assignment=method,
+            credit_assignment=method.split("+")[0],
+            **{OPTIONS[option]: True for option in method.split("+")[1:]},
             credit_warmup_steps=0,
             save_credit_plots=False,
             disable_tqdm=True,

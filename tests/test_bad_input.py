@@ -398,3 +398,11 @@ def test_a_clear_error_or_the_float64_reference(columns, weights, beta, seed):
     expected, _ = reference_token_advantages(rewards, q, mask, c, beta, 2.0, 4)
     assert torch.isfinite(credit.advantages).all()
     torch.testing.assert_close(credit.advantages.double(), expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["/", "no_such_reward", "os.no_such_function"])
+def test_recipe_reward_names_that_resolve_to_nothing(name):
+    from trl_mrtpo.kits import resolve
+
+    with pytest.raises(ValueError, match=f"(unknown|cannot import) reward {name!r}"):
+        resolve(name, "reward")

@@ -1,5 +1,5 @@
-"""Every Python block of README.md runs as written, with the hub model swapped for the embedded SmolLM2 and the
-step counts cut (CPU)."""
+"""Every Python block of README.md and of the docs pages runs as written, with the hub model swapped for the embedded
+SmolLM2 and the step counts cut (CPU)."""
 
 import re
 from pathlib import Path
@@ -7,12 +7,17 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def python_blocks() -> list[str]:
     # fences at the start of a line: the code itself may hold ``` in strings
-    return re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.DOTALL | re.MULTILINE)
+    return [
+        block
+        for page in PAGES
+        for block in re.findall(r"^```python\n(.*?)^```$", page.read_text(), re.DOTALL | re.MULTILINE)
+    ]
 
 
 def for_cpu(code: str, model_path: str) -> str:

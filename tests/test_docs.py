@@ -1,0 +1,65 @@
+"""docs/configuration.md is generated from MRTPOConfig's docstring (every field, its default and help), so it cannot
+drift: this test fails when they differ. Regenerate with ``python tests/test_docs.py``."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+from trl import GRPOConfig
+
+from trl_mrtpo import MRTPOConfig
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+HEADER = """# Configuration
+
+`MRTPOConfig` takes every field of TRL's `GRPOConfig` and the fields below (generated from its docstring by
+`python tests/test_docs.py`; a test keeps the two equal). `GRPOConfig`'s `beta` stays the KL coefficient; MRTPO's
+redistribution strength is `credit_beta`. Command-line flags have the same names (`--credit_beta 0.5`).
+"""
+
+
+def documented_fields() -> list[tuple[str, str | None, str, str]]:
+    """``(section, name, default, help)`` per field of the docstring's "Parameters:" list, in order."""
+    text = MRTPOConfig.__doc__.split("Parameters:", 1)[1]
+    entries, section = [], None
+    for block in re.split(r"\n(?=        \S)", text):
+        block = block.strip("\n")
+        if block.strip().startswith(">"):
+            section = block.strip().lstrip("> ").strip()
+            if "\n" in section:  # a section line followed by the first field in the same block
+                section, block = section.split("\n", 1)
+            else:
+                continue
+        match = re.match(r"\s*(\w+) \(`(.+?)`(?:, \*optional\*)?(?:, defaults to `(.*?)`)?\):\s*\n(.*)", block, re.S)
+        if match:
+            name, _, default, body = match.groups()
+            entries.append((section, name, default, " ".join(body.split())))
+    return entries
+
+
+def render() -> str:
+    lines, current = [HEADER], None
+    for section, name, default, help_text in documented_fields():
+        if section != current:
+            current = section
+            lines += ["", f"## {section[0].upper()}{section[1:]}", "", "| field | default | meaning |", "|---|---|---|"]
+        escaped = help_text.replace("|", "\\|")
+        lines.append(f"| `{name}` | `{default}` | {escaped} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_every_field_is_documented_once():
+    own = [f.name for f in dataclasses.fields(MRTPOConfig) if f.name not in GRPOConfig.__dataclass_fields__]
+    names = [name for _, name, _, _ in documented_fields()]
+    assert sorted(names) == sorted(own), "MRTPOConfig's docstring and its fields differ"
+    for _, name, default, _ in documented_fields():
+        value = MRTPOConfig.__dataclass_fields__[name].default
+        assert default == (repr(value) if isinstance(value, str) else str(value)).replace("'", '"'), name
+
+
+def test_configuration_page_is_generated_from_the_docstring():
+    assert PAGE.read_text() == render(), "docs/configuration.md is stale: run python tests/test_docs.py"
+
+
+if __name__ == "__main__":
+    PAGE.write_text(render())
