@@ -82,10 +82,11 @@ def report(variant: str, arms: list[str], seeds: tuple[int, ...], results: dict,
             lines.append(f"| {arm} | {mean_std} | (baseline) | | | |")
             continue
         d = paired_difference(summary, arm, "gdpo", "final_reward")
-        share = d["mean_difference"] / oracle_gain if oracle_gain and not math.isnan(oracle_gain) else math.nan
+        # meaningful only where the oracle gains over GDPO at all
+        share = d["mean_difference"] / oracle_gain if oracle_gain > 0 else math.nan
         lines.append(
             f"| {arm} | {mean_std} | {d['mean_difference']:+.4f} | {d['wins']}/{d['ties']}/{d['losses']} | "
-            f"{d['p_value']:.3f} | {share:.2f} |"
+            f"{d['p_value']:.3f} | {'n/a' if math.isnan(share) else f'{share:.2f}'} |"
         )
     lines += ["", "Per constraint kind: Δ final reward vs gdpo (W/T/L over seeds).", ""]
     lines += ["| arm | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]

@@ -42,7 +42,8 @@ def render() -> str:
     for section, name, default, help_text in documented_fields():
         if section != current:
             current = section
-            lines += ["", f"## {section[0].upper()}{section[1:]}", "", "| field | default | meaning |", "|---|---|---|"]
+            title = f"## {section[0].upper()}{section[1:]}"
+            lines += ["", title, "", "| field | default | meaning |", "|---|---|---|"]
         escaped = help_text.replace("|", "\\|")
         lines.append(f"| `{name}` | `{default}` | {escaped} |")
     return "\n".join(lines) + "\n"

@@ -63,7 +63,8 @@ def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
 
     config = yaml.safe_load(recipe.read_text())
     overrides = ["--model_name_or_path", tiny_dir, "--output_dir", str(tmp_path), "--use_cpu", "true"]
-    overrides += ["--bf16", "false", "--use_vllm", "false", "--gradient_checkpointing", "false", "--dtype", "float32"]
+    overrides += ["--bf16", "false", "--use_vllm", "false", "--activation_checkpointing", "false"]
+    overrides += ["--dtype", "float32"]
     overrides += ["--load_in_4bit", "false"]  # bitsandbytes needs a GPU
     if config.get("data_loader"):
         overrides += ["--data_path", local_data[{"bird": "spider"}.get(config["data_loader"], config["data_loader"])]]
@@ -73,7 +74,7 @@ def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     assert isinstance(trainer, MRTPOTrainer)
     # every key of the recipe that is a training field arrives as written (the overrides above aside)
-    overridden = {"output_dir", "use_cpu", "bf16", "use_vllm", "gradient_checkpointing"}
+    overridden = {"output_dir", "use_cpu", "bf16", "use_vllm", "activation_checkpointing"}
     compared = 0
     for key, value in config.items():
         if key in overridden or not hasattr(training_args, key):
@@ -190,7 +191,7 @@ def test_each_paper_task_has_the_single_gpu_and_vllm_lora_recipes(task):
     (colocate,) = [p for p in RECIPES if p.parent.name == "vllm" and p.stem.startswith(f"{task}-")
                    and p.stem.endswith("-lora-colocate")]  # fmt: skip
     single_config, colocate_config = yaml.safe_load(single.read_text()), yaml.safe_load(colocate.read_text())
-    assert single_config["use_peft"] and single_config["gradient_checkpointing"]
+    assert single_config["use_peft"] and single_config["activation_checkpointing"]
     assert single_config.get("load_in_4bit", False) == ("7b" in single.stem)  # QLoRA for the 7B models
     assert "Memory" in single.read_text() and "--accelerate_config single_gpu" in single.read_text()
     assert colocate_config["use_peft"] and colocate_config["use_vllm"] and colocate_config["vllm_mode"] == "colocate"

@@ -12,11 +12,15 @@ from .constants import CREDIT_ASSIGNMENTS
 from .evaluation import BENCHMARKS
 from .kits import KIT_NAMES
 
+THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1-minute load average, at least 1)"
+
 
 def _pin_threads(threads: int | None) -> None:
     import torch
 
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    from .utils import default_threads
+
+    torch.set_num_threads(threads or default_threads())
 
 
 def run_demo(args: argparse.Namespace):
@@ -125,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--learning-rate", type=float, default=5e-5, help="LoRA learning rate (default 5e-5)")
     demo.add_argument("--warmup-steps", type=int, default=5, help="credit_beta warm-up steps (default 5)")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    demo.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter and model card go")
     demo.set_defaults(func=run_demo)
 
@@ -142,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--sql-path", default=None, help="Spider/BIRD folder")
     evaluate.add_argument("--sql-split-file", default=None, help="e.g. dev.json (Spider) or dev/dev.json (BIRD)")
     evaluate.add_argument("--database-dir", default="database", help="databases folder inside --sql-path")
-    evaluate.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    evaluate.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     evaluate.add_argument("--output", default=None, help="write the results as JSON here")
     evaluate.set_defaults(func=run_eval)
 
@@ -164,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--temperature", type=float, default=1.0)
     inspect.add_argument("--beta", type=float, default=0.5, help="credit_beta for the weights shown")
     inspect.add_argument("--seed", type=int, default=0)
-    inspect.add_argument("--threads", type=int, default=None)
+    inspect.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")
     inspect.add_argument("--report", default=None, help="write the localisation report as CSV here")
     inspect.set_defaults(func=run_inspect)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -124,6 +125,14 @@ class MRTPOConfig(GRPOConfig):
             tokens holding 80 % of its q mass, per step (needs matplotlib).
     """
 
+    # transformers 5 renamed gradient_checkpointing; TRL still defaults the old name to True, which warns at every
+    # config. Same default under the current name; the old one, when a user sets it, still wins (with the warning).
+    gradient_checkpointing: bool | None = field(
+        default=None, metadata={"help": "Deprecated name of activation_checkpointing (transformers 5)."}
+    )
+    activation_checkpointing: bool | None = field(
+        default=True, metadata={"help": "Recompute activations in the backward pass to save memory."}
+    )
     # Parameters that control the credit assignment
     credit_assignment: str = field(
         default="mrtpo",
@@ -241,6 +250,13 @@ class MRTPOConfig(GRPOConfig):
         # NaN passes every range check below (each comparison is False): refuse non-finite numbers first, by name.
         own = [name for name in self.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__]
         check_finite_fields(self, [*own, "temperature"])
+        if self.gradient_checkpointing is not None:
+            warnings.warn(
+                "`gradient_checkpointing` is deprecated (transformers 5); use `activation_checkpointing` instead.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
         if self.credit_assignment not in CREDIT_ASSIGNMENTS:
             raise ValueError(

@@ -41,6 +41,8 @@ class MRTPOScriptArguments(ScriptArguments):
             For `spider` / `bird`: the databases folder inside `data_path`.
         num_prompts (`int`, *optional*, defaults to `256`):
             Prompts drawn from a kit's built-in data generator (kits with a fixed set use all of it).
+        threads (`int`, *optional*):
+            torch CPU threads; default: the free cores (usable cores minus the 1-minute load average, at least 1).
     """
 
     task: str | None = field(default=None, metadata={"help": f"Task kit: {', '.join(KIT_NAMES)}."})
@@ -59,6 +61,9 @@ class MRTPOScriptArguments(ScriptArguments):
     )
     database_dir: str = field(default="database", metadata={"help": "spider/bird: databases folder in data_path."})
     num_prompts: int = field(default=256, metadata={"help": "Prompts drawn from a kit's built-in data generator."})
+    threads: int | None = field(
+        default=None, metadata={"help": "torch CPU threads; default: the free cores (cores minus the load average)."}
+    )
 
 
 def make_parser():
@@ -181,6 +186,11 @@ def data_source(script_args: MRTPOScriptArguments, dataset_args=None) -> str | N
 
 def main(script_args, training_args, model_args, dataset_args=None, recipe: str | None = None):
     """Build, train, save, write the model card and (with ``push_to_hub``) push; returns the trainer."""
+    import torch
+
+    from .utils import default_threads
+
+    torch.set_num_threads(script_args.threads or default_threads())
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     trainer.recipe = recipe
     trainer.data_source = data_source(script_args, dataset_args)
