@@ -147,3 +147,23 @@ def test_a_missing_evaluation_package_is_named(monkeypatch):
         evaluate(lambda prompts: [], "bfcl_simple_python", limit=1)
     with pytest.raises(ValueError, match="unknown benchmark 'mmlu'"):
         evaluate(lambda prompts: [], "mmlu")
+
+
+def test_run_evaluation_checks_packages_before_loading_the_model(monkeypatch):
+    """A missing optional package stops run_evaluation before any model is loaded."""
+    import importlib.util
+
+    import trl_mrtpo.policy
+    from trl_mrtpo.evaluation import run_evaluation
+
+    loaded = []
+    monkeypatch.setattr(trl_mrtpo.policy, "load_policy", lambda *a, **k: loaded.append(a))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "eval_framework" else real(name, *a)
+    )
+    with pytest.raises(ImportError, match="ifeval evaluation .* needs the 'eval_framework' package"):
+        run_evaluation(benchmarks=["ifeval"])
+    with pytest.raises(ValueError, match="unknown benchmark 'mmlu'"):
+        run_evaluation(benchmarks=["mmlu"])
+    assert not loaded

