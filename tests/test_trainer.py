@@ -280,6 +280,7 @@ def test_model_card_names_mrtpo(tiny_model, tiny_tokenizer, tmp_path):
     assert "| `length_reward` | 1 | none (uniform credit) |" in card
     assert "credit_warmup_steps: 0" in card and "replay_only_varying: False (default True)" in card
     assert "a local model" in card  # the tiny model is a local folder nobody else could load: no base_model link
+    assert "## Training procedure\n\nThis model was trained with" in card  # no blank lines where badges are absent
 
 
 # ---------------------------------------------------------------- bad input
