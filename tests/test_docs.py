@@ -64,3 +64,15 @@ def test_configuration_page_is_generated_from_the_docstring():
 
 if __name__ == "__main__":
     PAGE.write_text(render())
+
+
+def test_relative_links_resolve():
+    """Every relative link of README.md, docs/ and benchmarks/ points to a file that exists."""
+    root = PAGE.parents[1]
+    pages = [root / "README.md", *(root / "docs").glob("*.md"), *(root / "benchmarks").glob("*.md")]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if not target.startswith(("http://", "https://", "mailto:")) and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(root)} -> {target}")
+    assert not broken, broken
