@@ -138,6 +138,9 @@ def main() -> None:
     parser.add_argument("--work-dir", default="gym_runs")
     parser.add_argument("--output-dir", default=str(HERE / "results" / "calibrated_credit"))
     parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument(
+        "--no-policy-tables", action="store_true", help="dev stage: skip the supervised policies' localisation tables"
+    )
     args = parser.parse_args()
     seeds = tuple(args.seeds) if args.seeds else SEEDS[args.stage]
     arms = list(dict.fromkeys(["gdpo", *args.arms]))
@@ -151,7 +154,7 @@ def main() -> None:
         runs = [Run(spec, arm_settings(arm), seed, variant, arm) for seed in seeds for arm in arms]
         results = run_all(runs, args.work_dir, jobs=args.jobs)
         markdown, summary = report(variant, arms, seeds, results, runs, command)
-        if args.stage == "dev":
+        if args.stage == "dev" and not args.no_policy_tables:
             markdown += policy_tables(variant, seeds, args.work_dir)
         (output / f"{variant}.md").write_text(markdown)
         with open(output / f"{variant}_summary.json", "w") as handle:
