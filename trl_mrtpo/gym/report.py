@@ -311,8 +311,11 @@ def run_and_report(grid: Grid, sweeps: bool, jobs: int, work_dir: str, output_di
     policy's satisfaction per seed, write every result in ``output_dir`` and return the markdown summary."""
     import os
 
+    from ..utils import require
     from .grid import run_all
     from .runs import localisation, satisfaction
+
+    require("matplotlib", "The gym's report (its curves)", 'pip install "trl-mrtpo[gym]"')  # before hours of runs
 
     main_runs = grid.main_runs()
     sweep_runs = grid.sweep_runs() if sweeps else []

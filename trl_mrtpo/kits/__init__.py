@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..utils import require
+
 # name -> module under trl_mrtpo.kits; modules are imported on first use (the SQL kit needs sqlglot, ...)
 KIT_MODULES = {
     "basic": "basic",
@@ -27,6 +29,8 @@ KIT_MODULES = {
     "short": "short_answers",
 }
 KIT_NAMES = tuple(KIT_MODULES)
+# what a kit needs beyond the core install, and the extra that brings it
+KIT_REQUIREMENTS = {"sql": (("sqlglot",), "sql"), "if": (("if_verifiable", "nltk"), "if")}
 
 Spans = dict[str, tuple[str, list[tuple[int, int]]]]
 
@@ -76,6 +80,9 @@ def get_kit(name: str) -> Kit:
     """The kit registered under ``name`` (``basic``, ``sql``, ``if``, ``tools`` or ``short``)."""
     if name not in KIT_MODULES:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(KIT_NAMES)}")
+    modules, extra = KIT_REQUIREMENTS.get(name, ((), ""))
+    for module in modules:
+        require(module, f"the '{name}' kit", f'pip install "trl-mrtpo[{extra}]"')
     return importlib.import_module(f"{__name__}.{KIT_MODULES[name]}").KIT
 
 

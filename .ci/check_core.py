@@ -1,0 +1,58 @@
+"""Run in a fresh venv where only the bare wheel (the core install, no extras) is installed, outside the source tree:
+MRTPOTrainer trains two steps with a user-written reward and info block on a tiny model built here, and no kit,
+demo or plotting dependency is installed or imported."""
+
+import importlib.util
+import sys
+import tempfile
+
+import torch
+from datasets import Dataset
+
+import trl_mrtpo
+from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+from trl_mrtpo.gym import build_tokenizer
+from trl_mrtpo.gym.task import GymSpec, build_policy
+
+assert "site-packages" in trl_mrtpo.__file__, f"imported from the source tree: {trl_mrtpo.__file__}"
+extras = ["sqlglot", "if_verifiable", "nltk", "gguf", "matplotlib"]
+assert not [m for m in extras if importlib.util.find_spec(m)], "the bare wheel pulled an extra's package"
+torch.set_num_threads(1)
+
+
+def says_red(completions, **kwargs):  # a user's reward
+    return [float("red" in c[-1]["content"].split()) for c in completions]
+
+
+def red_block(*, prompt, completion, row, score):  # and its info block: the constraint's span of the prompt
+    return trl_mrtpo.InfoBlock("has red ;", placement="in_prompt")
+
+
+tokenizer = build_tokenizer()
+prompts = [[{"role": "user", "content": "has red ; first cat ;"}]] * 4
+with tempfile.TemporaryDirectory() as output_dir:
+    trainer = MRTPOTrainer(
+        model=build_policy(tokenizer, GymSpec(), seed=0),
+        reward_funcs=[says_red],
+        info_blocks=[red_block],
+        args=MRTPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=4,
+            num_generations=4,
+            max_completion_length=6,
+            max_steps=2,
+            credit_warmup_steps=0,
+            replay_only_varying=False,
+            use_cpu=True,
+            bf16=False,
+            report_to="none",
+            save_strategy="no",
+        ),
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+assert trainer.state.global_step == 2
+assert trainer.last_credit is not None and trainer.last_credit.replayed.any(), "nothing was replayed"
+assert not [m for m in extras if m in sys.modules]
+print("core install OK: two MRTPO steps with a user reward and info block")
