@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._trl import tokenize_prompts
 from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock
 from .kits import Kit, get_kit
@@ -91,7 +92,7 @@ def fixed_rollout(completions: list[str]):
         tokenizer = trainer.processing_class
         completion_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
         return {
-            "prompt_ids": trainer._tokenize_prompts(prompts)[0],
+            "prompt_ids": tokenize_prompts(trainer, prompts),
             "completion_ids": completion_ids,
             "logprobs": None,
         }

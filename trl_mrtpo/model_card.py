@@ -11,8 +11,8 @@ from importlib.metadata import version
 from huggingface_hub import ModelCard, ModelCardData
 from transformers import is_wandb_available
 from trl import GRPOConfig
-from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
+from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
 from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
 
@@ -51,7 +51,8 @@ def settings_lines(args: MRTPOConfig) -> list[str]:
 def build_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> ModelCard:
     """The card of ``trainer``'s run (an :class:`~trl_mrtpo.MRTPOTrainer`), as :meth:`create_model_card` saves it."""
     from peft import PeftModel
-    from trl.trainer.utils import get_config_model_id
+
+    from ._trl import get_config_model_id
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     adapter = isinstance(model, PeftModel)

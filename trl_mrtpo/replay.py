@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from trl.trainer.utils import maybe_gather_lm_head_ctx
 
+from ._trl import maybe_gather_lm_head_ctx
 from .constants import MIN_SHARED_PREFIX
 from .ops import replay_divergence, sampled_logprobs
 

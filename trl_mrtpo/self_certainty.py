@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ._trl import tokenize_prompts
 from .constants import MIN_SHARED_PREFIX
 from .ops import self_certainty
 from .replay import lm_head_parameters, replayed_hidden_states
@@ -43,7 +44,7 @@ class SelfCertaintyReward:
                 "or call reward.bind(trainer) after building your trainer."
             )
         trainer = self._trainer
-        prompt_ids = trainer._tokenize_prompts(prompts)[0]
+        prompt_ids = tokenize_prompts(trainer, prompts)
         model = trainer.accelerator.unwrap_model(trainer.model)
         # The G completions of a prompt share it: it is run once and reused as a key/value cache.
         hidden, owners = replayed_hidden_states(

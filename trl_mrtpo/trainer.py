@@ -18,8 +18,8 @@ import torch
 from accelerate.utils import gather_object
 from transformers.utils import logging
 from trl import GRPOTrainer
-from trl.trainer.utils import get_config_model_id
 
+from ._trl import get_config_model_id, tokenize_prompts
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
@@ -489,7 +489,7 @@ class MRTPOTrainer(GRPOTrainer):
             for i in range(num_samples)
         ]
         flat = [p for c in contexts if c is not None for p in (c[0], *c[1])]
-        flat_ids = self._tokenize_prompts(flat)[0] if flat else []
+        flat_ids = tokenize_prompts(self, flat) if flat else []
         context_ids, cursor = [], 0
         for removed in removals:
             count = 1 + len(removed) if removed else 0

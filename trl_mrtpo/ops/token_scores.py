@@ -13,8 +13,8 @@ import math
 from collections.abc import Iterator
 
 import torch
-from trl.kernels import ChunkedLogProbFunction
 
+from .._trl import sampled_token_logprobs
 from ..constants import DEFAULT_CHUNK_ELEMENTS, MIN_CHUNK_TOKENS, VOCAB_TILE
 
 
@@ -62,17 +62,9 @@ def sampled_logprobs(
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     bias = None if lm_head_bias is None else lm_head_bias.float()
-    logprobs = ChunkedLogProbFunction.apply(
-        hidden.float(),
-        lm_head_weight.float(),
-        bias,
-        token_ids.to(hidden.device),
-        temperature,
-        vocab_chunk_size,
-        None,  # no final-logit soft-capping
-        1.0,  # logit scale
-        (),  # no optional outputs
-    )[0]
+    logprobs = sampled_token_logprobs(
+        hidden.float(), lm_head_weight.float(), bias, token_ids.to(hidden.device), temperature, vocab_chunk_size
+    )
     return logprobs.float()
 
 

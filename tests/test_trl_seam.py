@@ -1,0 +1,35 @@
+"""The one seam to TRL: every private name the package relies on exists in the installed TRL, and no other module
+reaches TRL's private helpers directly."""
+
+import re
+from pathlib import Path
+
+import torch
+
+from trl_mrtpo import _trl
+
+PACKAGE = Path(_trl.__file__).parent
+
+
+def test_installed_trl_has_every_name_we_use():
+    missing = _trl.missing_names()
+    assert not missing, f"the installed TRL lacks {missing}: update trl_mrtpo/_trl.py for this TRL version"
+
+
+def test_only_the_seam_reaches_trl_private_helpers():
+    private = re.compile(r"from trl\.(kernels|trainer\.utils)|\._tokenize_prompts\(|ChunkedLogProbFunction\.apply")
+    offenders = [
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "_trl.py" and private.search(path.read_text())
+    ]
+    assert not offenders, offenders
+
+
+def test_sampled_token_logprobs_match_log_softmax():
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(5, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    ids = torch.randint(0, 50, (5,), generator=gen)
+    got = _trl.sampled_token_logprobs(hidden, weight, None, ids, 0.7, 16)
+    expected = torch.log_softmax((hidden.double() @ weight.double().T) / 0.7, -1).gather(-1, ids[:, None])[:, 0]
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,81 @@
+"""The one seam to TRL's and transformers' private names (TRL 1.16, transformers 5).
+
+Every private name the package uses is listed here with what it is; the rest of the package reaches TRL's private
+helpers only through this module, so a TRL upgrade that moves one fails here, in one place, and
+``tests/test_trl_seam.py`` says which name is gone. Overridden methods cannot be imported: they are listed in
+:data:`GRPO_TRAINER_NAMES` and checked on the installed ``GRPOTrainer``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# Sampled-token log-probabilities from hidden states and the lm_head weight, vocabulary-tiled (TRL 1.16; private and
+# renamed in TRL's development branch).
+from trl.kernels import ChunkedLogProbFunction
+
+# Gathers a ZeRO-3 / FSDP-sharded lm_head weight for the replay; the model id and tracker URLs of the model card
+# (TRL 1.16, trl.trainer.utils: not TRL's documented API).
+from trl.trainer.utils import (
+    get_comet_experiment_url,
+    get_config_model_id,
+    get_trackio_space_url,
+    maybe_gather_lm_head_ctx,
+)
+
+# What MRTPOTrainer overrides, calls or reads on GRPOTrainer (and transformers' Trainer), private or not public API.
+GRPO_TRAINER_NAMES = {
+    "_calculate_rewards": "overridden: keeps the per-reward rewards TRL does not expose (TRL 1.16)",
+    "_generate_and_score_completions": "overridden: replaces the sequence advantages by token advantages (TRL 1.16)",
+    "_tokenize_prompts": "called: the prompt token ids of the replay contexts, as generation tokenises them",
+    "_save_rng_state": "overridden (transformers Trainer): writes MRTPO's state beside TRL's in checkpoints",
+    "_load_rng_state": "overridden (transformers Trainer): reads it back on resume",
+}
+# Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table
+# logs, the vision-language and tool-rollout flags the replay refuses, and the eval group size.
+GRPO_TRAINER_ATTRIBUTES = ("_metrics", "_logs", "_is_vlm", "tools", "environment_factories", "num_generations_eval")
+
+__all__ = [
+    "get_comet_experiment_url",
+    "get_config_model_id",
+    "get_trackio_space_url",
+    "maybe_gather_lm_head_ctx",
+    "missing_names",
+    "sampled_token_logprobs",
+    "tokenize_prompts",
+]
+
+
+def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
+    """Prompt token ids exactly as GRPOTrainer tokenises prompts for generation (chat template, special tokens)."""
+    return trainer._tokenize_prompts(prompts)[0]
+
+
+def sampled_token_logprobs(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    temperature: float,
+    vocab_chunk_size: int,
+) -> torch.Tensor:
+    """``[N]`` log-probabilities of ``token_ids`` from TRL's ``ChunkedLogProbFunction`` (nine positional arguments in
+    TRL 1.16: hidden, weight, bias, ids, temperature, chunk size, soft-capping, logit scale, optional outputs)."""
+    return ChunkedLogProbFunction.apply(
+        hidden, lm_head_weight, lm_head_bias, token_ids, temperature, vocab_chunk_size, None, 1.0, ()
+    )[0]
+
+
+def missing_names() -> list[str]:
+    """What the installed TRL lacks of what this module relies on (empty when everything is there)."""
+    from trl import GRPOTrainer
+
+    missing = [f"GRPOTrainer.{name}" for name in GRPO_TRAINER_NAMES if not hasattr(GRPOTrainer, name)]
+    init = inspect.getsource(GRPOTrainer.__init__)
+    missing += [f"GRPOTrainer().{name}" for name in GRPO_TRAINER_ATTRIBUTES if f"self.{name} =" not in init]
+    forward = inspect.signature(ChunkedLogProbFunction.forward)
+    if len(forward.parameters) != 10:  # ctx and the nine arguments above
+        missing.append(f"ChunkedLogProbFunction.forward with 9 arguments (found {len(forward.parameters) - 1})")
+    return missing
