@@ -86,8 +86,22 @@ def report(variant: str, arms: list[str], seeds: tuple[int, ...], results: dict,
         share = d["mean_difference"] / oracle_gain if oracle_gain > 0 else math.nan
         lines.append(
             f"| {arm} | {mean_std} | {d['mean_difference']:+.4f} | {d['wins']}/{d['ties']}/{d['losses']} | "
-            f"{d['p_value']:.3f} | {'n/a' if math.isnan(share) else f'{share:.2f}'} |"
+            f"{d['p_value']:.2g} | {'n/a' if math.isnan(share) else f'{share:.2f}'} |"
         )
+    others = [arm for arm in arms if arm not in ("gdpo", "mrtpo") and any(r["method"] == arm for r in summary)]
+    if others and any(r["method"] == "mrtpo" for r in summary):
+        lines += [
+            "",
+            "Against paper-MRTPO (paired by seed):",
+            "",
+            "| arm | Δ vs mrtpo | W/T/L | p |",
+            "|---|---|---|---|",
+        ]
+        for arm in others:
+            d = paired_difference(summary, arm, "mrtpo", "final_reward")
+            lines.append(
+                f"| {arm} | {d['mean_difference']:+.4f} | {d['wins']}/{d['ties']}/{d['losses']} | {d['p_value']:.2g} |"
+            )
     lines += ["", "Per constraint kind: Δ final reward vs gdpo (W/T/L over seeds).", ""]
     lines += ["| arm | " + " | ".join(KINDS) + " |", "|---" * (len(KINDS) + 1) + "|"]
     for arm in arms:
