@@ -101,3 +101,18 @@ def embedded_model_in_hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     return EMBEDDED_HUB_ID
+
+
+def random_ids(gen, n):
+    return torch.randint(5, 300, (n,), generator=gen).tolist()
+
+
+@pytest.fixture
+def batch():
+    """Two groups: four responses to one 40-token prompt (2 or 3 contexts each), one to another prompt."""
+    gen = torch.Generator().manual_seed(0)
+    prompt, other = random_ids(gen, 40), random_ids(gen, 30)
+    contexts = [[prompt + random_ids(gen, n) for n in sizes] for sizes in ((3, 7, 1), (3, 7, 1), (3, 2), (5, 1, 4))]
+    contexts.append([other + random_ids(gen, 6), other + random_ids(gen, 2)])
+    completions = [random_ids(gen, n) for n in (5, 9, 1, 12, 7)]
+    return contexts, completions

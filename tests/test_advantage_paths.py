@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
+from tests.helpers import RecordingTrainer, graded_length, graded_length_too, make_args
 from tests.reference import reference_saw, reference_token_advantages
-from tests.test_trainer import RecordingTrainer, graded_length, graded_length_too, make_args
 from trl_mrtpo.credit import warmup_beta
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset

@@ -14,8 +14,8 @@ from datasets import Dataset, IterableDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import make_args, train
 from tests.reference import reference_token_advantages
-from tests.test_trainer import make_args, train
 from trl_mrtpo import InfoBlock, InfoBlockError
 from trl_mrtpo.credit import group_advantages, token_advantages
 from trl_mrtpo.info_blocks import build_block, build_contexts, check_spans

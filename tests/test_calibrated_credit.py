@@ -9,8 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.test_replay import batch  # noqa: F401  (fixture)
-from tests.test_trainer import RecordingTrainer, make_args
+from tests.helpers import RecordingTrainer, make_args
 from trl_mrtpo.credit import (
     directed_relevance,
     group_advantages,
@@ -219,7 +218,7 @@ def test_per_reward_beta_is_each_rewards_own_beta():
     torch.testing.assert_close(per_reward.advantages, only_first.advantages)
 
 
-def test_votes_match_plain_forwards(tiny_model, batch):  # noqa: F811
+def test_votes_match_plain_forwards(tiny_model, batch):
     contexts, completions = batch
     q_alone = replay_relevance(tiny_model, contexts, completions, 0.7, min_shared_prefix=4)
     q, votes = replay_relevance_and_votes(tiny_model, contexts, completions, 0.7, min_shared_prefix=4)

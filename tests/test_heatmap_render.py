@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.test_inspection import CharTokenizer, record_for
+from tests.helpers import CharTokenizer, record_for
 from trl_mrtpo.inspection import CONTROL_NAME
 from trl_mrtpo.viz import credit_heatmap_html
 

@@ -1,40 +1,9 @@
 """Heatmap page and localisation report: exact numbers on a hand-made record, and the inspect command end to end."""
 
-import torch
-
-from trl_mrtpo.credit import token_weights
-from trl_mrtpo.diagnostics import CreditRecord
+from tests.helpers import CharTokenizer, record_for
 from trl_mrtpo.inspection import CONTROL_NAME, inspect_credit, localisation_report, token_mask, with_control_sentence
 from trl_mrtpo.kits import get_kit
 from trl_mrtpo.viz import credit_heatmap_html
-
-
-class CharTokenizer:
-    """Each id is a character code: token strings are exact, so spans map to tokens exactly."""
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
-
-
-def record_for(text, q_reward, q_control, advantage=1.0):
-    length = len(text)
-    ids = torch.tensor([[ord(c) for c in text]])
-    relevance = torch.stack([torch.tensor(q_reward), torch.zeros(length), torch.tensor(q_control)])[None]
-    weights = token_weights(relevance, torch.ones(1, 1, length), beta=0.5)
-    weights[:, 1] = 1.0  # keyword reward not replayed: uniform
-    return CreditRecord(
-        prompts=[[{"role": "user", "content": "Say hi. End with OK."}]],
-        completions=[text],
-        completion_ids=ids,
-        mask=torch.ones(1, length, dtype=torch.long),
-        rewards=torch.tensor([[1.0, 0.0, 0.0]]),
-        group_advantages=torch.tensor([[advantage, 0.0, 0.0]]),
-        relevance=relevance,
-        replayed=torch.tensor([[True, False, True]]),
-        weights=weights,
-        advantages=advantage * weights[:, 0],
-        beta=0.5,
-    )
 
 
 def test_localisation_numbers_by_hand():

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from tests.conftest import MALFORMED_COMPLETIONS
-from tests.test_trainer import RecordingTrainer, make_args
+from tests.helpers import RecordingTrainer, make_args
 from trl_mrtpo.info_blocks import InfoBlock
 from trl_mrtpo.kits import KIT_NAMES, data_loaders, get_kit, resolve
 

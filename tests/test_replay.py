@@ -5,11 +5,8 @@ import math
 import pytest
 import torch
 
+from tests.conftest import random_ids
 from trl_mrtpo.replay import causal_lm_parts, context_tree, replay_relevance
-
-
-def random_ids(gen, n):
-    return torch.randint(5, 300, (n,), generator=gen).tolist()
 
 
 def full_logits_relevance(model, contexts, completion, temperature):
@@ -26,17 +23,6 @@ def full_logits_relevance(model, contexts, completion, temperature):
         m = 0.5 * (p + q)
         rows.append((0.5 * (p * (logprobs[0] - m.log())).sum(-1) + 0.5 * (q * (lq - m.log())).sum(-1)) / math.log(2))
     return torch.stack(rows)
-
-
-@pytest.fixture
-def batch():
-    """Two groups: four responses to one 40-token prompt (2 or 3 contexts each), one to another prompt."""
-    gen = torch.Generator().manual_seed(0)
-    prompt, other = random_ids(gen, 40), random_ids(gen, 30)
-    contexts = [[prompt + random_ids(gen, n) for n in sizes] for sizes in ((3, 7, 1), (3, 7, 1), (3, 2), (5, 1, 4))]
-    contexts.append([other + random_ids(gen, 6), other + random_ids(gen, 2)])
-    completions = [random_ids(gen, n) for n in (5, 9, 1, 12, 7)]
-    return contexts, completions
 
 
 def test_context_tree_by_hand():

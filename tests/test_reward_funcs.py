@@ -10,7 +10,7 @@ from reward_funcs.reference import answer_matches_reference, extract_answer, nor
 from reward_funcs.structured import json_schema_reward, parse_json_reply, satisfies, schema_block
 from reward_funcs.text import format_block, length_reward, regex_format_reward
 from tests.conftest import MALFORMED_COMPLETIONS
-from tests.test_trainer import RecordingTrainer, make_args
+from tests.helpers import RecordingTrainer, make_args
 
 SCHEMA = {"type": "object", "required": ["answer"], "properties": {"answer": {"type": "integer"}}}
 

@@ -7,67 +7,13 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 
-from trl_mrtpo import InfoBlock, InfoBlockError, MRTPOConfig, MRTPOTrainer
+from tests.helpers import RecordingTrainer, graded_length, graded_length_too, make_args, train
+from trl_mrtpo import InfoBlock, InfoBlockError, MRTPOTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 
 LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"]
 MODES = ["mrtpo", "gdpo", "grpo", "joint", "shuffled"]
-
-
-class RecordingTrainer(MRTPOTrainer):
-    """Keeps what the loss receives and what the replay produced."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches, self.replays = [], []
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.batches.append({k: v for k, v in output.items() if isinstance(v, torch.Tensor)})
-        return output
-
-    def _replay(self, batch):
-        relevance, replayed = super()._replay(batch)
-        self.replays.append(
-            {"prompts": batch.prompts, "relevance": relevance, "replayed": replayed, "output": batch.output}
-        )
-        return relevance, replayed
-
-
-def make_args(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=10,
-        max_steps=2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        credit_warmup_steps=0,
-        replay_only_varying=False,
-        seed=0,
-    )
-    values.update(overrides)
-    return MRTPOConfig(**values)
-
-
-def train(
-    tiny_model, tiny_tokenizer, tmp_path, rewards=BASIC.rewards, blocks=BASIC.info_blocks, dataset=None, **overrides
-):
-    trainer = RecordingTrainer(
-        model=tiny_model,
-        reward_funcs=rewards,
-        info_blocks=blocks,
-        args=make_args(tmp_path, **overrides),
-        train_dataset=dataset if dataset is not None else make_basic_dataset(8),
-        processing_class=tiny_tokenizer,
-    )
-    trainer.train()
-    return trainer
 
 
 def assert_token_advantages(trainer):
@@ -79,8 +25,11 @@ def assert_token_advantages(trainer):
         assert (adv[mask == 0] == 0).all()
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("mode", MODES)
+# Every mode at TRL's default loss, and every loss at mode mrtpo: the loss reads the same [B, C] advantages whatever
+# mode wrote them, so the full product would repeat the same behaviour.
+@pytest.mark.parametrize(
+    "mode, loss_type", [(m, "dapo") for m in MODES] + [("mrtpo", loss) for loss in LOSS_TYPES if loss != "dapo"]
+)
 def test_two_steps_each_mode_and_loss_with_lora(tiny_model, tiny_tokenizer, tmp_path, mode, loss_type):
     trainer = RecordingTrainer(
         model=tiny_model,
@@ -125,25 +74,28 @@ def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_token
             length = int(output["completion_mask"][i].sum())
             completion = output["completion_ids"][i, :length].tolist()
             user = prompts[i][-1]["content"]
-            self.hand_q, self.trainer_q = [], []
+            self.hand_q, self.hand_q_at_one, self.trainer_q = [], [], []
             model = self.model
             model.eval()
             for k, name in enumerate(("end_phrase", "keyword", "lowercase")):
                 span = inputs[i]["constraints"][name]
                 p_all = [{"role": "user", "content": user}]
                 p_not = [{"role": "user", "content": user.replace(" " + span, "", 1).replace(span, "", 1)}]
-                with torch.no_grad():
-                    logprobs = []
-                    for context in (p_all, p_not):
-                        ids = tiny_tokenizer.apply_chat_template(context, add_generation_prompt=True, tokenize=False)
-                        ids = tiny_tokenizer(ids, add_special_tokens=False)["input_ids"]
-                        logits = model(input_ids=torch.tensor([ids + completion])).logits[0].double()
-                        logits = logits[len(ids) - 1 : len(ids) - 1 + length] / self.temperature
-                        logprobs.append(logits.log_softmax(-1))
-                p, q = logprobs[0].exp(), logprobs[1].exp()
-                m = 0.5 * (p + q)
-                js = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
-                self.hand_q.append(js / math.log(2))
+                for temperature, profiles in ((self.temperature, self.hand_q), (1.0, self.hand_q_at_one)):
+                    with torch.no_grad():
+                        logprobs = []
+                        for context in (p_all, p_not):
+                            text = tiny_tokenizer.apply_chat_template(
+                                context, add_generation_prompt=True, tokenize=False
+                            )
+                            ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+                            logits = model(input_ids=torch.tensor([ids + completion])).logits[0].double()
+                            logits = logits[len(ids) - 1 : len(ids) - 1 + length] / temperature
+                            logprobs.append(logits.log_softmax(-1))
+                    p, q = logprobs[0].exp(), logprobs[1].exp()
+                    m = 0.5 * (p + q)
+                    js = 0.5 * (p * (p / m).log()).sum(-1) + 0.5 * (q * (q / m).log()).sum(-1)
+                    profiles.append(js / math.log(2))
                 self.trainer_q.append(relevance[i, k, :length])
             model.train()
             return relevance, replayed
@@ -152,15 +104,17 @@ def test_replayed_q_matches_two_plain_forwards_under_lora(tiny_model, tiny_token
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
-        args=make_args(tmp_path, max_steps=1, temperature=0.8),
+        args=make_args(tmp_path, max_steps=1, temperature=0.5),
         train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
     trainer.train()
-    for hand, placed in zip(trainer.hand_q, trainer.trainer_q):
+    for hand, at_one, placed in zip(trainer.hand_q, trainer.hand_q_at_one, trainer.trainer_q):
         assert hand.max() > 1e-5  # the removed span matters to this model
         torch.testing.assert_close(placed.double(), hand, atol=2e-6, rtol=1e-4)
+        # replayed at the sampling temperature (0.5), not at 1: far closer to the first than to the second
+        assert (placed.double() - hand).norm() < 0.1 * (at_one - hand).norm()
     # the three profiles differ, so q placed on the wrong reward would not pass
     assert all(not torch.allclose(a, b, atol=1e-6) for a, b in zip(trainer.hand_q, trainer.hand_q[1:]))
 
@@ -466,16 +420,6 @@ def test_string_prompt_with_an_assistant_header_refuses_appended_blocks(tiny_mod
         max_steps=1,
     )
     assert trainer.replays and trainer.replays[0]["replayed"].any()
-
-
-def graded_length(completions, **_):
-    """A fractional primary reward, so that CONCUR-A takes concordance readings (binary primaries give none)."""
-    return [min(len(c if isinstance(c, str) else c[-1]["content"]) % 7 / 6, 1.0) for c in completions]
-
-
-def graded_length_too(completions, **_):
-    """An auxiliary reward that always orders responses like the primary: CONCUR-A comes to trust it."""
-    return graded_length(completions)
 
 
 @pytest.mark.parametrize(

@@ -116,14 +116,6 @@ def test_small_blocks_and_bf16_operands():
 
 
 @needs_kernels
-def test_auto_backend_choice():
-    hidden_all, hidden_removed, weight, _ = inputs(2, 4, 16, 40)
-    q = replay_divergence(hidden_all, hidden_removed, weight, backend="auto")
-    torch.testing.assert_close(
-        q, replay_divergence(hidden_all, hidden_removed, weight, backend="torch"), atol=2e-6, rtol=0
-    )
-
-
 def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA"):

@@ -66,6 +66,15 @@ class TritonFallback:
 triton_fallback = TritonFallback()
 
 
+def chosen_backend(backend: str, is_cuda: bool, triton_installed: bool, triton_enabled: bool = True) -> str:
+    """The backend ``replay_divergence`` runs: an explicit ``"torch"`` or ``"triton"`` as given; ``"auto"`` is
+    ``"triton"`` only for CUDA tensors with Triton installed and not disabled by an earlier failure, else
+    ``"torch"``."""
+    if backend != "auto":
+        return backend
+    return "triton" if is_cuda and triton_installed and triton_enabled else "torch"
+
+
 def replay_divergence(
     hidden_all: torch.Tensor,
     hidden_removed: torch.Tensor,
@@ -110,8 +119,9 @@ def replay_divergence(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if backend not in DIVERGENCE_BACKENDS:
         raise ValueError(f"backend must be one of {DIVERGENCE_BACKENDS}, got {backend!r}")
-    if backend == "triton" or (
-        backend == "auto" and triton_fallback.enabled and hidden_all.is_cuda and triton_divergence.is_available()
+    if (
+        chosen_backend(backend, hidden_all.is_cuda, triton_divergence.is_available(), triton_fallback.enabled)
+        == "triton"
     ):
         try:
             return triton_divergence.fused_replay_divergence(

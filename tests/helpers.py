@@ -1,0 +1,103 @@
+"""Helpers shared by the test modules: a trainer that records what the loss and the replay saw, the tiny-run
+configuration, and rewards with known orderings."""
+
+import torch
+
+from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+from trl_mrtpo.credit import token_weights
+from trl_mrtpo.diagnostics import CreditRecord
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+
+
+class RecordingTrainer(MRTPOTrainer):
+    """Keeps what the loss receives and what the replay produced."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches, self.replays = [], []
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        self.batches.append({k: v for k, v in output.items() if isinstance(v, torch.Tensor)})
+        return output
+
+    def _replay(self, batch):
+        relevance, replayed = super()._replay(batch)
+        self.replays.append(
+            {"prompts": batch.prompts, "relevance": relevance, "replayed": replayed, "output": batch.output}
+        )
+        return relevance, replayed
+
+
+def make_args(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=10,
+        max_steps=2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        credit_warmup_steps=0,
+        replay_only_varying=False,
+        seed=0,
+    )
+    values.update(overrides)
+    return MRTPOConfig(**values)
+
+
+def train(
+    tiny_model, tiny_tokenizer, tmp_path, rewards=BASIC.rewards, blocks=BASIC.info_blocks, dataset=None, **overrides
+):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=rewards,
+        info_blocks=blocks,
+        args=make_args(tmp_path, **overrides),
+        train_dataset=dataset if dataset is not None else make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    return trainer
+
+
+def graded_length(completions, **_):
+    """A fractional primary reward, so that CONCUR-A takes concordance readings (binary primaries give none)."""
+    return [min(len(c if isinstance(c, str) else c[-1]["content"]) % 7 / 6, 1.0) for c in completions]
+
+
+def graded_length_too(completions, **_):
+    """An auxiliary reward that always orders responses like the primary: CONCUR-A comes to trust it."""
+    return graded_length(completions)
+
+
+class CharTokenizer:
+    """Each id is a character code: token strings are exact, so spans map to tokens exactly."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def record_for(text, q_reward, q_control, advantage=1.0):
+    length = len(text)
+    ids = torch.tensor([[ord(c) for c in text]])
+    relevance = torch.stack([torch.tensor(q_reward), torch.zeros(length), torch.tensor(q_control)])[None]
+    weights = token_weights(relevance, torch.ones(1, 1, length), beta=0.5)
+    weights[:, 1] = 1.0  # keyword reward not replayed: uniform
+    return CreditRecord(
+        prompts=[[{"role": "user", "content": "Say hi. End with OK."}]],
+        completions=[text],
+        completion_ids=ids,
+        mask=torch.ones(1, length, dtype=torch.long),
+        rewards=torch.tensor([[1.0, 0.0, 0.0]]),
+        group_advantages=torch.tensor([[advantage, 0.0, 0.0]]),
+        relevance=relevance,
+        replayed=torch.tensor([[True, False, True]]),
+        weights=weights,
+        advantages=advantage * weights[:, 0],
+        beta=0.5,
+    )
