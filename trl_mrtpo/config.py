@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .constants import (
     CONCUR_CEILING_MODES,
+    CONCUR_MIN_READINGS,
     CREDIT_ASSIGNMENTS,
     DIVERGENCE_BACKENDS,
     MIN_SHARED_PREFIX,
@@ -209,7 +210,8 @@ class MRTPOConfig(GRPOConfig):
         },
     )
     concur_min_readings: int = field(
-        default=61, metadata={"help": "Concordance readings CONCUR-A needs before releasing the ceiling tie."}
+        default=CONCUR_MIN_READINGS,
+        metadata={"help": "Concordance readings CONCUR-A needs before releasing the ceiling tie."},
     )
     taco_strength: float = field(
         default=0.0, metadata={"help": "TACO down-weighting of positive advantages on surprising tokens, in [0, 1]."}

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ._trl import maybe_gather_lm_head_ctx
-from .constants import MIN_SHARED_PREFIX
+from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from .ops import replay_divergence, sampled_logprobs
 
 
@@ -262,7 +262,7 @@ def replay_relevance(
     contexts: Sequence[Sequence[Sequence[int]]],
     completions: Sequence[Sequence[int]],
     temperature: float,
-    batch_size: int = 8,
+    batch_size: int = REPLAY_BATCH_SIZE,
     chunk_size: int | None = None,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
     backend: str = "auto",
@@ -299,7 +299,7 @@ def replay_relevance_and_votes(
     contexts: Sequence[Sequence[Sequence[int]]],
     completions: Sequence[Sequence[int]],
     temperature: float,
-    batch_size: int = 8,
+    batch_size: int = REPLAY_BATCH_SIZE,
     chunk_size: int | None = None,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
     backend: str = "auto",
@@ -340,7 +340,7 @@ def replay_logprobs(
     contexts: Sequence[Sequence[Sequence[int]]],
     completions: Sequence[Sequence[int]],
     temperature: float,
-    batch_size: int = 8,
+    batch_size: int = REPLAY_BATCH_SIZE,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
 ) -> list[torch.Tensor]:
     """Log-probabilities of the sampled completion tokens after each context (CoRT's contrast, TACO's surprisal).

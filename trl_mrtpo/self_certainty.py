@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ._trl import tokenize_prompts
-from .constants import MIN_SHARED_PREFIX
+from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from .ops import self_certainty
 from .replay import lm_head_parameters, replayed_hidden_states
 
@@ -26,7 +26,7 @@ class SelfCertaintyReward:
         batch_size: sequences per no-grad forward.
     """
 
-    def __init__(self, batch_size: int = 8):
+    def __init__(self, batch_size: int = REPLAY_BATCH_SIZE):
         self.__name__ = "self_certainty"  # TRL names reward functions by __name__
         self.batch_size = batch_size
         self._trainer = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .constants import CONCUR_CEILING_MODES
+from .constants import CONCUR_CEILING_MODES, CONCUR_MIN_READINGS
 from .credit import group_advantages
 
 CV_MEAN_FLOOR = 1e-6  # |mean| below this: the reward's CV is taken as 0 (no signal to weigh)
@@ -113,7 +113,7 @@ class ConcurTrust:
     count: int = 0
     total: float = 0.0
     total_squares: float = 0.0
-    min_readings: int = 61
+    min_readings: int = CONCUR_MIN_READINGS
 
     def update(self, readings: list[float]) -> None:
         self.count += len(readings)
@@ -137,7 +137,7 @@ def concur_advantages(
     ceiling: float,
     ceiling_mode: str,
     trust: dict[int, ConcurTrust] | None = None,
-    min_readings: int = 61,
+    min_readings: int = CONCUR_MIN_READINGS,
 ) -> torch.Tensor:
     """CONCUR on a whole batch: gate, standardise, project each auxiliary reward per group.
 
