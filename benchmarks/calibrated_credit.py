@@ -55,16 +55,27 @@ def arm_settings(arm: str) -> RunSettings:
     raise SystemExit(f"unknown arm {arm!r}; arms are {', '.join(ARMS)}")
 
 
-def report(variant: str, arms: list[str], seeds: tuple[int, ...], results: dict, runs: list[Run], command: str):
+def report(
+    variant: str,
+    arms: list[str],
+    seeds: tuple[int, ...],
+    results: dict,
+    runs: list[Run],
+    command: str,
+    title: str = "Calibrated credit",
+):
+    """The paired comparison of every arm with gdpo (and with mrtpo), overall and per constraint kind, as markdown;
+    the oracle-share column only when the ``oracle`` arm ran."""
     summary = []
     for run in runs:
         row = summarise(run, results[run.key()], THRESHOLD)
         row["method"] = run.value
         summary.append(row)
     gdpo = {r["seed"]: r for r in summary if r["method"] == "gdpo"}
-    oracle_gain = paired_difference(summary, "oracle", "gdpo", "final_reward")["mean_difference"]
+    has_oracle = any(r["method"] == "oracle" for r in summary)
+    oracle_gain = paired_difference(summary, "oracle", "gdpo", "final_reward")["mean_difference"] if has_oracle else 0
     lines = [
-        f"# Calibrated credit, gym variant `{variant}` ({len(seeds)} seeds: {seeds[0]}-{seeds[-1]})",
+        f"# {title}, gym variant `{variant}` ({len(seeds)} seeds: {seeds[0]}-{seeds[-1]})",
         "",
         f"Command: `{command}`",
         "",

@@ -5,7 +5,9 @@ from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock, InfoBlockError
 from .inspection import inspect_credit
 from .kits import Kit, get_kit
+from .process_rewards import Step, step_spans
 from .self_certainty import SelfCertaintyReward
+from .step_labels import MathShepherd, ProcessRewardModel
 from .trainer import MRTPOTrainer
 from .viz import credit_heatmap_html
 
@@ -18,9 +20,13 @@ __all__ = [
     "Kit",
     "MRTPOConfig",
     "MRTPOTrainer",
+    "MathShepherd",
+    "ProcessRewardModel",
     "SelfCertaintyReward",
+    "Step",
     "__version__",
     "credit_heatmap_html",
     "get_kit",
     "inspect_credit",
+    "step_spans",
 ]

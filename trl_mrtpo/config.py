@@ -116,6 +116,11 @@ class MRTPOConfig(GRPOConfig):
         preserve_reward_totals (`bool`, *optional*, defaults to `False`):
             Cap each reward's redistribution on its own and rescale by the std of uniform spreading, so every
             reward's total credit per response equals what GDPO gives it.
+        > Parameters that control process rewards
+
+        process_reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
+            Weight of each process reward (the trainer's `process_rewards`, step-level scores turned into token
+            advantages by GRPO's process-supervision rule and added to the outcome rewards' credit); `None`: 1 each.
         > Parameters that control the diagnostics
 
         collapse_warning_steps (`int`, *optional*, defaults to `5`):
@@ -238,6 +243,11 @@ class MRTPOConfig(GRPOConfig):
     preserve_reward_totals: bool = field(
         default=False,
         metadata={"help": "Cap each reward on its own and rescale by the uniform std: GDPO's total per reward."},
+    )
+    # Parameters that control process rewards
+    process_reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weight of each process reward (trainer argument process_rewards); None: 1 each."},
     )
     # Parameters that control the diagnostics
     collapse_warning_steps: int = field(

@@ -224,6 +224,8 @@ def token_advantages(
     max_second_moment_ratio: float | None = 2.0,
     reduce_sum: ReduceSum | None = None,
     preserve_reward_totals: bool = False,
+    process: torch.Tensor | None = None,
+    failure_suffix: torch.Tensor | None = None,
 ) -> TokenCredit:
     """Steps 5-8 end to end: weights, combine, cap, batch rescale.
 
@@ -240,13 +242,18 @@ def token_advantages(
             generation batch); None for a single process.
         preserve_reward_totals: steps 7-8 per reward, keeping each reward's GDPO total
             (:func:`preserved_token_advantages`).
+        process: ``[B, C]`` weighted process advantages (:func:`process_advantages`), joined at step 6.
+        failure_suffix: ``[B, K, C]`` bool, the positions after each failing pair's error boundary
+            (:func:`failure_suffix_mask`); their negative credit is dropped after step 8.
     """
     if isinstance(beta, torch.Tensor):
         beta = beta.to(relevance)[:, None]
     weights = token_weights(relevance, mask[:, None, :], beta)
     weights = torch.where(replayed[..., None], weights, torch.ones_like(weights))
     combine_and_scale = preserved_token_advantages if preserve_reward_totals else weighted_token_advantages
-    return combine_and_scale(advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum)
+    return combine_and_scale(
+        advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum, process, failure_suffix
+    )
 
 
 def preserved_token_advantages(
@@ -256,6 +263,8 @@ def preserved_token_advantages(
     reward_weights: torch.Tensor,
     max_second_moment_ratio: float | None,
     reduce_sum: ReduceSum | None = None,
+    process: torch.Tensor | None = None,
+    failure_suffix: torch.Tensor | None = None,
 ) -> TokenCredit:
     """Steps 6-8 with every reward's total kept (docs/method.md, "Calibrated credit", preserved totals).
 
@@ -263,7 +272,8 @@ def preserved_token_advantages(
     ``s_k = min(1, sqrt((rho - 1) sum_j T_j (c_k A_k)^2 / sum_{j,t} R_{k,j,t}^2))``; the batch rescale divides by
     ``std_B(U)``, the std of uniform spreading, not by ``std_B(S)``. Invariant: for every response j and reward k the
     tokens carry exactly ``T_j c_k A_k / std_B(U)`` of that reward in total, what GDPO gives it; each reward's
-    redistributed second moment is at most ``rho - 1`` times its own uniform one.
+    redistributed second moment is at most ``rho - 1`` times its own uniform one. ``process`` and ``failure_suffix``
+    join as in :func:`weighted_token_advantages`; the rescale's std is then that of ``U`` plus the process part.
 
     Returns:
         :class:`TokenCredit` whose ``cap_factor`` is the smallest ``s_k``.
@@ -286,7 +296,11 @@ def preserved_token_advantages(
         ratio = headroom / torch.where(spread, redistributed_moments, 1.0)
         factors = torch.where(spread, ratio.sqrt().clamp(max=1.0), factors)
     scores = (uniform[:, None] + (factors.to(scaled)[None, :, None] * redistributed).sum(1)) * mask_f
-    std = batch_std(uniform[:, None] * mask_f, mask, reduce_sum)
+    baseline = uniform[:, None] * mask_f
+    if process is not None:
+        scores, baseline = scores + process.to(scores) * mask_f, baseline + process.to(scores) * mask_f
+    std = batch_std(baseline, mask, reduce_sum)
+    scores = _without_masked_penalties(scores, scaled, weights, factors.to(scaled), mask_f, failure_suffix)
     return TokenCredit(batch_rescale(scores, mask, reduce_sum, std), weights, float(factors.min()))
 
 
@@ -371,14 +385,47 @@ def weighted_token_advantages(
     reward_weights: torch.Tensor,
     max_second_moment_ratio: float | None,
     reduce_sum: ReduceSum | None = None,
+    process: torch.Tensor | None = None,
+    failure_suffix: torch.Tensor | None = None,
 ) -> TokenCredit:
-    """Steps 6-8 for given ``[B, K, C]`` token weights: combine, cap (``None``: no cap), batch rescale."""
+    """Steps 6-8 for given ``[B, K, C]`` token weights: combine, cap (``None``: no cap), batch rescale.
+
+    ``process`` (``[B, C]``, the weighted process advantages) is added to ``S`` after the cap, which bounds only the
+    outcome rewards' redistribution, and before the rescale, whose std includes it. ``failure_suffix`` (``[B, K, C]``
+    bool) drops, after the rescale's std is taken, each reward's negative credit on the positions it marks: nothing
+    else changes, not the std, not positive credit, not the other rewards (docs/method.md, "Process rewards and
+    failure-suffix masking").
+    """
     uniform, redistributed = combine(advantages, weights, reward_weights, mask)
     if max_second_moment_ratio is None:
         scores, s = (uniform[:, None] + redistributed) * mask.to(uniform), 1.0
     else:
         scores, s = cap_redistribution(uniform, redistributed, mask, max_second_moment_ratio, reduce_sum)
-    return TokenCredit(batch_rescale(scores, mask, reduce_sum), weights, s)
+    mask_f = mask.to(scores)
+    if process is not None:
+        scores = scores + process.to(scores) * mask_f
+    std = batch_std(scores, mask, reduce_sum)
+    scaled = advantages * reward_weights.to(advantages)
+    factors = torch.full_like(scaled[0], s)
+    scores = _without_masked_penalties(scores, scaled, weights, factors, mask_f, failure_suffix)
+    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std), weights, s)
+
+
+def _without_masked_penalties(
+    scores: torch.Tensor,
+    scaled: torch.Tensor,
+    weights: torch.Tensor,
+    factors: torch.Tensor,
+    mask: torch.Tensor,
+    failure_suffix: torch.Tensor | None,
+) -> torch.Tensor:
+    """``S`` less each reward's capped credit ``c_k A_k (1 + s_k (w_{k,t} - 1))`` where it is negative and
+    ``failure_suffix`` marks the position."""
+    if failure_suffix is None:
+        return scores
+    credit = scaled[..., None] * (1.0 + factors[None, :, None] * (weights.to(scaled) - 1.0))
+    dropped = failure_suffix.bool() & (scaled[..., None] < 0)
+    return scores - (torch.where(dropped, credit, torch.zeros_like(credit)).sum(1) * mask)
 
 
 def cort_weights(
@@ -424,3 +471,52 @@ def taco_scale(
         raise ValueError(f"TACO strength must be in [0, 1], got {strength}")
     factor = 1.0 - strength * torch.sigmoid(sharpness * (surprisal - threshold))
     return torch.where(advantages > 0, advantages * factor, advantages)
+
+
+def process_advantages(
+    step_scores: torch.Tensor, step_ends: torch.Tensor, num_generations: int, num_positions: int
+) -> torch.Tensor:
+    """Process supervision (docs/method.md, "Process rewards"): GRPO's rule for step-level rewards.
+
+    Every step score of a prompt group is normalised by the mean and the std (Bessel) over all step scores of the
+    group's responses, ``r~ = (r - mean) / (std + eps)`` with step 1's epsilon; token ``t`` of a response gets the sum
+    of the normalised scores of its steps that end at or after ``t``. A group whose step scores are all equal (or
+    that has fewer than two) gets 0, as a constant outcome reward does.
+
+    Args:
+        step_scores: ``[B, S]`` scores, NaN where a response has fewer than ``S`` steps. Consecutive blocks of
+            ``num_generations`` rows form one prompt group.
+        step_ends: ``[B, S]`` the completion position of each step's last token (ignored where the score is NaN).
+        num_positions: ``C``, the completion length of the batch.
+
+    Returns:
+        ``[B, C]`` float64 token process advantages; 0 after a response's last step.
+    """
+    if step_scores.shape != step_ends.shape or step_scores.dim() != 2:
+        raise ValueError(
+            f"step_scores {tuple(step_scores.shape)} and step_ends {tuple(step_ends.shape)} must both be [B, S]"
+        )
+    rows, steps = step_scores.shape
+    if num_generations < 1 or rows % num_generations != 0:
+        raise ValueError(f"{rows} rows cannot be split into groups of num_generations={num_generations}")
+    grouped = step_scores.double().reshape(-1, num_generations * steps)
+    present = ~torch.isnan(grouped)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = _nan_std(grouped, dim=1)
+    highest = torch.where(present, grouped, float("-inf")).amax(dim=1, keepdim=True)
+    lowest = torch.where(present, grouped, float("inf")).amin(dim=1, keepdim=True)
+    varying = highest > lowest
+    normalised = torch.where(present & varying, (grouped - mean) / (std + GROUP_STD_EPS), 0.0).reshape(rows, steps)
+    positions = torch.arange(num_positions, device=step_scores.device)
+    ends = torch.where(torch.isnan(step_scores), -1, step_ends.long())
+    covers = ends[:, :, None] >= positions[None, None, :]  # [B, S, C]: step s ends at or after t
+    return (normalised[:, :, None] * covers).sum(1)
+
+
+def failure_suffix_mask(boundaries: torch.Tensor, num_positions: int) -> torch.Tensor:
+    """Failure-suffix masking (docs/method.md, "Failure-suffix masking"): ``[B, K, C]`` True on the positions after
+    each (response, reward) pair's error boundary, the position of the last token of the last error the response did
+    not recover from. A negative boundary marks a pair without one (nothing is masked)."""
+    positions = torch.arange(num_positions, device=boundaries.device)
+    marked = boundaries >= 0
+    return marked[..., None] & (positions > boundaries[..., None])

@@ -215,20 +215,25 @@ def check_spans(prompt: Prompt, blocks: Sequence[InfoBlock | None], reward_names
                 )
 
 
-def check_builders(info_blocks: Sequence[Callable[..., Any] | None] | None, reward_names: Sequence[str]) -> list:
-    """Validate the trainer's ``info_blocks`` argument: one builder (or None) per reward function."""
-    if info_blocks is None:
+def check_builders(
+    builders: Sequence[Callable[..., Any] | None] | Callable | None,
+    reward_names: Sequence[str],
+    argument: str = "info_blocks",
+) -> list:
+    """Validate a per-reward builder argument of the trainer (``info_blocks``, ``failure_boundaries``): one builder
+    (or None) per reward function."""
+    if builders is None:
         return [None] * len(reward_names)
-    if not isinstance(info_blocks, (list, tuple)):
-        info_blocks = [info_blocks]
-    if len(info_blocks) != len(reward_names):
+    if not isinstance(builders, (list, tuple)):
+        builders = [builders]
+    if len(builders) != len(reward_names):
         raise ValueError(
-            f"info_blocks has {len(info_blocks)} entries but there are {len(reward_names)} reward functions "
+            f"{argument} has {len(builders)} entries but there are {len(reward_names)} reward functions "
             f"({', '.join(reward_names)}); pass one builder or None per reward, in the same order."
         )
-    for builder, name in zip(info_blocks, reward_names):
+    for builder, name in zip(builders, reward_names):
         if builder is not None and not callable(builder):
             raise TypeError(
-                f"info_blocks entry for reward '{name}' is a {type(builder).__name__}, not a callable or None."
+                f"{argument} entry for reward '{name}' is a {type(builder).__name__}, not a callable or None."
             )
-    return list(info_blocks)
+    return list(builders)

@@ -27,8 +27,10 @@ from .credit import (
     TokenCredit,
     cort_weights,
     directed_relevance,
+    failure_suffix_mask,
     group_advantages,
     null_corrected_relevance,
+    process_advantages,
     relevance_specificity,
     reward_strength,
     shuffle_relevance,
@@ -40,6 +42,14 @@ from .credit import (
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders, check_spans
+from .process_rewards import (
+    NO_BOUNDARY,
+    check_process_rewards,
+    checked_steps,
+    failure_boundary,
+    process_reward_name,
+    token_positions,
+)
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
 from .utils import completion_text
 from .validation import STATE_VERSION, check_dataset, checked_reward, read_credit_state
@@ -112,6 +122,11 @@ class MRTPOTrainer(GRPOTrainer):
     Takes every argument of [`trl.GRPOTrainer`] plus `info_blocks`: one builder (or None) per reward function, see
     [`trl_mrtpo.info_blocks`]. With `args.credit_assignment="grpo"` it behaves exactly like `GRPOTrainer`.
 
+    Two further credit rules stack with every other mode (see [`trl_mrtpo.process_rewards`]): `process_rewards`,
+    functions that score steps of each completion (character spans), turned into token advantages by GRPO's
+    process-supervision rule; and `failure_boundaries`, one builder (or None) per reward that returns where a failing
+    response's unrecovered error ends, after which that reward's negative credit is dropped.
+
     Example:
 
     ```python
@@ -146,6 +161,8 @@ class MRTPOTrainer(GRPOTrainer):
         processing_class=None,
         *,
         info_blocks: Sequence[Callable[..., str | InfoBlock | None] | None] | Callable | None = None,
+        process_rewards: Sequence[Callable] | Callable | None = None,
+        failure_boundaries: Sequence[Callable[..., int | None] | None] | Callable | None = None,
         **kwargs,
     ):
         if args is None:
@@ -167,6 +184,34 @@ class MRTPOTrainer(GRPOTrainer):
             **kwargs,
         )
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
+        self.failure_boundary_builders = check_builders(
+            failure_boundaries, self.reward_func_names, "failure_boundaries"
+        )
+        self.process_rewards = check_process_rewards(process_rewards)
+        self.process_reward_names = [process_reward_name(func) for func in self.process_rewards]
+        weights = args.process_reward_weights
+        if weights is not None and len(weights) != len(self.process_rewards):
+            raise ValueError(
+                f"process_reward_weights has {len(weights)} entries but there are {len(self.process_rewards)} "
+                "process rewards; pass one weight per process reward, in the same order."
+            )
+        self.process_reward_weights = list(weights) if weights is not None else [1.0] * len(self.process_rewards)
+        step_rules = [
+            name
+            for name, on in (
+                ("process_rewards", self.process_rewards),
+                ("failure_boundaries", any(self.failure_boundary_builders)),
+            )
+            if on
+        ]
+        if step_rules and args.credit_assignment == "grpo":
+            raise ValueError(
+                f"{' and '.join(step_rules)} act on MRTPO's per-reward token credit; credit_assignment='grpo' is "
+                "plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
+            )
+        for func in self.process_rewards:  # a process reward that samples from the policy binds to it
+            if callable(getattr(func, "bind", None)):
+                func.bind(self)
         for reward_func in self.reward_funcs:  # a reward that reads the policy (e.g. self-certainty) binds to it
             if callable(getattr(reward_func, "bind", None)):
                 reward_func.bind(self)
@@ -293,10 +338,14 @@ class MRTPOTrainer(GRPOTrainer):
         batch = self._weighted_batch(scored, output, mode)
         beta = self._beta()
         self._replay_seconds = 0.0
+        step_credit = {
+            "process": self._process_credit(batch, mode),
+            "failure_suffix": self._failure_suffix(batch),
+        }
         if self._credit_mode.contrast:
-            credit, relevance, replayed = self._cort_credit(batch, beta)
+            credit, relevance, replayed = self._cort_credit(batch, beta, step_credit)
         else:
-            credit, relevance, replayed = self._relevance_credit(batch, beta)
+            credit, relevance, replayed = self._relevance_credit(batch, beta, step_credit)
         if self.args.taco_strength > 0:
             with self._replay_clock():
                 surprisal = self._surprisal(output)
@@ -386,9 +435,12 @@ class MRTPOTrainer(GRPOTrainer):
             output=output,
         )
 
-    def _relevance_credit(self, batch: ScoredBatch, beta: float) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
+    def _relevance_credit(
+        self, batch: ScoredBatch, beta: float, step_credit: dict
+    ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
         """Steps 3-8 for ``mrtpo``, ``joint``, ``shuffled`` and ``gdpo``: q from the replay (none at beta 0, where
-        the weights are uniform whatever q is), then the token advantages."""
+        the weights are uniform whatever q is), then the token advantages (with ``step_credit``: the process
+        advantages and failure suffixes)."""
         relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
         if self._replays and beta > 0:
@@ -407,10 +459,13 @@ class MRTPOTrainer(GRPOTrainer):
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
             preserve_reward_totals=self.args.preserve_reward_totals,
+            **step_credit,
         )
         return credit, relevance, replayed
 
-    def _cort_credit(self, batch: ScoredBatch, beta: float) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
+    def _cort_credit(
+        self, batch: ScoredBatch, beta: float, step_credit: dict
+    ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
         """CoRT: one weight profile per response from its log-likelihood contrast, applied to every reward."""
         relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
         weights = torch.ones_like(relevance)
@@ -424,9 +479,78 @@ class MRTPOTrainer(GRPOTrainer):
             weights = torch.where(cort_replayed[:, None, None], profile[:, None, :], weights)
             replayed = cort_replayed[:, None] & batch.varying
         credit = weighted_token_advantages(
-            batch.group_advantages, weights, batch.mask, batch.reward_weights, None, self._reduce_sum()
+            batch.group_advantages, weights, batch.mask, batch.reward_weights, None, self._reduce_sum(), **step_credit
         )
         return credit, relevance, replayed
+
+    @cached_property
+    def _text_tokenizer(self):
+        return getattr(self.processing_class, "tokenizer", self.processing_class)
+
+    def _process_credit(self, batch: ScoredBatch, mode: str) -> torch.Tensor | None:
+        """``[B, C]`` the weighted sum of the process rewards' token advantages (docs/method.md, "Process rewards"),
+        or None without process rewards. Step scores are gathered over processes: a group's normalisation sees all
+        its responses."""
+        if not self.process_rewards:
+            return None
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        texts = [completion_text(c) for c in batch.completions]
+        ids = completion_token_lists(batch.output)
+        columns = [key for key in batch.inputs[0] if key not in ("prompt", "completion", "completion_ids")]
+        row_values = {key: [row[key] for row in batch.inputs] for key in columns}
+        mask = batch.mask
+        total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+        for func, name, weight in zip(self.process_rewards, self.process_reward_names, self.process_reward_weights):
+            results = func(
+                prompts=batch.prompts,
+                completions=batch.completions,
+                completion_ids=ids,
+                trainer_state=self.state,
+                **row_values,
+            )
+            if not isinstance(results, (list, tuple)) or len(results) != len(texts):
+                raise ValueError(
+                    f"process reward '{name}' must return one list of steps (or None) per completion: "
+                    f"{len(texts)} expected, got {len(results) if isinstance(results, (list, tuple)) else results!r}."
+                )
+            rank = self.accelerator.process_index
+            local = []
+            for i, (result, text) in enumerate(zip(results, texts)):
+                steps = checked_steps(result, name, rank * len(texts) + i, text)
+                ends = token_positions(self._text_tokenizer, ids[i], text, [step.end for step in steps])
+                local.append(([step.score for step in steps], ends))
+            gathered = gather_object(local)
+            width = max(1, max(len(scores) for scores, _ in gathered))
+            scores = torch.full((len(gathered), width), float("nan"), dtype=torch.float64)
+            ends = torch.zeros((len(gathered), width), dtype=torch.long)
+            for j, (values, positions) in enumerate(gathered):
+                scores[j, : len(values)] = torch.tensor(values, dtype=torch.float64)
+                ends[j, : len(positions)] = torch.tensor(positions, dtype=torch.long)
+                if values:
+                    self._metrics[mode][f"mrtpo/process/{name}"].append(sum(values) / len(values))
+            advantages = process_advantages(scores, ends, num_generations, mask.shape[1])
+            total += weight * advantages[rank * len(texts) : (rank + 1) * len(texts)].to(mask.device)
+        return total
+
+    def _failure_suffix(self, batch: ScoredBatch) -> torch.Tensor | None:
+        """``[B, K, C]`` the positions after each failing pair's error boundary (docs/method.md, "Failure-suffix
+        masking"), or None when no reward has a boundary builder. Only pairs with negative credit are asked."""
+        if not any(self.failure_boundary_builders):
+            return None
+        credit = batch.group_advantages * batch.reward_weights.to(batch.group_advantages)
+        boundaries = torch.full(credit.shape, NO_BOUNDARY, dtype=torch.long)
+        ids = completion_token_lists(batch.output)
+        for i, completion in enumerate(batch.completions):
+            text = completion_text(completion)
+            for k, (builder, name) in enumerate(zip(self.failure_boundary_builders, self.reward_func_names)):
+                if builder is None or not credit[i, k] < 0:
+                    continue
+                offset = failure_boundary(
+                    builder, name, i, batch.prompts[i], text, batch.inputs[i], batch.rewards[i, k].item()
+                )
+                if offset is not None:
+                    boundaries[i, k] = token_positions(self._text_tokenizer, ids[i], text, [offset])[0]
+        return failure_suffix_mask(boundaries, batch.mask.shape[1]).to(batch.mask.device)
 
     def _reduce_sum(self):
         """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""

@@ -17,18 +17,18 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def check_finite_fields(config: Any, names: Sequence[str]) -> None:
-    """Refuse a non-finite value (NaN or infinity) in any of the named numeric fields, or in ``reward_weights``."""
+    """Refuse a non-finite value (NaN or infinity) in any of the named numeric fields, or in a list of weights
+    (``reward_weights``, ``process_reward_weights``)."""
     for name in names:
         value = getattr(config, name)
         if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}.")
-    weights = getattr(config, "reward_weights", None)
-    if weights is not None:
-        for i, weight in enumerate(weights):
+    for name in ("reward_weights", "process_reward_weights"):
+        for i, weight in enumerate(getattr(config, name, None) or ()):
             if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
-                raise ValueError(f"reward_weights[{i}] must be a finite number, got {weight!r}.")
+                raise ValueError(f"{name}[{i}] must be a finite number, got {weight!r}.")
             if abs(weight) > FLOAT32_MAX:
-                raise ValueError(f"reward_weights[{i}]={weight} is beyond float32's range.")
+                raise ValueError(f"{name}[{i}]={weight} is beyond float32's range.")
 
 
 def _reward_value(name: str, index: int, value: Any) -> float | None:

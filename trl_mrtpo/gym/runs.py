@@ -17,10 +17,13 @@ from ..replay import replay_relevance
 from .task import (
     KINDS,
     GymSpec,
+    all_constraints_met,
     chat_prompt_ids,
     constraint_blocks,
+    constraint_failure_boundaries,
     constraint_rewards,
     gym_example,
+    oracle_process_reward,
     prompt_text,
     relevant_positions,
     response_words,
@@ -45,7 +48,10 @@ class RunSettings:
 
     ``method`` is a credit mode, or ``"oracle"``: MRTPO's steps 5-8 with q set to the ground-truth relevant
     positions instead of the replay's (the upper bound of what any relevance profile can give). ``options`` are
-    further ``MRTPOConfig`` fields as ``(name, value)`` pairs (the credit options under test)."""
+    further ``MRTPOConfig`` fields as ``(name, value)`` pairs (the credit options under test). ``process`` adds a
+    process reward: ``"oracle"`` (:func:`~trl_mrtpo.gym.task.oracle_process_reward`) or ``"shepherd"``
+    (Math-Shepherd labels from the policy, ``shepherd_rollouts`` continuations per step, soft labels).
+    ``failure_masking`` drops each failing constraint's penalty after its last relevant position."""
 
     method: str = "mrtpo"
     steps: int = 150
@@ -57,13 +63,22 @@ class RunSettings:
     max_second_moment_ratio: float = 2.0
     reward_weighting: str = "static"
     options: tuple[tuple[str, Any], ...] = ()
+    process: str = ""
+    shepherd_rollouts: int = 4
+    failure_masking: bool = False
 
     def identity(self) -> dict:
-        """The fields that define the run (``options`` only when set, so earlier runs keep their keys)."""
+        """The fields that define the run (the later fields only when set, so earlier runs keep their keys)."""
         fields = asdict(self)
-        if not self.options:
-            del fields["options"]
+        for name, default in LATER_FIELDS.items():
+            if fields[name] == default:
+                del fields[name]
+        if not self.process:
+            del fields["shepherd_rollouts"]
         return fields
+
+
+LATER_FIELDS = {"options": (), "process": "", "failure_masking": False}
 
 
 def oracle_relevance(completions: Sequence[str], rows: Sequence[dict], num_positions: int) -> torch.Tensor:
@@ -78,6 +93,19 @@ def oracle_relevance(completions: Sequence[str], rows: Sequence[dict], num_posit
             positions = [t for t in relevant_positions(constraint, words) if t < num_positions]
             relevance[i, k, positions] = 1.0
     return relevance
+
+
+def _process_rewards(spec: GymSpec, settings: RunSettings) -> list:
+    if settings.process == "oracle":
+        return [oracle_process_reward(spec.length)]
+    if settings.process == "shepherd":
+        from ..step_labels import MathShepherd
+
+        # one word per step; a continuation runs to the response's full length (its end token included)
+        return [MathShepherd(all_constraints_met, settings.shepherd_rollouts, step_separator=" ", batch_size=256)]
+    if settings.process:
+        raise ValueError(f"unknown gym process reward {settings.process!r}; use 'oracle' or 'shepherd'")
+    return []
 
 
 def _gym_trainer_class():
@@ -174,6 +202,8 @@ def train_run(
         train_dataset=gym_dataset(spec, settings.steps * settings.prompts_per_step, seed),
         processing_class=tokenizer,
         oracle=settings.method == "oracle",
+        process_rewards=_process_rewards(spec, settings),
+        failure_boundaries=constraint_failure_boundaries(spec.num_constraints) if settings.failure_masking else None,
     )
     trainer.train()
     return [

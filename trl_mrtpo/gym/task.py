@@ -435,3 +435,75 @@ def constraint_blocks(num_constraints: int, placement: str) -> list[Callable]:
         return block
 
     return [make(i) for i in range(num_constraints)]
+
+
+def prefix_feasible(constraint: Constraint, prefix: Sequence[str], length: int) -> bool:
+    """Whether a response that starts with ``prefix`` can still meet ``constraint`` when it may run to ``length``
+    words (more room never hurts any kind, so the longest response decides)."""
+    room = max(length - len(prefix), 0)
+    word = constraint.word
+    if constraint.kind == "first":
+        return not prefix or prefix[0] == word
+    if constraint.kind == "last":
+        return room > 0 or (bool(prefix) and prefix[-1] == word)
+    if constraint.kind == "has":
+        return word in prefix or room > 0
+    if constraint.kind == "twice":
+        count = sum(w == word for w in prefix)
+        return count <= 2 and count + room >= 2
+    first_a = next((i for i, w in enumerate(prefix) if w == word), None)
+    if first_a is None:
+        return room >= 2
+    return constraint.other in prefix[first_a + 1 :] or room > 0
+
+
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """The ``[start, end)`` character spans of a completion's words (:func:`response_words`): one step each."""
+    spans, cursor = [], 0
+    for word in response_words(text):
+        start = text.index(word, cursor)
+        spans.append((start, start + len(word)))
+        cursor = start + len(word)
+    return spans
+
+
+def oracle_process_reward(length: int) -> Callable:
+    """A process reward that knows the task (the gym's oracle PRM): each word is a step, scored 1 while the
+    response so far can still meet every constraint of its prompt within ``length`` words, else 0."""
+
+    def oracle_prm(completions, constraints, **kwargs) -> list[list[tuple[int, int, float]]]:
+        out = []
+        for completion, row in zip(completions, constraints):
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            owned, words = row_constraints(row), response_words(text)
+            out.append(
+                [
+                    (start, end, float(all(prefix_feasible(c, words[: t + 1], length) for c in owned)))
+                    for t, (start, end) in enumerate(word_spans(text))
+                ]
+            )
+        return out
+
+    return oracle_prm
+
+
+def all_constraints_met(prompt, completion: str, row: dict) -> bool:
+    """The gym's outcome verifier (Math-Shepherd's check of a finished response): every constraint is met."""
+    words = response_words(completion)
+    return all(c.satisfied(words) for c in row_constraints(row["constraints"]))
+
+
+def constraint_failure_boundaries(num_constraints: int) -> list[Callable]:
+    """One failure-boundary builder per constraint slot: for a failing response, the end of the last word that,
+    changed alone, would make it pass (the last relevant position); None when the response passes."""
+
+    def make(slot: int):
+        def boundary(*, completion, row, score, **kwargs) -> int | None:
+            if score >= 1.0:
+                return None
+            positions = relevant_positions(Constraint(*row["constraints"][slot]), response_words(completion))
+            return word_spans(completion)[max(positions)][1] if positions else None
+
+        return boundary
+
+    return [make(i) for i in range(num_constraints)]

@@ -1,0 +1,396 @@
+"""Process rewards and failure-suffix masking: the maths against hand-worked groups and float64 references, the
+character-span to token mapping under real tokenizers, and the trainer end to end."""
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers import RecordingTrainer, graded_length, make_args
+from tests.reference import reference_token_advantages
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.credit import (
+    failure_suffix_mask,
+    group_advantages,
+    process_advantages,
+    token_advantages,
+)
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.process_rewards import Step, checked_steps, step_spans, token_positions
+from trl_mrtpo.utils import completion_text
+
+EPS = 1e-4
+NAN = float("nan")
+
+
+def reference_process_advantages(step_lists, num_generations, num_positions):
+    """GRPO's process supervision written out in float64 loops: step_lists[j] = [(score, end_token), ...]."""
+    out = torch.zeros(len(step_lists), num_positions, dtype=torch.float64)
+    for start in range(0, len(step_lists), num_generations):
+        group = step_lists[start : start + num_generations]
+        scores = [score for steps in group for score, _ in steps]
+        if len(scores) < 2 or len(set(scores)) == 1:
+            continue
+        mean = sum(scores) / len(scores)
+        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / (len(scores) - 1))
+        for j, steps in enumerate(group):
+            for t in range(num_positions):
+                out[start + j, t] = sum((s - mean) / (std + EPS) for s, end in steps if end >= t)
+    return out
+
+
+def as_tensors(step_lists):
+    width = max(1, max(len(steps) for steps in step_lists))
+    scores = torch.full((len(step_lists), width), NAN, dtype=torch.float64)
+    ends = torch.zeros((len(step_lists), width), dtype=torch.long)
+    for j, steps in enumerate(step_lists):
+        for s, (score, end) in enumerate(steps):
+            scores[j, s], ends[j, s] = score, end
+    return scores, ends
+
+
+def test_process_advantages_hand_worked_group():
+    # One group of two: response 0 has steps scored 1 (ending at token 1) and 0 (ending at token 3); response 1 one
+    # step scored 1 ending at token 2. Step scores {1, 0, 1}: mean 2/3, std sqrt(1/3).
+    scores, ends = as_tensors([[(1.0, 1), (0.0, 3)], [(1.0, 2)]])
+    got = process_advantages(scores, ends, num_generations=2, num_positions=5)
+    good = (1 / 3) / (math.sqrt(1 / 3) + EPS)
+    bad = (-2 / 3) / (math.sqrt(1 / 3) + EPS)
+    expected = torch.tensor(
+        [[good + bad, good + bad, bad, bad, 0.0], [good, good, good, 0.0, 0.0]], dtype=torch.float64
+    )
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_process_advantages_match_float64_loops_on_random_groups():
+    gen = torch.Generator().manual_seed(0)
+    step_lists = []
+    for _ in range(12):
+        count = int(torch.randint(0, 5, (1,), generator=gen))
+        ends = sorted(torch.randint(0, 9, (count,), generator=gen).tolist())
+        step_lists.append([(float(torch.rand(1, generator=gen)), end) for end in ends])
+    step_lists[4:8] = [[(0.5, 2)], [(0.5, 3), (0.5, 6)], [], [(0.5, 1)]]  # a constant group
+    scores, ends = as_tensors(step_lists)
+    got = process_advantages(scores, ends, num_generations=4, num_positions=10)
+    torch.testing.assert_close(got, reference_process_advantages(step_lists, 4, 10), rtol=0, atol=1e-12)
+    assert (got[4:8] == 0).all()
+
+
+def test_process_advantages_refuse_mismatched_shapes_and_groups():
+    with pytest.raises(ValueError, match="must both be"):
+        process_advantages(torch.zeros(4, 2), torch.zeros(4, 3, dtype=torch.long), 2, 5)
+    with pytest.raises(ValueError, match="groups of num_generations=3"):
+        process_advantages(torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.long), 3, 5)
+
+
+def test_failure_suffix_mask_marks_positions_after_each_boundary():
+    boundaries = torch.tensor([[1, -1], [4, 0]])
+    mask = failure_suffix_mask(boundaries, 5)
+    assert mask[0, 0].tolist() == [False, False, True, True, True]
+    assert not mask[0, 1].any()  # no boundary: nothing masked
+    assert not mask[1, 0].any()  # the error ends on the last token
+    assert mask[1, 1].tolist() == [False, True, True, True, True]
+
+
+def gdpo_case():
+    """Two groups of two, two rewards, lengths 4, 3, 4, 2."""
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.5]])
+    advantages, varying = group_advantages(rewards, 2)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
+    return rewards, advantages, varying, mask
+
+
+def test_failure_suffix_drops_only_the_failing_rewards_negative_credit_and_keeps_the_std():
+    rewards, advantages, varying, mask = gdpo_case()
+    q = torch.zeros(4, 2, 4)
+    plain = token_advantages(advantages, q, varying, mask, torch.ones(2), beta=0.0).advantages
+    suffix = failure_suffix_mask(torch.tensor([[1, 1], [0, 2], [-1, -1], [0, 0]]), 4)
+    masked = token_advantages(advantages, q, varying, mask, torch.ones(2), beta=0.0, failure_suffix=suffix).advantages
+    scores = advantages.double().sum(-1)[:, None].expand(4, 4)
+    values = scores[mask.bool()]
+    std = values.std().item()  # step 8's std of the unmasked S, token-weighted (Bessel)
+    expected = scores.clone()
+    for j in range(4):
+        for k in range(2):
+            if advantages[j, k] < 0:  # a penalty: dropped on the positions after its boundary
+                expected[j, suffix[j, k]] -= advantages[j, k].double()
+    expected = expected * mask / std
+    torch.testing.assert_close(masked.double(), expected, rtol=1e-6, atol=1e-7)
+    # positive credit untouched: response 0's first reward (+) keeps its share on the masked positions
+    assert advantages[0, 0] > 0 and advantages[0, 1] < 0
+    assert masked[0, 2] == pytest.approx(advantages[0, 0].item() / std, rel=1e-6)
+    # positions before every boundary unchanged
+    torch.testing.assert_close(masked[:, :1], plain[:, :1])
+
+
+def test_failure_suffix_with_replay_weights_and_cap_zeroes_a_lone_reward_after_its_boundary():
+    gen = torch.Generator().manual_seed(1)
+    rewards = torch.tensor([[1.0], [0.0], [0.0], [1.0], [1.0], [0.0]])
+    advantages, varying = group_advantages(rewards, 3)
+    mask = torch.ones(6, 7, dtype=torch.long)
+    mask[2, 5:] = 0
+    q = torch.rand(6, 1, 7, generator=gen)
+    suffix = failure_suffix_mask(torch.tensor([[2], [3], [1], [0], [6], [4]]), 7)
+    plain = token_advantages(advantages, q, varying, mask, torch.ones(1), 0.8, max_second_moment_ratio=1.5)
+    masked = token_advantages(
+        advantages, q, varying, mask, torch.ones(1), 0.8, max_second_moment_ratio=1.5, failure_suffix=suffix
+    )
+    reference, _ = reference_token_advantages(rewards, q, mask, torch.ones(1), 0.8, 1.5, 3)
+    torch.testing.assert_close(plain.advantages.double(), reference, rtol=1e-5, atol=1e-6)
+    dropped = suffix[:, 0] & (advantages < 0)
+    assert dropped.any()
+    assert (masked.advantages[dropped] == 0).all()
+    torch.testing.assert_close(masked.advantages[~dropped], plain.advantages[~dropped])
+
+
+def test_failure_suffix_on_preserved_totals_keeps_everything_but_the_dropped_penalty():
+    rewards, advantages, varying, mask = gdpo_case()
+    q = torch.rand(4, 2, 4, generator=torch.Generator().manual_seed(2))
+    suffix = failure_suffix_mask(torch.tensor([[0, 0], [0, 0], [0, 0], [0, 0]]), 4)
+    kwargs = dict(max_second_moment_ratio=2.0, preserve_reward_totals=True)
+    plain = token_advantages(advantages, q, varying, mask, torch.ones(2), 0.5, **kwargs).advantages
+    masked = token_advantages(advantages, q, varying, mask, torch.ones(2), 0.5, failure_suffix=suffix, **kwargs)
+    # response 2 has no negative credit: identical; every response's first token is before every boundary
+    torch.testing.assert_close(masked.advantages[2], plain[2])
+    torch.testing.assert_close(masked.advantages[:, 0], plain[:, 0])
+    assert not torch.allclose(masked.advantages[0], plain[0])
+
+
+def test_process_advantages_join_at_step_six_and_enter_the_std():
+    rewards, advantages, varying, mask = gdpo_case()
+    scores, ends = as_tensors([[(1.0, 1), (0.0, 3)], [(0.0, 2)], [(1.0, 3)], [(0.0, 0), (1.0, 1)]])
+    process = process_advantages(scores, ends, 2, 4)
+    for preserve in (False, True):
+        got = token_advantages(
+            advantages,
+            torch.zeros(4, 2, 4),
+            varying,
+            mask,
+            torch.ones(2),
+            0.0,
+            preserve_reward_totals=preserve,
+            process=0.5 * process,
+        ).advantages
+        summed = (advantages.double().sum(-1)[:, None] + 0.5 * process) * mask
+        expected = summed / summed[mask.bool()].std()
+        torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-7)
+
+
+# Character spans to tokens ------------------------------------------------------------------------------------------
+
+
+def test_step_spans_split_at_the_separator_and_skip_blank_steps():
+    text = "First, add.\n\nThen divide.\nAnswer: 4"
+    spans = step_spans(text)
+    assert [text[a:b] for a, b in spans] == ["First, add.", "Then divide.", "Answer: 4"]
+    assert step_spans("one. two.", ". ") == [(0, 3), (5, 9)]
+
+
+def test_checked_steps_name_the_function_and_sample():
+    assert checked_steps([(0, 2, 1), Step(2, 3, 0.5)], "prm", 3, "abc") == [Step(0, 2, 1.0), Step(2, 3, 0.5)]
+    assert checked_steps(None, "prm", 3, "abc") == []
+    with pytest.raises(ValueError, match="process reward 'prm' on sample 3.*outside"):
+        checked_steps([(0, 9, 1.0)], "prm", 3, "abc")
+    with pytest.raises(ValueError, match="score nan"):
+        checked_steps([(0, 2, NAN)], "prm", 3, "abc")
+    with pytest.raises(TypeError, match="list of steps"):
+        checked_steps(0.5, "prm", 3, "abc")
+    with pytest.raises(TypeError, match=r"\(start, end, score\)"):
+        checked_steps([(0, 2)], "prm", 3, "abc")
+
+
+def brute_force_positions(tokenizer, ids, text, ends):
+    """The token holding character e - 1: the first token count whose decoded prefix agrees with text on e chars."""
+    out = []
+    for end in ends:
+        for count in range(1, len(ids) + 1):
+            decoded = tokenizer.decode(ids[:count], skip_special_tokens=True)
+            if decoded[:end] == text[:end] and len(decoded) >= end and "\ufffd" not in decoded[:end]:
+                out.append(count - 1)
+                break
+    return out
+
+
+def test_token_positions_across_multibyte_characters_under_a_byte_level_tokenizer(tiny_tokenizer):
+    text = "Étape 1: café ☕ ok.\nÉtape 2: 日本 done."
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tiny_tokenizer.decode(ids) == text
+    # the multi-byte characters span several byte tokens: a prefix can end inside one
+    partial = [n for n in range(1, len(ids)) if "\ufffd" in tiny_tokenizer.decode(ids[:n])]
+    assert partial
+    ends = list(range(1, len(text) + 1))
+    got = token_positions(tiny_tokenizer, ids, text, ends)
+    assert got == brute_force_positions(tiny_tokenizer, ids, text, ends)
+    # the last byte token of "☕" holds it: its step ends there, not on the first byte
+    cup = text.index("☕") + 1
+    position = got[cup - 1]
+    assert "☕" in tiny_tokenizer.decode(ids[: position + 1]) and "☕" not in tiny_tokenizer.decode(ids[:position])
+
+
+def test_a_step_boundary_inside_a_token_ends_at_that_token(tiny_tokenizer):
+    text = "The quick brown fox jumps"
+    ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces = [tiny_tokenizer.decode(ids[: n + 1]) for n in range(len(ids))]
+    inside = next((n, len(pieces[n - 1]) + 1) for n in range(1, len(ids)) if len(pieces[n]) - len(pieces[n - 1]) >= 2)
+    token, end = inside  # a step ending after the first character of a multi-character token
+    assert token_positions(tiny_tokenizer, ids, text, [end]) == [token]
+    assert token_positions(tiny_tokenizer, ids, text, [len(text)]) == [len(ids) - 1]
+
+
+@pytest.mark.slow
+def test_token_positions_under_the_real_smollm2_tokenizer():
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from trl_mrtpo.embedded import embedded_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
+    text = "Schritt 1: Grüße aus Köln 🙂.\nStep 2: 42 × 3 = 126 ✓\nAnswer: naïve"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    ends = [b for _, b in step_spans(text)] + list(range(1, len(text) + 1, 3))
+    assert token_positions(tokenizer, ids, text, ends) == brute_force_positions(tokenizer, ids, text, ends)
+
+
+# The trainer end to end ---------------------------------------------------------------------------------------------
+
+
+def halves(prompts, completions, completion_ids, **_):
+    """A process reward: two steps per completion (its halves), scored by how many 'e's each holds."""
+    out = []
+    for completion in completions:
+        text = completion_text(completion)
+        if len(text) < 2:
+            out.append(None)
+            continue
+        middle = len(text) // 2
+        out.append([(0, middle, text[:middle].count("e") / 3), (middle, len(text), float("o" in text[middle:]))])
+    return out
+
+
+def test_process_rewards_end_to_end_give_outcome_plus_process_credit(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=[graded_length],
+        args=make_args(tmp_path, credit_assignment="gdpo", max_steps=1, process_reward_weights=[0.5]),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+        process_rewards=[halves],
+    )
+    trainer.train()
+    record = trainer.last_credit
+    ids = [row[: int(m.sum())].tolist() for row, m in zip(record.completion_ids, record.mask)]
+    step_lists = []
+    for text, row_ids in zip(record.completions, ids):
+        steps = checked_steps(halves(None, [text], None)[0], "halves", 0, text)
+        ends = token_positions(tiny_tokenizer, row_ids, text, [s.end for s in steps])
+        step_lists.append([(s.score, end) for s, end in zip(steps, ends)])
+    process = reference_process_advantages(step_lists, 4, record.mask.shape[1])
+    assert process.abs().max() > 0  # the process reward varies: the check below is not vacuous
+    summed = (record.group_advantages.double().sum(-1)[:, None] + 0.5 * process) * record.mask
+    expected = summed / summed[record.mask.bool()].std()
+    torch.testing.assert_close(record.advantages.double(), expected, rtol=1e-5, atol=1e-6)
+    assert "mrtpo/process/halves" in trainer.state.log_history[0]
+
+
+def first_character(prompt, completion, row, score):
+    """A failure boundary: the unrecovered error ends on the first character."""
+    return 1
+
+
+def original_lengths(completion_ids, eos_id):
+    """TRL's completion mask rule, from the ids alone: up to and including the first EOS."""
+    lengths = []
+    for row in completion_ids.tolist():
+        lengths.append(row.index(eos_id) + 1 if eos_id in row else len(row))
+    return torch.tensor(lengths, dtype=torch.float64)
+
+
+def test_failure_boundaries_end_to_end_keep_the_loss_denominator(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=[graded_length],
+        args=make_args(tmp_path, credit_assignment="gdpo", max_steps=1, loss_type="grpo", beta=0.0),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+        failure_boundaries=[first_character],
+    )
+    trainer.train()
+    batch, record = trainer.batches[0], trainer.last_credit
+    advantages, mask = batch["advantages"], batch["completion_mask"]
+    negative = record.group_advantages[:, 0] < 0
+    positive = record.group_advantages[:, 0] > 0
+    assert negative.any() and positive.any()
+    lengths = mask.sum(-1)
+    for j in range(len(mask)):
+        if negative[j] and lengths[j] > 1:  # one reward: after the first token, nothing is left of the penalty
+            first = token_positions(tiny_tokenizer, batch["completion_ids"][j].tolist(), record.completions[j], [1])
+            assert (advantages[j, first[0] + 1 :] == 0).all() and advantages[j, 0] < 0
+        if positive[j]:  # positive credit stays uniform over the whole response
+            values = advantages[j, mask[j].bool()]
+            assert torch.allclose(values, values[0].expand_as(values))
+    # TRL's loss divides each response by its full token count, as before the masking
+    T = original_lengths(batch["completion_ids"], tiny_tokenizer.eos_token_id)
+    torch.testing.assert_close(mask.sum(-1).double(), T)
+    trainer.model.eval()
+    loss = trainer._compute_loss(trainer.model, batch)
+    expected = -((advantages.double() * mask).sum(-1) / T).mean()
+    torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_step_rules_are_refused_in_grpo_mode_and_checked_by_count(tiny_model, tiny_tokenizer, tmp_path):
+    common = dict(model=tiny_model, reward_funcs=[graded_length], train_dataset=make_basic_dataset(4))
+    with pytest.raises(ValueError, match="process_rewards act on MRTPO's per-reward token credit"):
+        MRTPOTrainer(
+            **common,
+            args=make_args(tmp_path, credit_assignment="grpo"),
+            process_rewards=[halves],
+            processing_class=tiny_tokenizer,
+        )
+    with pytest.raises(ValueError, match="failure_boundaries has 2 entries but there are 1 reward functions"):
+        MRTPOTrainer(
+            **common,
+            args=make_args(tmp_path),
+            failure_boundaries=[first_character, None],
+            processing_class=tiny_tokenizer,
+        )
+    with pytest.raises(ValueError, match="process_reward_weights has 2 entries"):
+        MRTPOTrainer(
+            **common,
+            args=make_args(tmp_path, process_reward_weights=[1.0, 2.0]),
+            process_rewards=[halves],
+            processing_class=tiny_tokenizer,
+        )
+    with pytest.raises(ValueError, match=r"process_reward_weights\[0\] must be a finite number"):
+        make_args(tmp_path, process_reward_weights=[float("nan")])
+
+
+def test_a_bad_process_reward_or_boundary_is_named(tiny_model, tiny_tokenizer, tmp_path):
+    def too_far(prompts, completions, **_):
+        return [[(0, 10_000, 1.0)] for _ in completions]
+
+    def wrong_count(prompts, completions, **_):
+        return [None]
+
+    for func, message in ((too_far, "process reward 'too_far' on sample 0"), (wrong_count, "4 expected, got 1")):
+        trainer = MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=[graded_length],
+            args=make_args(tmp_path, max_steps=1),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+            process_rewards=[func],
+        )
+        with pytest.raises(ValueError, match=message):
+            trainer.train()
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=[graded_length],
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+        failure_boundaries=[lambda **_: 10_000],
+    )
+    with pytest.raises(ValueError, match="failure boundary builder of reward 'graded_length' on sample"):
+        trainer.train()

@@ -1,0 +1,160 @@
+"""Step-level rewards and failure boundaries: how a user hands them to :class:`~trl_mrtpo.MRTPOTrainer`, and how
+character spans of a completion become token positions (docs/method.md, "Process rewards" and "Failure-suffix
+masking").
+
+A **process reward** is called like a TRL reward function, ``func(prompts=..., completions=...,
+completion_ids=..., **dataset_columns, trainer_state=...)``, and returns one entry per completion: a list of
+:class:`Step` (or ``(start, end, score)`` tuples), each step a character span ``[start, end)`` of the completion text
+and its score, or None when it has no steps.
+
+A **failure boundary** builder is called like an info-block builder, ``builder(prompt=..., completion=..., row=...,
+score=...)``, for each (response, reward) pair whose credit is negative, and returns the character offset where the
+response's last unrecovered error ends (exclusive), or None.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from .info_blocks import Prompt
+
+NO_BOUNDARY = -1
+
+
+class Step(NamedTuple):
+    """One scored step of a completion: the characters ``text[start:end]`` and their score."""
+
+    start: int
+    end: int
+    score: float
+
+
+def step_spans(text: str, separator: str = "\n") -> list[tuple[int, int]]:
+    """The ``[start, end)`` spans of ``text``'s steps, split at ``separator`` (which belongs to neither side); steps
+    made only of whitespace are skipped."""
+    spans, start = [], 0
+    while start <= len(text):
+        cut = text.find(separator, start)
+        end = len(text) if cut < 0 else cut
+        if text[start:end].strip():
+            spans.append((start, end))
+        if cut < 0:
+            break
+        start = cut + len(separator)
+    return spans
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    length = min(len(a), len(b))
+    for i in range(length):
+        if a[i] != b[i]:
+            return i
+    return length
+
+
+def token_positions(tokenizer, completion_ids: Sequence[int], text: str, char_ends: Sequence[int]) -> list[int]:
+    """For each exclusive character end ``e`` of ``text`` (the completion decoded from ``completion_ids`` without
+    special tokens), the index of the completion token that holds character ``e - 1``.
+
+    A step that ends inside a token ends at that token. Prefixes are decoded and compared with ``text``, so a token
+    that holds only part of a multi-byte character (its prefix decodes to a replacement character) does not count as
+    holding it: the character belongs to the token that completes it. Binary search: ``O(log T)`` decodes per end.
+    """
+    count = len(completion_ids)
+    covered_cache: dict[int, int] = {}
+
+    def covered(tokens: int) -> int:
+        if tokens not in covered_cache:
+            decoded = tokenizer.decode(list(completion_ids[:tokens]), skip_special_tokens=True)
+            covered_cache[tokens] = _common_prefix_length(decoded, text)
+        return covered_cache[tokens]
+
+    positions = []
+    for end in char_ends:
+        low, high = 1, count
+        while low < high:
+            middle = (low + high) // 2
+            if covered(middle) >= end:
+                high = middle
+            else:
+                low = middle + 1
+        positions.append(max(low - 1, 0))
+    return positions
+
+
+def _is_score(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:
+    """What a process reward returned for one completion, validated: a clear error naming the function and the
+    sample for anything but in-range spans with finite scores; sorted by where the steps end."""
+    where = f"process reward '{name}' on sample {sample}"
+    if result is None:
+        return []
+    if not isinstance(result, (list, tuple)):
+        raise TypeError(f"The {where} returned {type(result).__name__}; it must return a list of steps or None.")
+    steps = []
+    for index, step in enumerate(result):
+        if not isinstance(step, (list, tuple)) or len(step) != 3:
+            raise TypeError(f"Step {index} of the {where} is {step!r}; a step is (start, end, score).")
+        start, end, score = step
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
+            raise TypeError(f"Step {index} of the {where} has span ({start!r}, {end!r}); offsets are ints.")
+        if not 0 <= start < end <= len(text):
+            raise ValueError(
+                f"Step {index} of the {where} spans [{start}, {end}), outside the completion's {len(text)} "
+                "characters (or empty)."
+            )
+        if hasattr(score, "item"):
+            score = score.item()
+        if not _is_score(score):
+            raise ValueError(f"Step {index} of the {where} has score {score!r}; scores are finite numbers.")
+        steps.append(Step(start, end, float(score)))
+    return sorted(steps, key=lambda s: s.end)
+
+
+def check_process_rewards(funcs: Sequence[Callable] | Callable | None) -> list[Callable]:
+    """The trainer's ``process_rewards`` argument as a list of callables."""
+    if funcs is None:
+        return []
+    if not isinstance(funcs, (list, tuple)):
+        funcs = [funcs]
+    for func in funcs:
+        if not callable(func):
+            raise TypeError(f"process_rewards entries must be callables, got {type(func).__name__}.")
+    return list(funcs)
+
+
+def process_reward_name(func: Callable) -> str:
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def failure_boundary(
+    builder: Callable[..., Any],
+    reward_name: str,
+    sample: int,
+    prompt: Prompt,
+    completion: str,
+    row: dict[str, Any],
+    score: float,
+) -> int | None:
+    """Call one failure-boundary builder for one failing pair and validate its answer: None, or an int offset in
+    ``[1, len(completion)]``."""
+    where = f"failure boundary builder of reward '{reward_name}' on sample {sample}"
+    try:
+        offset = builder(prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score)
+    except Exception as error:
+        raise ValueError(f"The {where} raised {type(error).__name__}: {error}") from error
+    if offset is None:
+        return None
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise TypeError(f"The {where} returned {type(offset).__name__}; it must return a character offset or None.")
+    if not 1 <= offset <= len(completion):
+        raise ValueError(
+            f"The {where} returned offset {offset}, outside the completion's {len(completion)} characters."
+        )
+    return offset
