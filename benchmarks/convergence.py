@@ -1,4 +1,5 @@
-"""Does MRTPO learn faster? GRPO, GDPO, MRTPO and the joint / shuffled ablations on the embedded model, on CPU.
+"""Does MRTPO learn faster? GRPO, GDPO, MRTPO, the joint / shuffled ablations and OPSD (TRL's self-distillation with
+the info blocks as privileged context, ``trl_mrtpo.opsd``) on the embedded model, on CPU.
 
 For each task kit (``tools``: 2 rewards, ``if``: 5-13 constraint rewards), method and seed, one LoRA run of a fixed
 number of steps on the kit's built-in data (built with ``--data-seed``); the run's seed sets sampling and the data
@@ -29,7 +30,7 @@ import math
 import statistics
 from pathlib import Path
 
-METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled")
+METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "opsd")
 TASKS = ("tools", "if", "short")
 EVALUATIONS = {"tools": ("bfcl_simple_python", "ast_accuracy"), "if": ("ifeval", "prompt_strict")}
 
@@ -78,8 +79,10 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
     if result_path.exists():
         return json.loads(result_path.read_text())
 
-    from trl_mrtpo.demo import cpu_run_config, embedded_lora_trainer
+    from trl_mrtpo.demo import cpu_run_config, embedded_lora_config, embedded_lora_trainer
+    from trl_mrtpo.embedded import embedded_model_path
     from trl_mrtpo.kits import get_kit
+    from trl_mrtpo.opsd import opsd_config, opsd_trainer_class
 
     kit = get_kit(task)
     rewards, info_blocks = kit.rewards, kit.info_blocks
@@ -93,14 +96,24 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
         learning_rate=args.learning_rate,
         temperature=args.temperature,
         seed=seed,
-        credit_assignment=method,
+        credit_assignment="gdpo" if method == "opsd" else method,
         credit_warmup_steps=args.warmup_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
         save_credit_plots=False,
         disable_tqdm=True,
     )
-    trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset)
+    if method == "opsd":  # TRL's self-distillation, the info blocks as privileged context, same shared settings
+        trainer = opsd_trainer_class()(
+            embedded_model_path(),
+            rewards,
+            info_blocks,
+            opsd_config(config),
+            dataset,
+            peft_config=embedded_lora_config(),
+        )
+    else:
+        trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset)
     resume = any(run_dir.glob("checkpoint-*"))
     print(f"{task}/{method}/seed{seed}: {'resuming' if resume else 'training'} ({args.steps} steps)", flush=True)
     trainer.train(resume_from_checkpoint=resume or None)

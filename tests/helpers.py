@@ -101,3 +101,31 @@ def record_for(text, q_reward, q_control, advantage=1.0):
         advantages=advantage * weights[:, 0],
         beta=0.5,
     )
+
+
+def word_steps(completions, **_):
+    """A process reward for the CLI tests: each word a step, scored by its length parity."""
+    import re
+
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [[(m.start(), m.end(), float(len(m.group()) % 2)) for m in re.finditer(r"\S+", t)] for t in texts]
+
+
+def build_prm(tokenizer, folder, seed=0):
+    """A tiny token-classification PRM (2 labels) saved with its tokenizer: loadable by path like a Hub one."""
+    from transformers import LlamaConfig, LlamaForTokenClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=2,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForTokenClassification(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)

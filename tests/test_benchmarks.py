@@ -38,9 +38,9 @@ def test_steps_to_threshold_and_tracked_reward():
 def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
     work, out = tmp_path / "runs", tmp_path / "results"
     argv = ["--quick", "--threads", "1", "--work-dir", str(work), "--output-dir", str(out), "--seeds", "0"]
-    summary = convergence.main(argv + ["--methods", "gdpo", "mrtpo"])
+    summary = convergence.main(argv + ["--methods", "gdpo", "mrtpo", "opsd"])
     assert [(s["task"], s["method"]) for s in summary] == [
-        (task, method) for task in ("tools", "if", "short") for method in ("gdpo", "mrtpo")
+        (task, method) for task in ("tools", "if", "short") for method in ("gdpo", "mrtpo", "opsd")
     ]
     assert all(s["seeds"] == 1 for s in summary)
     for name in ("convergence_steps.csv", "convergence_summary.csv", "convergence.png", "convergence.md"):
@@ -56,6 +56,7 @@ def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
         "ending_reward",
     }
     assert "short: every reward, first step" in (out / "convergence.md").read_text()
+    assert {r["method"] for r in rows} == {"gdpo", "mrtpo", "opsd"}  # OPSD's rollouts are scored like the others'
 
     # A run interrupted after its first checkpoint resumes from it and still records both steps.
     run = work / "if" / "mrtpo" / "seed0"

@@ -254,6 +254,9 @@ def test_default_task_and_run_keep_their_keys():
     assert len({variant_spec(name).key() for name in ("default", "variable_length", "topical_filler", "weak")}) == 4
     with_option = RunSettings(options=(("preserve_reward_totals", True),))
     assert Run(GymSpec(), with_option, 0).key() != Run(GymSpec(), RunSettings(), 0).key()
+    step_rules = [RunSettings(process="oracle"), RunSettings(process="shepherd"), RunSettings(failure_masking=True)]
+    keys = {Run(GymSpec(), settings, 0).key() for settings in [RunSettings(), *step_rules]}
+    assert len(keys) == 4
 
 
 def test_variant_responses():
@@ -306,3 +309,72 @@ def test_localisation_rows_split_passing_and_failing():
     rows = {r["responses"]: r for r in localisation_rows(records)}
     assert rows["all"]["pairs"] == 3 and rows["satisfied"]["mass_ratio"] == 4.0
     assert rows["failing"]["pairs"] == 2 and rows["failing"]["mass_ratio"] == 1.5
+
+
+def brute_force_feasible(constraint, prefix, length, vocabulary):
+    """Whether some completion of ``prefix`` to at most ``length`` words (from ``vocabulary``) meets the constraint."""
+    import itertools
+
+    for total in range(len(prefix), length + 1):
+        for suffix in itertools.product(vocabulary, repeat=total - len(prefix)):
+            if constraint.satisfied([*prefix, *suffix]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefix_feasible_matches_brute_force(kind):
+    from trl_mrtpo.gym.task import prefix_feasible
+
+    constraint = Constraint(kind, "cat", "dog" if kind == "pair" else "")
+    vocabulary = ["cat", "dog", "sand"]
+    rng = random.Random(kind)
+    for _ in range(120):
+        prefix = [rng.choice(vocabulary) for _ in range(rng.randint(1, 5))]
+        length = rng.randint(len(prefix), 6)
+        # longest-only completions are what the gym's fixed-length responses allow; more room never hurts
+        assert prefix_feasible(constraint, prefix, length) == brute_force_feasible(
+            constraint, prefix, length, vocabulary
+        ), (prefix, length)
+
+
+def test_oracle_process_reward_scores_each_word_while_every_constraint_can_still_be_met():
+    from trl_mrtpo.gym.task import oracle_process_reward
+
+    prm = oracle_process_reward(length=8)
+    row = [["first", "red", ""], ["has", "lake", ""], ["last", "dog", ""]]
+    text = " ".join(W)
+    (steps,) = prm(completions=[text], constraints=[row])
+    assert [text[a:b] for a, b, _ in steps] == W
+    assert [score for _, _, score in steps] == [1.0] * 8
+    wrong_start = "cat " + " ".join(W[1:])
+    (steps,) = prm(completions=[wrong_start], constraints=[row])
+    assert [score for _, _, score in steps] == [0.0] * 8  # the first word already broke "first red"
+    wrong_end = " ".join(W[:-1]) + " cat"
+    (steps,) = prm(completions=[wrong_end], constraints=[row])
+    assert [score for _, _, score in steps] == [1.0] * 7 + [0.0]
+
+
+def test_failure_boundary_is_the_end_of_the_last_relevant_word():
+    from trl_mrtpo.gym.task import constraint_failure_boundaries
+
+    first, twice = constraint_failure_boundaries(2)
+    row = {"constraints": [["first", "dog", ""], ["twice", "cat", ""]]}
+    text = " ".join(W)
+    assert first(completion=text, row=row, score=0.0) == len("red")  # only the first word can fix it
+    assert first(completion=text, row=row, score=1.0) is None  # a passing response has no boundary
+    three = "red cat tree cat cat sand lake dog"  # three cats: changing any of them fixes it, the last ends at 20
+    assert twice(completion=three, row=row, score=0.0) == three.index("cat sand") + 3
+
+
+def test_step_rule_arms_run_on_the_gym(tmp_path):
+    from trl_mrtpo.gym import RunSettings, train_run
+
+    spec = GymSpec(hidden_size=16, sft_teach_steps=20, sft_calibrate_steps=10)
+    for settings in (
+        RunSettings(method="gdpo", steps=2, process="oracle"),
+        RunSettings(method="gdpo", steps=2, process="shepherd", shepherd_rollouts=2),
+        RunSettings(method="mrtpo", steps=2, failure_masking=True),
+    ):
+        records = train_run(spec, settings, 0, tmp_path / "policies", tmp_path / "out")
+        assert len(records) == 2 and all(0.0 <= r["mean_reward"] <= 1.0 for r in records)

@@ -20,9 +20,12 @@ def python_blocks() -> list[str]:
     ]
 
 
-def for_cpu(code: str, model_path: str) -> str:
-    """The hub id becomes the embedded model; the run becomes 1 step of 2 short answers on CPU."""
-    code = code.replace('"Qwen/Qwen2.5-Coder-3B-Instruct"', repr(model_path))
+def for_cpu(code: str, model_path: str, prm_path: str = "") -> str:
+    """The hub ids become the embedded model and a PRM built in the test; the run becomes 1 step of 2 short answers
+    on CPU."""
+    code = code.replace('"Qwen/Qwen2.5-Coder-3B-Instruct"', repr(model_path)).replace(
+        '"your-org/your-prm"', repr(prm_path)
+    )
     for name, value in (("num_generations", 2), ("per_device_train_batch_size", 2), ("max_steps", 1)):
         code, count = re.subn(rf"{name}=\d+", f"{name}={value}", code)
     return code.replace(
@@ -37,12 +40,16 @@ def test_readme_has_the_lora_quickstart_and_the_load_back_example():
 
 
 def test_every_python_block_runs(tmp_path, monkeypatch, embedded_model_in_hub_cache):
+    from transformers import AutoTokenizer
+
+    from tests.helpers import build_prm
     from trl_mrtpo.embedded import embedded_model_path
 
+    prm = build_prm(AutoTokenizer.from_pretrained(embedded_model_path()), tmp_path / "prm")
     # the saved adapter records the embedded model's Hub id, which the load-back block resolves from the Hub cache
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     for block in python_blocks():
-        exec(compile(for_cpu(block, embedded_model_path()), "README.md", "exec"), namespace)
+        exec(compile(for_cpu(block, embedded_model_path(), prm), "README.md", "exec"), namespace)
     assert (tmp_path / "qwen-coder-mrtpo" / "adapter_config.json").is_file()
     assert (tmp_path / "qwen-coder-mrtpo-merged" / "config.json").is_file()

@@ -53,6 +53,7 @@ def test_recipes_exist_for_every_task_and_paper_model():
         "tools/qwen2.5-3b-instruct-lora",
         "cpu/sql-smollm2",
         "vllm/tools-qwen2.5-1.5b-server",
+        *(f"opsd/{task}-smollm2" for task in ("basic", "if", "sql", "tools", "short")),
     ]:
         assert expected in names
 
@@ -72,6 +73,14 @@ def test_recipe_builds_a_trainer(recipe, tiny_dir, local_data, tmp_path):
         ["--config", str(recipe), *overrides]
     )
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
+    if config.get("trainer") == "opsd":  # the comparison arm: TRL's SDFT trainer, the blocks as privileged context
+        from trl.experimental.sdft import SDFTTrainer
+
+        assert isinstance(trainer, SDFTTrainer) and not isinstance(trainer, MRTPOTrainer)
+        assert trainer.args.teacher_model_kind == "live" and trainer.args.max_steps == config["max_steps"]
+        assert trainer.args.num_generations == config["num_generations"] and len(trainer.scoring_funcs) >= 2
+        assert any(trainer.train_dataset["privileged_context"])
+        return
     assert isinstance(trainer, MRTPOTrainer)
     # every key of the recipe that is a training field arrives as written (the overrides above aside)
     overridden = {"output_dir", "use_cpu", "bf16", "use_vllm", "activation_checkpointing"}
@@ -218,3 +227,28 @@ def test_ignore_bias_buffers_takes_effect(monkeypatch, tmp_path):
     )
     trainer = build_trainer(*make_parser().parse_args_and_config([*argv, "--ignore_bias_buffers", "true"]))
     assert trainer.model._ddp_params_and_buffers_to_ignore == ["causal_mask"]
+
+
+def test_train_passes_the_kits_failure_boundaries_and_process_rewards(monkeypatch, tmp_path):
+    from trl_mrtpo.kits.tool_calling import tool_call_boundary
+
+    base = [
+        "--config",
+        "recipes/cpu/basic-smollm2.yaml",
+        "--model_name_or_path",
+        "some/model",
+        "--output_dir",
+        str(tmp_path),
+        "--task",
+        "tools",
+    ]
+    kwargs = _built(monkeypatch, base)
+    assert kwargs["failure_boundaries"] is None and kwargs["process_rewards"] is None
+    process = "trl_mrtpo.gym.task.oracle_process_reward"  # a factory: called with no argument it would fail
+    kwargs = _built(monkeypatch, [*base, "--failure_masking", "true", "--process_rewards", "tests.helpers.word_steps"])
+    assert kwargs["failure_boundaries"] == [None, tool_call_boundary]
+    assert [p.__name__ for p in kwargs["process_rewards"]] == ["word_steps"]
+    with pytest.raises(ValueError, match="failure_masking uses a task kit's failure boundaries"):
+        _built(monkeypatch, [*base[:-1], "basic", "--failure_masking", "true"])
+    with pytest.raises(ValueError, match="cannot import process reward"):
+        _built(monkeypatch, [*base, "--process_rewards", process + "_missing"])

@@ -266,3 +266,20 @@ def test_sqlglot_fallback_warnings_stay_out_of_the_log(dbs, caplog):
     with caplog.at_level(logging.WARNING):
         run_query(dbs["shop"], "VACUUM INTO '/tmp/copy.sqlite'")
     assert not [r for r in caplog.records if r.name.startswith("sqlglot")]
+
+
+def test_error_boundary_points_at_what_sqlite_names(dbs):
+    from trl_mrtpo.kits.sql import sql_error_boundary
+
+    row = {"db_path": dbs["shop"]}
+    for query, culprit in (("SELECT nme FROM customers", "nme"), ("SELECT name FROM custmers", "custmers")):
+        (completion,) = fenced(query)
+        text = completion["content"]
+        end = sql_error_boundary(prompt=None, completion=[completion], row=row, score=0.0)
+        assert text[:end].endswith(culprit) and text.index(culprit) + len(culprit) == end
+    syntax = fenced("SELECT name FROM customers WHERE WHERE city = 1")
+    end = sql_error_boundary(prompt=None, completion=syntax, row=row, score=0.0)
+    assert syntax[0]["content"][:end].endswith("WHERE")
+    # a query that runs, or text without a query, has no place to point at
+    assert sql_error_boundary(prompt=None, completion=fenced("SELECT name FROM customers"), row=row, score=0.0) is None
+    assert sql_error_boundary(prompt=None, completion="no sql here", row=row, score=0.0) is None

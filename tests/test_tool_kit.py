@@ -136,3 +136,36 @@ def test_rlla_adapter_from_local_file(tmp_path):
     path.write_text(json.dumps({"prompt": "x", "answer": "garbage"}))
     with pytest.raises(ValueError, match="row 0"):
         load_rlla(str(path))
+
+
+def test_call_boundary_is_the_end_of_the_first_wrong_call():
+    from trl_mrtpo.kits.tool_calling import tool_call_boundary
+
+    row = {"tool_calls": json.dumps(REFERENCE)}
+    good, wrong = json.dumps(REFERENCE[0]), json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+    completion = answer(f"[{good}, {wrong}, {good}]")
+    text = completion[0]["content"]
+    end = tool_call_boundary(prompt=None, completion=completion, row=row, score=0.5)
+    assert text[:end].endswith(wrong) and text.index(wrong) + len(wrong) == end
+    # JSON lines, the second call wrong
+    completion = answer(f"{json.dumps(REFERENCE[1])}\n{wrong}")
+    end = tool_call_boundary(prompt=None, completion=completion, row=row, score=0.5)
+    assert completion[0]["content"][:end].endswith(wrong)
+    # every call right but one missing: the omission comes after the last call
+    completion = answer(f"[{good}]")
+    assert completion[0]["content"][
+        : tool_call_boundary(prompt=None, completion=completion, row=row, score=0.5)
+    ].endswith(good)
+    # no call block, or one that does not parse: no boundary
+    assert tool_call_boundary(prompt=None, completion="no calls", row=row, score=0.0) is None
+    assert tool_call_boundary(prompt=None, completion=answer("[{oops"), row=row, score=0.0) is None
+
+
+@given(MALFORMED_COMPLETIONS)
+@settings(max_examples=100)
+def test_call_boundary_never_raises_on_junk(junk):
+    from trl_mrtpo.kits.tool_calling import tool_call_boundary
+
+    completion = answer(junk) if isinstance(junk, str) else junk
+    end = tool_call_boundary(prompt=None, completion=completion, row={"tool_calls": json.dumps(REFERENCE)}, score=0.0)
+    assert end is None or 0 < end

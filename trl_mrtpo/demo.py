@@ -28,14 +28,18 @@ def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
     return MRTPOConfig(**settings)
 
 
+def embedded_lora_config():
+    """The CPU runs' adapter: rank 8 on the attention projections (never on lm_head: the replay reads its weight)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
 def embedded_lora_trainer(
     reward_funcs: list, info_blocks: list, args: MRTPOConfig, train_dataset, model: str | None = None, **kwargs
 ):
-    """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct (or the ``model`` folder) with a rank-8
-    LoRA adapter on the attention projections (never on lm_head: the replay reads its weight). ``kwargs`` go to the
-    trainer."""
-    from peft import LoraConfig
-
+    """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct (or the ``model`` folder) with
+    :func:`embedded_lora_config`'s adapter. ``kwargs`` go to the trainer."""
     from .embedded import embedded_model_path
     from .trainer import MRTPOTrainer
 
@@ -45,7 +49,7 @@ def embedded_lora_trainer(
         info_blocks=info_blocks,
         args=args,
         train_dataset=train_dataset,
-        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        peft_config=embedded_lora_config(),
         **kwargs,
     )
 

@@ -43,6 +43,16 @@ class MRTPOScriptArguments(ScriptArguments):
             Prompts drawn from a kit's built-in data generator (kits with a fixed set use all of it).
         threads (`int`, *optional*):
             torch CPU threads; default: the free cores (usable cores minus the 1-minute load average, at least 1).
+        failure_masking (`bool`, *optional*, defaults to `False`):
+            Use the task kit's failure boundaries: after the point where a failing response's unrecovered error ends,
+            that reward's negative credit is dropped (kits whose verifier knows the point: `sql`, `tools`).
+        process_rewards (`list[str]`, *optional*):
+            Process rewards (step-level scores) by dotted import path: each a function, or a class or factory
+            called without arguments that returns one.
+        trainer (`str`, *optional*, defaults to `"mrtpo"`):
+            `mrtpo`: `MRTPOTrainer` (every credit mode). `opsd`: the comparison arm, TRL's experimental
+            `SDFTTrainer` with the info blocks as the live teacher's privileged context (`trl_mrtpo.opsd`); the
+            rewards are logged, not trained on, and the MRTPO fields are ignored.
     """
 
     task: str | None = field(default=None, metadata={"help": f"Task kit: {', '.join(KIT_NAMES)}."})
@@ -63,6 +73,16 @@ class MRTPOScriptArguments(ScriptArguments):
     num_prompts: int = field(default=256, metadata={"help": "Prompts drawn from a kit's built-in data generator."})
     threads: int | None = field(
         default=None, metadata={"help": "torch CPU threads; default: the free cores (cores minus the load average)."}
+    )
+    failure_masking: bool = field(
+        default=False, metadata={"help": "Drop a failing reward's penalty after its error (the kit's boundaries)."}
+    )
+    process_rewards: list[str] | None = field(
+        default=None, metadata={"help": "Process rewards (step scores) by dotted import path."}
+    )
+    trainer: str = field(
+        default="mrtpo",
+        metadata={"help": "mrtpo, or opsd: self-distillation with the info blocks as privileged context."},
     )
 
 
@@ -141,6 +161,16 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
         blocks = [resolve(name, "info_block") for name in script_args.info_blocks]
     if not rewards:
         raise ValueError("no reward functions: set task or reward_funcs")
+    boundaries = None
+    if script_args.failure_masking:
+        if kit is None or not kit.failure_boundaries or script_args.reward_funcs:
+            raise ValueError(
+                "failure_masking uses a task kit's failure boundaries (the sql and tools kits have them) with the "
+                "kit's own rewards; for your own rewards pass failure_boundaries to MRTPOTrainer in Python."
+            )
+        boundaries = list(kit.failure_boundaries)
+    process_rewards = [resolve(name, "process reward") for name in script_args.process_rewards or ()]
+    process_rewards = [p() if isinstance(p, type) else p for p in process_rewards]
     model = model_args.model_name_or_path
     if model is None:
         raise ValueError("model_name_or_path is required (a hub id, a local folder, or 'embedded')")
@@ -154,10 +184,16 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
+    if script_args.trainer == "opsd":
+        return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
+    if script_args.trainer != "mrtpo":
+        raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo' or 'opsd'.")
     trainer = MRTPOTrainer(
         model=model,
         reward_funcs=rewards,
         info_blocks=blocks,
+        process_rewards=process_rewards or None,
+        failure_boundaries=boundaries,
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
@@ -171,6 +207,25 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
             name for name, buffer in trainer.model.named_buffers() if buffer.dtype == torch.bool
         ]
     return trainer
+
+
+def _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset):
+    """The OPSD comparison arm on the same recipe: shared fields carried over (:func:`trl_mrtpo.opsd.opsd_config`)."""
+    from trl import get_peft_config
+
+    from .opsd import opsd_config, opsd_trainer_class
+
+    if script_args.process_rewards or script_args.failure_masking:
+        raise ValueError("process_rewards and failure_masking are MRTPOTrainer's credit rules; OPSD has no credit.")
+    return opsd_trainer_class()(
+        model,
+        rewards,
+        blocks,
+        opsd_config(training_args),
+        train_dataset,
+        peft_config=get_peft_config(model_args),
+        separator=training_args.info_block_separator,
+    )
 
 
 def data_source(script_args: MRTPOScriptArguments, dataset_args=None) -> str | None:
@@ -192,8 +247,9 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
 
     torch.set_num_threads(script_args.threads or default_threads())
     trainer = build_trainer(script_args, training_args, model_args, dataset_args)
-    trainer.recipe = recipe
-    trainer.data_source = data_source(script_args, dataset_args)
+    if script_args.trainer == "mrtpo":  # the model card's training procedure
+        trainer.recipe = recipe
+        trainer.data_source = data_source(script_args, dataset_args)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")

@@ -60,6 +60,9 @@ class Kit:
         loaders (`dict[str, Callable]`):
             ``data_loader`` name -> ``load(data_path, data_split_file, database_dir)``: a training Dataset read from
             published data.
+        failure_boundaries (`list[Callable | None]`):
+            One failure-boundary builder (or None) per reward, where the verifier knows where a failing response's
+            unrecovered error ends (the trainer's ``failure_boundaries``); empty: none.
     """
 
     name: str
@@ -70,10 +73,15 @@ class Kit:
     spans: Callable[[dict, str], Spans] | None = None
     report_label: str | None = None
     loaders: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    failure_boundaries: list[Callable | None] = field(default_factory=list)
 
     def __post_init__(self):
         if len(self.rewards) != len(self.info_blocks):
             raise ValueError(f"kit {self.name!r}: {len(self.rewards)} rewards but {len(self.info_blocks)} info blocks")
+        if self.failure_boundaries and len(self.failure_boundaries) != len(self.rewards):
+            raise ValueError(
+                f"kit {self.name!r}: {len(self.rewards)} rewards but {len(self.failure_boundaries)} failure boundaries"
+            )
 
 
 def get_kit(name: str) -> Kit:
@@ -93,11 +101,11 @@ def data_loaders() -> dict[str, Callable[..., Any]]:
 
 def resolve(name: str, kind: str) -> Callable | None:
     """A reward function (``kind="reward"``) or info-block builder (``kind="info_block"``) by a kit's name for it
-    or a dotted import path (``my_pkg.rewards.my_reward``, resolved from the working directory too). ``"none"``
-    gives None (a reward without an info block)."""
+    or a dotted import path (``my_pkg.rewards.my_reward``, resolved from the working directory too); anything else
+    (a process reward) by dotted path only. ``"none"`` gives None (a reward without an info block)."""
     if kind == "info_block" and name.lower() == "none":
         return None
-    kits = [get_kit(kit_name) for kit_name in KIT_NAMES]
+    kits = [get_kit(kit_name) for kit_name in KIT_NAMES] if kind in ("reward", "info_block") else []
     functions = [f for kit in kits for f in (kit.rewards if kind == "reward" else kit.info_blocks) if f is not None]
     registry = {f.__name__: f for f in functions}
     if name in registry:

@@ -306,6 +306,41 @@ def sql_error_block(*, prompt, completion, row, score) -> str | None:
     return None if error is None else f"Your SQL failed with this error: {error}"
 
 
+_NAMED_PLACE = re.compile(r'near "([^"]+)"|no such (?:column|table|function): ([\w.]+)')
+_PARSE_PLACE = re.compile(r"Line (\d+), Col: (\d+)")
+
+
+def _error_offset(sql: str, error: str) -> int | None:
+    """Where in ``sql`` an error points: the end of the name SQLite quotes, or the parser's line and column."""
+    named = _NAMED_PLACE.search(error)
+    if named is not None:
+        name = named.group(1) or named.group(2)
+        where = sql.find(name)
+        return None if where < 0 else where + len(name)
+    parsed = _PARSE_PLACE.search(error)
+    if parsed is None:
+        return None
+    lines = sql.split("\n")
+    line, column = int(parsed.group(1)), int(parsed.group(2))
+    if not 1 <= line <= len(lines):
+        return None
+    return min(sum(len(text) + 1 for text in lines[: line - 1]) + column, len(sql))
+
+
+def sql_error_boundary(*, prompt, completion, row, score) -> int | None:
+    """Failure boundary of :func:`sql_executable_reward`: where the error points, SQLite's (``near "X"``, ``no such
+    column: X``: the end of X's first occurrence) or the parser's (line and column); None when it names no place."""
+    text = completion_text(completion)
+    match = _FENCE.search(text)
+    sql = extract_sql(text)
+    if match is None or sql is None:
+        return None
+    offset = _error_offset(sql, run_query(str(row["db_path"]), sql).error or "")
+    if offset is None or offset < 1:
+        return None
+    return match.start(1) + match.group(1).index(sql) + offset
+
+
 def sql_reference_block(*, prompt, completion, row, score) -> str:
     """The reference query the execution reward compares against."""
     return f"A correct query is:\n```sql\n{row['query']}\n```"
@@ -497,4 +532,5 @@ KIT = Kit(
     dataset=builtin_sql_dataset,
     spans=sql_spans,
     loaders={"spider": _published_loader("spider"), "bird": _published_loader("bird")},
+    failure_boundaries=[None, sql_error_boundary, None],
 )

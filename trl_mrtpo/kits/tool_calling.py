@@ -18,7 +18,8 @@ Rewards (dataset column ``tool_calls``: the reference calls, a list or its JSON 
   reference call matched to an unused predicted call of the same name). Exactly the reference gives 1.
 
 Info blocks (appended): :func:`tool_format_block` (the format rule), :func:`tool_reference_block` (the reference
-calls).
+calls). Failure boundary of the correctness reward: :func:`tool_call_boundary`, the end of the first call that does
+not match the reference.
 """
 
 from __future__ import annotations
@@ -148,6 +149,55 @@ def tool_reference_block(*, prompt, completion, row, score) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------- data
+def _call_spans(text: str) -> list[tuple[int, dict]]:
+    """Each JSON object inside the ``<tool_call>`` block of ``text`` with the offset where it ends, in order
+    (a list's elements or one object per line); empty when the block is missing or does not parse."""
+    match = _CALL_BLOCK.search(text) if isinstance(text, str) else None
+    if match is None:
+        return []
+    decoder, payload, base = json.JSONDecoder(), match.group(1), match.start(1)
+    spans, cursor = [], 0
+    while cursor < len(payload):
+        char = payload[cursor]
+        if char in " \t\r\n,[]":
+            cursor += 1
+            continue
+        try:
+            value, end = decoder.raw_decode(payload, cursor)
+        except (json.JSONDecodeError, RecursionError):
+            return spans
+        if isinstance(value, dict):
+            spans.append((base + end, value))
+        cursor = end
+    return spans
+
+
+def _same_call(predicted: dict, expected: dict) -> bool:
+    arguments, wanted = predicted.get("arguments"), expected["arguments"]
+    return (
+        predicted.get("name") == expected["name"]
+        and isinstance(arguments, dict)
+        and arguments.keys() == wanted.keys()
+        and all(_same_value(arguments[k], v) for k, v in wanted.items())
+    )
+
+
+def tool_call_boundary(*, prompt, completion, row, score) -> int | None:
+    """Failure boundary of :func:`tool_correctness_reward`: the end of the first call that matches no unused
+    reference call (nothing after it caused the failure), or of the last call when a reference call is missing;
+    None when the calls cannot be located."""
+    spans = _call_spans(completion_text(completion))
+    if not spans:
+        return None
+    unused = list(reference_calls(row["tool_calls"]))
+    for end, call in spans:
+        match = next((ref for ref in unused if _same_call(call, ref)), None)
+        if match is None:
+            return end
+        unused.remove(match)
+    return spans[-1][0]
+
+
 def tool_prompt(question: str, functions: list[dict]) -> list[dict[str, str]]:
     """System message with the function documentation and the format rule, then the user's request."""
     system = (
@@ -352,4 +402,5 @@ KIT = Kit(
     dataset=builtin_tool_dataset,
     spans=tool_spans,
     loaders={"rlla": _load_rlla},
+    failure_boundaries=[None, tool_call_boundary],
 )
