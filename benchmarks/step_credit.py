@@ -4,7 +4,8 @@ policy) and failure-suffix masking, alone and on MRTPO, against GDPO and MRTPO, 
 Arms: ``gdpo``; ``mrtpo`` (the paper's method); ``prm`` (gdpo + the oracle process reward: each word a step, scored
 1 while the response can still meet every constraint); ``shepherd`` (gdpo + Math-Shepherd soft labels, 4 sampled
 continuations per step prefix, verified by "every constraint met"); ``mask`` (gdpo + failure-suffix masking at each
-failing constraint's last relevant position); ``mrtpo+mask``. Settings are those frozen in
+failing constraint's last relevant position); ``mrtpo+mask``; ``opsd`` (TRL's self-distillation, the constraint
+sentences restated as the live teacher's privileged context). Settings are those frozen in
 ``benchmarks/step_credit_protocol.md`` before any evaluation seed ran; nothing is tuned.
 
     OMP_NUM_THREADS=1 python benchmarks/step_credit.py --variants default --jobs 1
@@ -33,6 +34,7 @@ ARMS = {
     "shepherd": RunSettings(method="gdpo", process="shepherd", shepherd_rollouts=4),
     "mask": RunSettings(method="gdpo", failure_masking=True),
     "mrtpo+mask": RunSettings(method="mrtpo", failure_masking=True),
+    "opsd": RunSettings(method="opsd"),  # added by the protocol's amendment
 }
 
 

@@ -375,6 +375,7 @@ def test_step_rule_arms_run_on_the_gym(tmp_path):
         RunSettings(method="gdpo", steps=2, process="oracle"),
         RunSettings(method="gdpo", steps=2, process="shepherd", shepherd_rollouts=2),
         RunSettings(method="mrtpo", steps=2, failure_masking=True),
+        RunSettings(method="opsd", steps=2),
     ):
         records = train_run(spec, settings, 0, tmp_path / "policies", tmp_path / "out")
         assert len(records) == 2 and all(0.0 <= r["mean_reward"] <= 1.0 for r in records)

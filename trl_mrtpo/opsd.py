@@ -146,23 +146,32 @@ def opsd_trainer_class():
         def sample_rollouts(self, inputs: list[dict[str, Any]]):
             batch = super().sample_rollouts(inputs)
             mode = "train" if self.model.training else "eval"
+            table = self.score_rollouts(inputs, batch)
+            for k, name in enumerate(self.reward_func_names):
+                scored = table[:, k][~torch.isnan(table[:, k])]
+                if scored.numel():
+                    self._metrics[mode][f"rewards/{name}/mean"].append(scored.mean().item())
+            # TRL's "reward": the rewards summed per response (a None counts as 0), averaged over the batch
+            self._metrics[mode]["reward"].append(table.nansum(1).mean().item())
+            return batch
+
+        def score_rollouts(self, inputs: list[dict[str, Any]], batch) -> torch.Tensor:
+            """``[N, K]`` every reward of every rollout of ``batch`` (NaN where a reward returned None)."""
             lengths = batch["raw_completion_lengths"].tolist()
             texts = self.processing_class.batch_decode(
                 [ids[:n] for ids, n in zip(batch["completion_ids"].tolist(), lengths)], skip_special_tokens=True
             )
             conversational = isinstance(inputs[0]["prompt"], list)
             completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-            columns = {key: [row[key] for row in inputs] for key in inputs[0] if key not in ("prompt",)}
+            columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
             prompts = [row["prompt"] for row in inputs]
-            table = []
-            for func, name in zip(self.scoring_funcs, self.reward_func_names):
-                values = func(prompts=prompts, completions=completions, trainer_state=self.state, **columns)
-                table.append([math.nan if v is None else float(v) for v in values])
-                scored = [v for v in table[-1] if not math.isnan(v)]
-                if scored:
-                    self._metrics[mode][f"rewards/{name}/mean"].append(sum(scored) / len(scored))
-            # TRL's "reward": the rewards summed per response (a None counts as 0), averaged over the batch
-            self._metrics[mode]["reward"].append(torch.tensor(table).nansum(0).mean().item())
-            return batch
+            table = [
+                [
+                    math.nan if v is None else float(v)
+                    for v in func(prompts=prompts, completions=completions, trainer_state=self.state, **columns)
+                ]
+                for func in self.scoring_funcs
+            ]
+            return torch.tensor(table, dtype=torch.float32).T
 
     return OPSDTrainer

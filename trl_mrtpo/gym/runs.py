@@ -46,12 +46,14 @@ def gym_dataset(spec: GymSpec, num_prompts: int, seed: int):
 class RunSettings:
     """What one RL run of the gym uses besides the task and its seed.
 
-    ``method`` is a credit mode, or ``"oracle"``: MRTPO's steps 5-8 with q set to the ground-truth relevant
-    positions instead of the replay's (the upper bound of what any relevance profile can give). ``options`` are
-    further ``MRTPOConfig`` fields as ``(name, value)`` pairs (the credit options under test). ``process`` adds a
-    process reward: ``"oracle"`` (:func:`~trl_mrtpo.gym.task.oracle_process_reward`) or ``"shepherd"``
-    (Math-Shepherd labels from the policy, ``shepherd_rollouts`` continuations per step, soft labels).
-    ``failure_masking`` drops each failing constraint's penalty after its last relevant position."""
+    ``method`` is a credit mode, ``"oracle"`` (MRTPO's steps 5-8 with q set to the ground-truth relevant positions
+    instead of the replay's: the upper bound of what any relevance profile can give) or ``"opsd"`` (TRL's
+    self-distillation, the constraint sentences restated as the live teacher's privileged context,
+    :mod:`trl_mrtpo.opsd`). ``options`` are further ``MRTPOConfig`` fields as ``(name, value)`` pairs (the credit
+    options under test). ``process`` adds a process reward: ``"oracle"``
+    (:func:`~trl_mrtpo.gym.task.oracle_process_reward`) or ``"shepherd"`` (Math-Shepherd soft labels from the
+    policy, ``shepherd_rollouts`` continuations per step). ``failure_masking`` drops each failing constraint's
+    penalty after its last relevant position."""
 
     method: str = "mrtpo"
     steps: int = 150
@@ -137,6 +139,26 @@ def _gym_trainer_class():
     return GymTrainer
 
 
+def _gym_opsd_class():
+    from ..opsd import opsd_trainer_class
+
+    class GymOPSDTrainer(opsd_trainer_class()):
+        """OPSD on the gym (the constraint sentences restated as the teacher's privileged context), recording every
+        rollout's rewards with the constraints they were scored against, as :class:`GymTrainer` does."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.scored_batches: list[tuple[torch.Tensor, list]] = []
+
+        def score_rollouts(self, inputs, batch):
+            table = super().score_rollouts(inputs, batch)
+            if self.model.training:
+                self.scored_batches.append((table.clone(), [row["constraints"] for row in inputs]))
+            return table
+
+    return GymOPSDTrainer
+
+
 def step_record(rewards: torch.Tensor, constraints: Sequence[Sequence[Sequence[str]]]) -> dict[str, float]:
     """One step's mean reward overall, per slot and per constraint kind (NaN for a kind the batch lacks)."""
     record = {"mean_reward": rewards.mean().item()}
@@ -168,7 +190,7 @@ def train_run(
     model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     config = MRTPOConfig(
         output_dir=str(output_dir),
-        credit_assignment="mrtpo" if settings.method == "oracle" else settings.method,
+        credit_assignment={"oracle": "mrtpo", "opsd": "gdpo"}.get(settings.method, settings.method),
         credit_beta=settings.credit_beta,
         credit_warmup_steps=settings.credit_warmup_steps,
         max_second_moment_ratio=settings.max_second_moment_ratio,
@@ -194,17 +216,29 @@ def train_run(
         **dict(settings.options),
     )
     set_seed(seed)
-    trainer = _gym_trainer_class()(
-        model=model,
-        reward_funcs=constraint_rewards(spec.num_constraints),
-        info_blocks=constraint_blocks(spec.num_constraints, spec.placement),
-        args=config,
-        train_dataset=gym_dataset(spec, settings.steps * settings.prompts_per_step, seed),
-        processing_class=tokenizer,
-        oracle=settings.method == "oracle",
-        process_rewards=_process_rewards(spec, settings),
-        failure_boundaries=constraint_failure_boundaries(spec.num_constraints) if settings.failure_masking else None,
-    )
+    dataset = gym_dataset(spec, settings.steps * settings.prompts_per_step, seed)
+    rewards, blocks = constraint_rewards(spec.num_constraints), constraint_blocks(spec.num_constraints, spec.placement)
+    boundaries = constraint_failure_boundaries(spec.num_constraints) if settings.failure_masking else None
+    if settings.method == "opsd":
+        from ..opsd import opsd_config
+
+        # the gym's vocabulary is smaller than SDFT's default top-100 logits: distil over all of it
+        args = opsd_config(config, distillation_mode="full_logits")
+        trainer = _gym_opsd_class()(
+            model, rewards, blocks, args, dataset, processing_class=tokenizer, separator=SEPARATOR
+        )
+    else:
+        trainer = _gym_trainer_class()(
+            model=model,
+            reward_funcs=rewards,
+            info_blocks=blocks,
+            args=config,
+            train_dataset=dataset,
+            processing_class=tokenizer,
+            oracle=settings.method == "oracle",
+            process_rewards=_process_rewards(spec, settings),
+            failure_boundaries=boundaries,
+        )
     trainer.train()
     return [
         {"step": step, **step_record(rewards, constraints)}
