@@ -135,6 +135,28 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
     return result
 
 
+def reuse_recorded_runs(path: str, args: argparse.Namespace) -> int:
+    """Seeds the work dir with the runs a previous ``convergence_steps.csv`` recorded (every reward's mean per step),
+    so a grid can grow by one method without recomputing the others. The CSV holds no held-out score: a reused run
+    has none (NaN). Returns how many runs were written; runs already in the work dir are left alone."""
+    runs: dict[tuple[str, str, int], dict[int, dict[str, float]]] = {}
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            key = (row["task"], row["method"], int(row["seed"]))
+            runs.setdefault(key, {}).setdefault(int(row["step"]), {})[row["reward"]] = float(row["mean"])
+    written = 0
+    for (task, method, seed), steps in runs.items():
+        result_path = Path(args.work_dir) / task / method / f"seed{seed}" / "result.json"
+        if result_path.exists():
+            continue
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        rewards = [steps[step] for step in sorted(steps)]
+        record = {"task": task, "method": method, "seed": seed, "rewards": rewards, "eval_after": math.nan}
+        result_path.write_text(json.dumps(record))
+        written += 1
+    return written
+
+
 def _number(value: float | None) -> float:
     """A logged mean, NaN when TRL logged None (a reward that applied to no sample of the batch)."""
     return math.nan if value is None else float(value)
@@ -316,6 +338,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, default=5, help="checkpoint interval (resumable runs)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--work-dir", default="convergence_runs", help="checkpoints and per-run results")
+    parser.add_argument(
+        "--reuse-steps",
+        default=None,
+        help="a previous convergence_steps.csv: its runs join the grid without being recomputed (no held-out score)",
+    )
     parser.add_argument("--output-dir", default=str(Path(__file__).parent / "results"))
     parser.add_argument(
         "--quick",
@@ -336,6 +363,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.reuse_steps:
+        print(f"reused {reuse_recorded_runs(args.reuse_steps, args)} recorded runs from {args.reuse_steps}")
     # seed-major order: an interrupted grid already holds every method for its first seeds
     results = [
         train_run(task, method, seed, args) for task in args.tasks for seed in args.seeds for method in args.methods

@@ -143,3 +143,23 @@ def test_gpu_check_model_has_smollm2s_shape():
     for name, value in SMOLLM2.items():
         expected = pytest.approx(value) if isinstance(value, float) else value
         assert getattr(real, name) == expected, name
+
+
+def test_recorded_runs_are_reused_without_recomputing(tmp_path):
+    steps = tmp_path / "steps.csv"
+    steps.write_text(
+        "task,method,seed,step,reward,mean\n"
+        "short,gdpo,0,1,opening_reward,0.5\nshort,gdpo,0,1,ending_reward,0.0\n"
+        "short,gdpo,0,2,opening_reward,0.75\nshort,gdpo,0,2,ending_reward,0.25\n"
+        "short,mrtpo,0,1,opening_reward,1.0\nshort,mrtpo,0,1,ending_reward,0.5\n"
+    )
+    args = convergence.parse_args(["--work-dir", str(tmp_path / "runs"), "--tasks", "short"])
+    assert convergence.reuse_recorded_runs(str(steps), args) == 2
+    gdpo = json.loads((tmp_path / "runs" / "short" / "gdpo" / "seed0" / "result.json").read_text())
+    assert gdpo["rewards"] == [
+        {"opening_reward": 0.5, "ending_reward": 0.0},
+        {"opening_reward": 0.75, "ending_reward": 0.25},
+    ]
+    assert math.isnan(gdpo["eval_after"])
+    assert convergence.train_run("short", "gdpo", 0, args) == gdpo  # a finished run: read back, never retrained
+    assert convergence.reuse_recorded_runs(str(steps), args) == 0  # what is there is left alone

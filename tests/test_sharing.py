@@ -80,3 +80,29 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
 
     (result,) = run_evaluation(model="embedded", adapter=str(pushed), benchmarks=["ifeval"], limit=2, max_new_tokens=8)
     assert result.count == 2 and 0.0 <= result.metrics["instruction_loose"] <= 1.0
+
+
+def test_saving_an_embedded_adapter_asks_no_hub_and_records_the_hub_id(tmp_path):
+    """PEFT looks the base model's config up by the adapter's recorded base to decide whether to save embeddings;
+    for the embedded model it must read the local folder instead of warning that the Hub cannot be reached."""
+    import warnings
+
+    from datasets import Dataset
+
+    from tests.helpers import graded_length
+    from trl_mrtpo.demo import cpu_run_config, embedded_lora_trainer
+    from trl_mrtpo.embedded import EMBEDDED_HUB_ID, embedded_model_path
+
+    trainer = embedded_lora_trainer(
+        [graded_length], [None], cpu_run_config(str(tmp_path / "out")), Dataset.from_list([{"prompt": "hi"}] * 4)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_model(str(tmp_path / "saved"))
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "Could not find a config file" in m or "Unable to fetch remote file" in m]
+    written = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == EMBEDDED_HUB_ID
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert model.peft_config["default"].base_model_name_or_path == EMBEDDED_HUB_ID  # restored in memory too
+    assert embedded_model_path() != EMBEDDED_HUB_ID

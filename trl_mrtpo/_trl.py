@@ -32,6 +32,7 @@ GRPO_TRAINER_NAMES = {
     "_tokenize_prompts": "called: the prompt token ids of the replay contexts, as generation tokenises them",
     "_save_rng_state": "overridden (transformers Trainer): writes MRTPO's state beside TRL's in checkpoints",
     "_load_rng_state": "overridden (transformers Trainer): reads it back on resume",
+    "_save": "overridden (transformers Trainer): an embedded-model adapter is saved without a Hub lookup",
 }
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table
 # logs, the vision-language and tool-rollout flags the replay refuses, and the eval group size.

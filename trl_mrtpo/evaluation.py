@@ -43,7 +43,8 @@ def transformers_generator(model, tokenizer, max_new_tokens: int = 256, batch_si
             tokenizer.pad_token = tokenizer.eos_token
         texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
         outputs = []
-        for start in tqdm(range(0, len(texts), batch_size), desc="generating", leave=False):
+        bar = tqdm(total=len(texts), desc="generating", unit="prompt", leave=False)
+        for start in range(0, len(texts), batch_size):
             batch = tokenizer(
                 texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
             )
@@ -54,6 +55,8 @@ def transformers_generator(model, tokenizer, max_new_tokens: int = 256, batch_si
                 )
             new_tokens = generated[:, batch["input_ids"].shape[1] :]
             outputs.extend(tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
+            bar.update(len(new_tokens))
+        bar.close()
         return outputs
 
     return generate

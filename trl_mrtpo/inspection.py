@@ -218,6 +218,7 @@ def inspect_credit(
     from .viz import credit_heatmap_html
 
     torch.manual_seed(seed)
+    print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
     policy, tokenizer = load_policy(model, adapter)
     kit = get_kit(task)
     rollout = None
@@ -251,6 +252,8 @@ def inspect_credit(
         processing_class=tokenizer,
         rollout_func=rollout,
     )
+    what = "Replaying the given" if completions else "Sampling, scoring and replaying"
+    print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...", flush=True)
     record = sample_credit(trainer, rows, num_generations)
     names = trainer.reward_func_names
     if output:

@@ -7,12 +7,14 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -263,10 +265,34 @@ class MRTPOTrainer(GRPOTrainer):
         from peft import PeftModel
 
         model = self.accelerator.unwrap_model(self.model)
+        self._embedded_adapters = []  # (adapter config, the local folder it was loaded from)
         if isinstance(model, PeftModel):
             for config in model.peft_config.values():
                 if is_embedded_model_path(config.base_model_name_or_path):
+                    self._embedded_adapters.append((config, config.base_model_name_or_path))
                     config.base_model_name_or_path = EMBEDDED_HUB_ID
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Saves as transformers does. An embedded-model adapter names its base by Hub id, which PEFT would look up on
+        the Hub at every save (to learn whether the vocabulary changed), warning twice on a machine without access:
+        during the save it names the local folder PEFT can read, and the written config gets the Hub id back."""
+        if not self._embedded_adapters:
+            return super()._save(output_dir, state_dict)
+        for config, local in self._embedded_adapters:
+            config.base_model_name_or_path = local
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            for config, _ in self._embedded_adapters:
+                config.base_model_name_or_path = EMBEDDED_HUB_ID
+        folder = Path(output_dir or self.args.output_dir)
+        local_folders = {local for _, local in self._embedded_adapters}
+        for path in [folder / "adapter_config.json", *folder.glob("*/adapter_config.json")]:
+            if path.is_file():
+                written = json.loads(path.read_text())
+                if written.get("base_model_name_or_path") in local_folders:
+                    written["base_model_name_or_path"] = EMBEDDED_HUB_ID
+                    path.write_text(json.dumps(written, indent=2, sort_keys=True))
 
     def _credit_state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
