@@ -126,6 +126,14 @@ def report(
     return "\n".join(lines) + "\n", summary
 
 
+def save_report(output: Path, variant: str, markdown: str, summary: list[dict]) -> None:
+    """``<variant>.md`` and ``<variant>_summary.json`` in ``output``, and the table on the console."""
+    (output / f"{variant}.md").write_text(markdown)
+    with open(output / f"{variant}_summary.json", "w") as handle:
+        json.dump(summary, handle, indent=1)
+    print(markdown, flush=True)
+
+
 def policy_tables(variant: str, seeds: tuple[int, ...], work_dir: str) -> str:
     """Where q lands on the supervised policies (passing and failing pairs apart), and how much they condition on
     their constraints."""
@@ -181,10 +189,7 @@ def main() -> None:
         markdown, summary = report(variant, arms, seeds, results, runs, command)
         if args.stage == "dev" and not args.no_policy_tables:
             markdown += policy_tables(variant, seeds, args.work_dir)
-        (output / f"{variant}.md").write_text(markdown)
-        with open(output / f"{variant}_summary.json", "w") as handle:
-            json.dump(summary, handle, indent=1)
-        print(markdown, flush=True)
+        save_report(output, variant, markdown, summary)
 
 
 if __name__ == "__main__":

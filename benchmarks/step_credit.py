@@ -17,10 +17,9 @@ under ``--output-dir``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
-from calibrated_credit import report
+from calibrated_credit import report, save_report
 
 from trl_mrtpo.gym import VARIANTS, RunSettings, variant_spec
 from trl_mrtpo.gym.grid import Run, run_all
@@ -59,10 +58,7 @@ def main() -> None:
         runs = [Run(spec, ARMS[arm], seed, variant, arm) for seed in seeds for arm in arms]
         results = run_all(runs, args.work_dir, jobs=args.jobs)
         markdown, summary = report(variant, arms, seeds, results, runs, command, title="Step-level credit rules")
-        (output / f"{variant}.md").write_text(markdown)
-        with open(output / f"{variant}_summary.json", "w") as handle:
-            json.dump(summary, handle, indent=1)
-        print(markdown, flush=True)
+        save_report(output, variant, markdown, summary)
 
 
 if __name__ == "__main__":

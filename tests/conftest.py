@@ -51,11 +51,11 @@ def build_tiny_tokenizer():
     return fast
 
 
-def build_tiny_model(tokenizer, seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(tokenizer, **fields):
+    """A tiny Llama configuration for ``tokenizer``; ``fields`` change any of it."""
+    from transformers import LlamaConfig
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
+    settings = dict(
         vocab_size=len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
@@ -68,7 +68,14 @@ def build_tiny_model(tokenizer, seed: int = 0):
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    return LlamaForCausalLM(config)
+    return LlamaConfig(**{**settings, **fields})
+
+
+def build_tiny_model(tokenizer, seed: int = 0):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(tiny_llama_config(tokenizer))
 
 
 @pytest.fixture(scope="session")

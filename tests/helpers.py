@@ -113,19 +113,12 @@ def word_steps(completions, **_):
 
 def build_prm(tokenizer, folder, seed=0):
     """A tiny token-classification PRM (2 labels) saved with its tokenizer: loadable by path like a Hub one."""
-    from transformers import LlamaConfig, LlamaForTokenClassification
+    from transformers import LlamaForTokenClassification
+
+    from tests.conftest import tiny_llama_config
 
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_labels=2,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = tiny_llama_config(tokenizer, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_labels=2)
     LlamaForTokenClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)

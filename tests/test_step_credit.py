@@ -365,32 +365,31 @@ def test_step_rules_are_refused_in_grpo_mode_and_checked_by_count(tiny_model, ti
         make_args(tmp_path, process_reward_weights=[float("nan")])
 
 
-def test_a_bad_process_reward_or_boundary_is_named(tiny_model, tiny_tokenizer, tmp_path):
-    def too_far(prompts, completions, **_):
-        return [[(0, 10_000, 1.0)] for _ in completions]
+def too_far(prompts, completions, **_):
+    return [[(0, 10_000, 1.0)] for _ in completions]
 
-    def wrong_count(prompts, completions, **_):
-        return [None]
 
-    for func, message in ((too_far, "process reward 'too_far' on sample 0"), (wrong_count, "4 expected, got 1")):
-        trainer = MRTPOTrainer(
-            model=tiny_model,
-            reward_funcs=[graded_length],
-            args=make_args(tmp_path, max_steps=1),
-            train_dataset=make_basic_dataset(4),
-            processing_class=tiny_tokenizer,
-            process_rewards=[func],
-        )
-        with pytest.raises(ValueError, match=message):
-            trainer.train()
+def wrong_count(prompts, completions, **_):
+    return [None]
 
+
+@pytest.mark.parametrize(
+    "rules, message",
+    [
+        ({"process_rewards": [too_far]}, "process reward 'too_far' on sample 0"),
+        ({"process_rewards": [wrong_count]}, "4 expected, got 1"),
+        ({"failure_boundaries": [lambda **_: 10_000]}, "failure boundary builder of reward 'graded_length' on sample"),
+        ({"failure_boundaries": [lambda **_: 1 / 0]}, "failure boundary builder .* raised ZeroDivisionError"),
+    ],
+)
+def test_a_bad_process_reward_or_boundary_is_named(tiny_model, tiny_tokenizer, tmp_path, rules, message):
     trainer = MRTPOTrainer(
         model=tiny_model,
         reward_funcs=[graded_length],
         args=make_args(tmp_path, max_steps=1),
         train_dataset=make_basic_dataset(4),
         processing_class=tiny_tokenizer,
-        failure_boundaries=[lambda **_: 10_000],
+        **rules,
     )
-    with pytest.raises(ValueError, match="failure boundary builder of reward 'graded_length' on sample"):
+    with pytest.raises(ValueError, match=message):
         trainer.train()

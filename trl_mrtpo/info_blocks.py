@@ -54,6 +54,24 @@ def _prompt_preview(prompt: Prompt) -> str:
     return repr(text[:80] + ("..." if len(text) > 80 else ""))
 
 
+def call_builder(
+    builder: Callable[..., Any],
+    where: str,
+    error: type[Exception],
+    prompt: Prompt,
+    completion: str,
+    row: dict[str, Any],
+    score: float,
+) -> Any:
+    """Call a per-sample builder (an info block's, a failure boundary's) with copies of the prompt and the row, so
+    that a builder that edits what it is given cannot change the sample for the next builder or the replay; an
+    exception it raises becomes ``error``, naming ``where``."""
+    try:
+        return builder(prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score)
+    except Exception as raised:
+        raise error(f"The {where} raised {type(raised).__name__}: {raised}") from raised
+
+
 def build_block(
     builder: Callable[..., Any],
     reward_name: str,
@@ -65,11 +83,7 @@ def build_block(
 ) -> InfoBlock | None:
     """Call one builder for one sample and validate what it returns (empty text counts as no block)."""
     where = f"info block builder of reward '{reward_name}' on sample {sample_index} (prompt {_prompt_preview(prompt)})"
-    try:
-        # copies: a builder that edits what it is given must not change the sample for the next builder or the replay
-        result = builder(prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score)
-    except Exception as error:
-        raise InfoBlockError(f"The {where} raised {type(error).__name__}: {error}") from error
+    result = call_builder(builder, where, InfoBlockError, prompt, completion, row, score)
     if result is None:
         return None
     if isinstance(result, str):

@@ -14,12 +14,11 @@ response's last unrecovered error ends (exclusive), or None.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from .info_blocks import Prompt
+from .info_blocks import Prompt, call_builder
 
 NO_BOUNDARY = -1
 
@@ -145,10 +144,7 @@ def failure_boundary(
     """Call one failure-boundary builder for one failing pair and validate its answer: None, or an int offset in
     ``[1, len(completion)]``."""
     where = f"failure boundary builder of reward '{reward_name}' on sample {sample}"
-    try:
-        offset = builder(prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score)
-    except Exception as error:
-        raise ValueError(f"The {where} raised {type(error).__name__}: {error}") from error
+    offset = call_builder(builder, where, ValueError, prompt, completion, row, score)
     if offset is None:
         return None
     if not isinstance(offset, int) or isinstance(offset, bool):
