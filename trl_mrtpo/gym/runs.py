@@ -265,7 +265,7 @@ def satisfaction(
         for k, constraint in enumerate(constraints):
             rates = {}
             for label, kept in (("stated", constraints), ("removed", constraints[:k] + constraints[k + 1 :])):
-                words = _sample_words(model, tokenizer, prompt_text(kept), spec.length, num_generations, device)
+                words = sample_words(model, tokenizer, prompt_text(kept), spec.length, num_generations, device)
                 rates[label] = sum(constraint.satisfied(w) for w in words) / num_generations
             records.append({"seed": seed, "kind": constraint.kind, **rates})
     return records
@@ -287,7 +287,8 @@ def _sample(model, tokenizer, messages: list[dict], length: int, count: int, dev
     return [ids[: ids.index(eos) + 1] if eos in ids else ids for ids in sampled]
 
 
-def _sample_words(model, tokenizer, content: str, length: int, count: int, device: str) -> list[list[str]]:
+def sample_words(model, tokenizer, content: str, length: int, count: int, device: str) -> list[list[str]]:
+    """``count`` responses of the gym policy to the user message ``content``, as word lists."""
     messages = [{"role": "user", "content": content}]
     sampled = _sample(model, tokenizer, messages, length, count, device)
     return [response_words(tokenizer.decode(ids, skip_special_tokens=False)) for ids in sampled]
