@@ -483,3 +483,12 @@ def test_training_changes_every_parameter(tiny_model, tiny_tokenizer, tmp_path):
     assert trainer.state.log_history[-1]["train_loss"] is not None
     unchanged = [n for n, p in previous.items() if torch.equal(p, trainer.model.get_parameter(n))]
     assert not unchanged, unchanged
+
+
+def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_path, capsys):
+    trainer = train(tiny_model, tiny_tokenizer, tmp_path, disable_tqdm=False)
+    out = capsys.readouterr().out
+    assert out.count("Step 1: sampling 4 responses per process (4 per prompt), scoring 4 rewards, replaying") == 1
+    assert trainer.state.global_step == 2
+    train(tiny_model, tiny_tokenizer, tmp_path, disable_tqdm=True)  # progress bars off: silent
+    assert "Step 1: sampling" not in capsys.readouterr().out

@@ -356,6 +356,7 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         started = time.perf_counter()
+        self._announce_first_generation(inputs)
         output = super()._generate_and_score_completions(inputs)
         if self.args.credit_assignment == "grpo":
             return output
@@ -400,6 +401,18 @@ class MRTPOTrainer(GRPOTrainer):
         total_seconds = time.perf_counter() - started
         self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
         return output
+
+    def _announce_first_generation(self, inputs) -> None:
+        """One line before the first generation of training: the progress bar only moves when a step ends, which on
+        a CPU can take minutes, so say what is running (once, on the main process, unless progress bars are off)."""
+        if self.state.global_step > 0 or self.args.disable_tqdm or getattr(self, "_announced", False):
+            return
+        self._announced = True
+        replay = ", replaying the info blocks" if self._replays and self._beta() > 0 else ""
+        self.accelerator.print(
+            f"Step 1: sampling {len(inputs)} responses per process ({self.num_generations} per prompt), scoring "
+            f"{len(self.reward_funcs)} rewards{replay}; the progress bar moves when the step ends."
+        )
 
     @contextmanager
     def _replay_clock(self):
