@@ -252,3 +252,15 @@ def test_train_passes_the_kits_failure_boundaries_and_process_rewards(monkeypatc
         _built(monkeypatch, [*base[:-1], "basic", "--failure_masking", "true"])
     with pytest.raises(ValueError, match="cannot import process reward"):
         _built(monkeypatch, [*base, "--process_rewards", process + "_missing"])
+
+
+def test_resolving_a_dotted_path_leaves_sys_path_as_it_was(tmp_path, monkeypatch):
+    import sys
+
+    from trl_mrtpo.kits import resolve
+
+    (tmp_path / "my_rewards.py").write_text("def mine(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    assert resolve("my_rewards.mine", "reward").__name__ == "mine"  # found in the working directory
+    assert sys.path == before

@@ -85,8 +85,9 @@ def run_demo(
         disable_tqdm=False,
     )
     dataset = kit.dataset(max(steps, 8), seed, None)
-    trainer = embedded_lora_trainer(kit.rewards, kit.info_blocks, config, dataset)
-    trainer.data_source = f"trl-mrtpo's built-in `{task}` task data"
+    trainer = embedded_lora_trainer(
+        kit.rewards, kit.info_blocks, config, dataset, data_source=f"trl-mrtpo's built-in `{task}` task data"
+    )
     trainer.train()
     print("\nPer-step rewards and MRTPO metrics:")
     print(format_curves(trainer.state.log_history, trainer.reward_func_names))

@@ -142,7 +142,9 @@ def load_datasets(script_args: MRTPOScriptArguments, training_args, dataset_args
     return dataset[script_args.dataset_train_split], eval_dataset
 
 
-def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None):
+def build_trainer(
+    script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None, recipe: str | None = None
+):
     """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2). Model
     loading follows TRL's script: revision, attention implementation, dtype, ``trust_remote_code`` and the
     quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
@@ -194,6 +196,8 @@ def build_trainer(script_args: MRTPOScriptArguments, training_args, model_args, 
         info_blocks=blocks,
         process_rewards=process_rewards or None,
         failure_boundaries=boundaries,
+        recipe=recipe,
+        data_source=data_source(script_args, dataset_args),
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
@@ -246,10 +250,7 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     from .utils import default_threads
 
     torch.set_num_threads(script_args.threads or default_threads())
-    trainer = build_trainer(script_args, training_args, model_args, dataset_args)
-    if script_args.trainer == "mrtpo":  # the model card's training procedure
-        trainer.recipe = recipe
-        trainer.data_source = data_source(script_args, dataset_args)
+    trainer = build_trainer(script_args, training_args, model_args, dataset_args, recipe)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")

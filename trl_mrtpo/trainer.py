@@ -127,7 +127,8 @@ class MRTPOTrainer(GRPOTrainer):
     Two further credit rules stack with every other mode (see [`trl_mrtpo.process_rewards`]): `process_rewards`,
     functions that score steps of each completion (character spans), turned into token advantages by GRPO's
     process-supervision rule; and `failure_boundaries`, one builder (or None) per reward that returns where a failing
-    response's unrecovered error ends, after which that reward's negative credit is dropped.
+    response's unrecovered error ends, after which that reward's negative credit is dropped. `recipe` (the recipe file
+    a run came from) and `data_source` (the data in words, when it is not a Hub dataset) go to the model card.
 
     Example:
 
@@ -165,6 +166,8 @@ class MRTPOTrainer(GRPOTrainer):
         info_blocks: Sequence[Callable[..., str | InfoBlock | None] | None] | Callable | None = None,
         process_rewards: Sequence[Callable] | Callable | None = None,
         failure_boundaries: Sequence[Callable[..., int | None] | None] | Callable | None = None,
+        recipe: str | None = None,
+        data_source: str | None = None,
         **kwargs,
     ):
         if args is None:
@@ -243,8 +246,8 @@ class MRTPOTrainer(GRPOTrainer):
         self._collapse_monitor = CollapseMonitor(patience) if patience > 0 else None
         if args.save_credit_plots:
             self.add_callback(CreditPlotCallback(self.reward_func_names))
-        self.recipe: str | None = None  # the recipe file a run came from, for the model card (set by the CLI)
-        self.data_source: str | None = None  # built-in data, in words, for the model card (set by the CLI, demo)
+        self.recipe = recipe  # the recipe file a run came from, for the model card
+        self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
         self._name_base_model()
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
         self._concur_trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward (train batches only)

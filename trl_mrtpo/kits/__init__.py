@@ -112,10 +112,15 @@ def resolve(name: str, kind: str) -> Callable | None:
         return registry[name]
     if "." in name:
         module_path, attribute = name.rsplit(".", 1)
-        if os.getcwd() not in sys.path:
+        # the working directory is searched for this import only, then the path is as it was
+        added = os.getcwd() not in sys.path
+        if added:
             sys.path.insert(0, os.getcwd())
         try:
             return getattr(importlib.import_module(module_path), attribute)
         except (ImportError, AttributeError) as error:
             raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
+        finally:
+            if added:
+                sys.path.remove(os.getcwd())
     raise ValueError(f"unknown {kind} {name!r}: use a dotted import path or one of {', '.join(sorted(registry))}")
