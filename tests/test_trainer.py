@@ -492,3 +492,16 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
     assert trainer.state.global_step == 2
     train(tiny_model, tiny_tokenizer, tmp_path, disable_tqdm=True)  # progress bars off: silent
     assert "Step 1: sampling" not in capsys.readouterr().out
+    # a generation outside training (what `inspect` runs) is not a training step: nothing to announce
+    from trl_mrtpo.inspection import sample_credit
+
+    outside = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, disable_tqdm=False),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    sample_credit(outside, [make_basic_dataset(1)[0]], 4)
+    assert "Step 1: sampling" not in capsys.readouterr().out

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .info_blocks import build_block, check_builders
+from .utils import reward_columns
 
 # MRTPOConfig fields that mean the same in SDFTConfig: what a recipe or benchmark sets for every arm.
 SHARED_FIELDS = (
@@ -163,7 +164,7 @@ def opsd_trainer_class():
             )
             conversational = isinstance(inputs[0]["prompt"], list)
             completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-            columns = {key: [row[key] for row in inputs] for key in inputs[0] if key != "prompt"}
+            columns = reward_columns(inputs)
             prompts = [row["prompt"] for row in inputs]
             table = [
                 [

@@ -127,14 +127,19 @@ def context_tree(contexts: Sequence[Sequence[int]]) -> ContextNode:
     return root
 
 
-def _padded(seqs: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids and mask (positions of real tokens are unchanged by right padding)."""
-    width = max(len(s) for s in seqs)
+def padded(
+    seqs: Sequence[Sequence[int]], device: torch.device | str, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ids and attention mask. Right padding (the default) leaves the positions of real tokens unchanged;
+    left padding puts every row's last token in the last column, where generation continues. Padded ids are 0:
+    the mask hides them."""
+    width = max(1, max(len(s) for s in seqs))
     input_ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
     attention_mask = torch.zeros_like(input_ids)
     for row, seq in enumerate(seqs):
-        input_ids[row, : len(seq)] = torch.tensor(seq, device=device)
-        attention_mask[row, : len(seq)] = 1
+        columns = slice(width - len(seq), width) if left else slice(0, len(seq))
+        input_ids[row, columns] = torch.tensor(seq, dtype=torch.long, device=device)
+        attention_mask[row, columns] = 1
     return input_ids, attention_mask
 
 
@@ -159,7 +164,7 @@ class _Decoder:
 
     def hidden(self, cache, cached: int, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """``[len(rows), width, H]`` last hidden states of right-padded ``rows`` after the shared cached prefix."""
-        input_ids, attention_mask = _padded(rows, self.device)
+        input_ids, attention_mask = padded(rows, self.device)
         kwargs = {}
         if cache is not None:
             batch_cache = copy.deepcopy(cache)

@@ -14,6 +14,7 @@ import torch
 
 from .info_blocks import Prompt
 from .process_rewards import Step, step_spans, token_positions
+from .replay import padded
 from .utils import completion_text
 
 
@@ -82,18 +83,12 @@ class ProcessRewardModel:
     def score_steps(self, prompts: Sequence[str], steps: Sequence[Sequence[str]]) -> list[list[float]]:
         """The probability of a good step at each step of each (prompt, steps) pair, batched."""
         encoded = [self._encode(prompt, texts) for prompt, texts in zip(prompts, steps)]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         device = next(self.model.parameters()).device
         scores: list[list[float]] = []
         for start in range(0, len(encoded), self.batch_size):
             chunk = encoded[start : start + self.batch_size]
-            width = max(1, max(len(ids) for ids, _ in chunk))
-            input_ids = torch.full((len(chunk), width), pad, dtype=torch.long)
-            attention = torch.zeros((len(chunk), width), dtype=torch.long)
-            for row, (ids, _) in enumerate(chunk):
-                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-                attention[row, : len(ids)] = 1
-            logits = self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+            input_ids, attention = padded([ids for ids, _ in chunk], device)
+            logits = self.model(input_ids=input_ids, attention_mask=attention).logits
             probabilities = logits.float().softmax(-1)[..., self.positive_label].cpu()
             scores.extend(probabilities[row, positions].tolist() for row, (_, positions) in enumerate(chunk))
         return scores
@@ -232,19 +227,15 @@ class MathShepherd:
     def _continue(self, model, tokenizer, chunk, budget: int, temperature: float) -> list[list[str]]:
         """``num_rollouts`` sampled endings (decoded prefix + continuation) of each prefix of ``chunk``, each
         continuation cut to what the budget leaves after its own prefix."""
-        device = next(model.parameters()).device
-        sequences = [prompt_ids + prefix for _, _, prompt_ids, prefix in chunk]
-        width = max(len(seq) for seq in sequences)
+        input_ids, attention = padded(
+            [prompt_ids + prefix for _, _, prompt_ids, prefix in chunk], next(model.parameters()).device, left=True
+        )
+        width = input_ids.shape[1]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
-        for row, seq in enumerate(sequences):  # left padding: every row continues from its last column
-            input_ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
-            attention[row, width - len(seq) :] = 1
         longest = max(budget - len(prefix) for _, _, _, prefix in chunk)
         sampled = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention.to(device),
+            input_ids=input_ids,
+            attention_mask=attention,
             do_sample=True,
             temperature=temperature,
             top_k=0,

@@ -47,8 +47,8 @@ class MRTPOScriptArguments(ScriptArguments):
             Use the task kit's failure boundaries: after the point where a failing response's unrecovered error ends,
             that reward's negative credit is dropped (kits whose verifier knows the point: `sql`, `tools`).
         process_rewards (`list[str]`, *optional*):
-            Process rewards (step-level scores) by dotted import path: each a function, or a class or factory
-            called without arguments that returns one.
+            Process rewards (step-level scores) by dotted import path: each a function, or a class, instantiated
+            without arguments.
         trainer (`str`, *optional*, defaults to `"mrtpo"`):
             `mrtpo`: `MRTPOTrainer` (every credit mode). `opsd`: the comparison arm, TRL's experimental
             `SDFTTrainer` with the info blocks as the live teacher's privileged context (`trl_mrtpo.opsd`); the
@@ -153,6 +153,8 @@ def build_trainer(
     from .embedded import embedded_model_path
     from .trainer import MRTPOTrainer
 
+    if script_args.trainer not in ("mrtpo", "opsd"):
+        raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo' or 'opsd'.")
     kit = get_kit(script_args.task) if script_args.task else None
     rewards = list(kit.rewards) if kit else []
     blocks = list(kit.info_blocks) if kit else []
@@ -188,8 +190,6 @@ def build_trainer(
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
     if script_args.trainer == "opsd":
         return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
-    if script_args.trainer != "mrtpo":
-        raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo' or 'opsd'.")
     trainer = MRTPOTrainer(
         model=model,
         reward_funcs=rewards,

@@ -53,7 +53,7 @@ from .process_rewards import (
     token_positions,
 )
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
-from .utils import completion_text
+from .utils import completion_text, reward_columns
 from .validation import STATE_VERSION, check_dataset, checked_reward, read_credit_state
 from .viz import credit_summary, token_strings
 from .weighting import ConcurTrust, concur_advantages, saw_weights
@@ -241,6 +241,7 @@ class MRTPOTrainer(GRPOTrainer):
             self._replay_temperature = self.temperature / logit_multiplier(self.accelerator.unwrap_model(self.model))
         self._scored: Scored | None = None
         self._replay_seconds = 0.0
+        self._announced = False  # the first training step has been announced
         self.last_credit: CreditRecord | None = None
         patience = args.collapse_warning_steps
         self._collapse_monitor = CollapseMonitor(patience) if patience > 0 else None
@@ -406,9 +407,10 @@ class MRTPOTrainer(GRPOTrainer):
         return output
 
     def _announce_first_generation(self, inputs) -> None:
-        """One line before the first generation of training: the progress bar only moves when a step ends, which on
-        a CPU can take minutes, so say what is running (once, on the main process, unless progress bars are off)."""
-        if self.state.global_step > 0 or self.args.disable_tqdm or getattr(self, "_announced", False):
+        """One line before the first generation of training (not of ``inspect`` or an evaluation before it): the
+        progress bar only moves when a step ends, which on a CPU can take minutes, so say what is running (once, on
+        the main process, unless progress bars are off)."""
+        if self._announced or not self.is_in_train or self.state.global_step > 0 or self.args.disable_tqdm:
             return
         self._announced = True
         replay = ", replaying the info blocks" if self._replays and self._beta() > 0 else ""
@@ -538,9 +540,8 @@ class MRTPOTrainer(GRPOTrainer):
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         texts = [completion_text(c) for c in batch.completions]
         ids = completion_token_lists(batch.output)
-        columns = [key for key in batch.inputs[0] if key not in ("prompt", "completion", "completion_ids")]
-        row_values = {key: [row[key] for row in batch.inputs] for key in columns}
-        mask = batch.mask
+        columns = reward_columns(batch.inputs)
+        rank, mask = self.accelerator.process_index, batch.mask
         total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
         for func, name, weight in zip(self.process_rewards, self.process_reward_names, self.process_reward_weights):
             results = func(
@@ -548,14 +549,13 @@ class MRTPOTrainer(GRPOTrainer):
                 completions=batch.completions,
                 completion_ids=ids,
                 trainer_state=self.state,
-                **row_values,
+                **columns,
             )
             if not isinstance(results, (list, tuple)) or len(results) != len(texts):
                 raise ValueError(
                     f"process reward '{name}' must return one list of steps (or None) per completion: "
                     f"{len(texts)} expected, got {len(results) if isinstance(results, (list, tuple)) else results!r}."
                 )
-            rank = self.accelerator.process_index
             local = []
             for i, (result, text) in enumerate(zip(results, texts)):
                 steps = checked_steps(result, name, rank * len(texts) + i, text)
@@ -584,14 +584,17 @@ class MRTPOTrainer(GRPOTrainer):
         ids = completion_token_lists(batch.output)
         for i, completion in enumerate(batch.completions):
             text = completion_text(completion)
+            offsets = {}  # reward -> where its error ends; mapped to tokens in one pass per response
             for k, (builder, name) in enumerate(zip(self.failure_boundary_builders, self.reward_func_names)):
-                if builder is None or not credit[i, k] < 0:
-                    continue
-                offset = failure_boundary(
-                    builder, name, i, batch.prompts[i], text, batch.inputs[i], batch.rewards[i, k].item()
-                )
-                if offset is not None:
-                    boundaries[i, k] = token_positions(self._text_tokenizer, ids[i], text, [offset])[0]
+                if builder is not None and credit[i, k] < 0:
+                    offset = failure_boundary(
+                        builder, name, i, batch.prompts[i], text, batch.inputs[i], batch.rewards[i, k].item()
+                    )
+                    if offset is not None:
+                        offsets[k] = offset
+            positions = token_positions(self._text_tokenizer, ids[i], text, list(offsets.values()))
+            for k, position in zip(offsets, positions):
+                boundaries[i, k] = position
         return failure_suffix_mask(boundaries, batch.mask.shape[1]).to(batch.mask.device)
 
     def _reduce_sum(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -17,6 +18,13 @@ def completion_text(completion: Any) -> str:
     if isinstance(completion, list):
         return "".join(m["content"] for m in completion if isinstance(m, dict) and isinstance(m.get("content"), str))
     return ""
+
+
+def reward_columns(rows: Sequence[dict]) -> dict[str, list]:
+    """The dataset columns TRL hands a reward function as keyword arguments: one list per column, every column but
+    the prompt and the completion fields (as ``GRPOTrainer._calculate_rewards`` builds them)."""
+    keys = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")] if rows else []
+    return {key: [row[key] for row in rows] for key in keys}
 
 
 def occurrences(text: str, needle: str, ignore_case: bool = True) -> list[tuple[int, int]]:
