@@ -52,3 +52,17 @@ def test_opsd_trains_with_trls_sdft_and_logs_the_rewards(tiny_model, tiny_tokeni
     assert all(0.0 <= logged[f"rewards/{name}/mean"] <= 1.0 for name in names)
     assert logged["reward"] == pytest.approx(sum(logged[f"rewards/{name}/mean"] for name in names))
     assert math.isfinite(logged["self_distillation/distillation_loss"])
+
+
+def test_a_failing_builder_is_named_with_its_row():
+    from trl_mrtpo.info_blocks import InfoBlockError
+
+    dataset = Dataset.from_list([{"prompt": "hi", "ok": True}, {"prompt": "there", "ok": False}])
+
+    def picky(*, row, **_):
+        if not row["ok"]:
+            raise KeyError("missing")
+        return "context"
+
+    with pytest.raises(InfoBlockError, match="reward 'picky_reward' on sample 1"):
+        with_privileged_context(dataset, [picky], ["picky_reward"], "\n")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .info_blocks import build_block, check_builders
-from .utils import reward_columns
+from .utils import function_name, reward_columns
 
 # MRTPOConfig fields that mean the same in SDFTConfig: what a recipe or benchmark sets for every arm.
 SHARED_FIELDS = (
@@ -67,14 +67,20 @@ def opsd_config(args: Any, **overrides: Any):
 
 
 def privileged_context(
-    prompt: Any, row: dict, builders: Sequence[Callable | None], reward_names: Sequence[str], separator: str
+    prompt: Any,
+    row: dict,
+    builders: Sequence[Callable | None],
+    reward_names: Sequence[str],
+    separator: str,
+    sample: int = 0,
 ) -> str:
-    """The blocks of one sample that need no response, joined by ``separator`` (empty when there is none)."""
+    """The blocks of one sample that need no response, joined by ``separator`` (empty when there is none);
+    ``sample`` is the row's index, for the errors of a builder."""
     texts = []
-    for k, (builder, name) in enumerate(zip(builders, reward_names)):
+    for builder, name in zip(builders, reward_names):
         if builder is None:
             continue
-        block = build_block(builder, name, k, prompt, "", row, math.nan)
+        block = build_block(builder, name, sample, prompt, "", row, math.nan)
         if block is not None:
             texts.append(block.text)
     return separator.join(texts)
@@ -84,20 +90,17 @@ def with_privileged_context(dataset, builders: Sequence[Callable | None], reward
     """``dataset`` with a ``privileged_context`` column; an error when no row has any (the teacher would be the
     student itself)."""
 
-    def add(row: dict) -> dict:
-        return {"privileged_context": privileged_context(row["prompt"], row, builders, reward_names, separator)}
+    def add(row: dict, index: int) -> dict:
+        context = privileged_context(row["prompt"], row, builders, reward_names, separator, index)
+        return {"privileged_context": context}
 
-    dataset = dataset.map(add)
+    dataset = dataset.map(add, with_indices=True)
     if not any(dataset["privileged_context"]):
         raise ValueError(
             "OPSD has no privileged information here: every info block is None or needs the response. Its teacher "
             "would be the student itself."
         )
     return dataset
-
-
-def _reward_name(func: Callable) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
 
 
 def opsd_trainer_class():
@@ -132,7 +135,7 @@ def opsd_trainer_class():
             **kwargs,
         ):
             self.scoring_funcs = list(reward_funcs)
-            self.reward_func_names = [_reward_name(f) for f in self.scoring_funcs]
+            self.reward_func_names = [function_name(f) for f in self.scoring_funcs]
             builders = check_builders(info_blocks, self.reward_func_names)
             train_dataset = with_privileged_context(train_dataset, builders, self.reward_func_names, separator)
             super().__init__(

@@ -128,10 +128,6 @@ def check_process_rewards(funcs: Sequence[Callable] | Callable | None) -> list[C
     return list(funcs)
 
 
-def process_reward_name(func: Callable) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
-
-
 def failure_boundary(
     builder: Callable[..., Any],
     reward_name: str,

@@ -49,11 +49,10 @@ from .process_rewards import (
     check_process_rewards,
     checked_steps,
     failure_boundary,
-    process_reward_name,
     token_positions,
 )
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
-from .utils import completion_text, reward_columns
+from .utils import completion_text, function_name, reward_columns
 from .validation import STATE_VERSION, check_dataset, checked_reward, read_credit_state
 from .viz import credit_summary, token_strings
 from .weighting import ConcurTrust, concur_advantages, saw_weights
@@ -193,7 +192,7 @@ class MRTPOTrainer(GRPOTrainer):
             failure_boundaries, self.reward_func_names, "failure_boundaries"
         )
         self.process_rewards = check_process_rewards(process_rewards)
-        self.process_reward_names = [process_reward_name(func) for func in self.process_rewards]
+        self.process_reward_names = [function_name(func) for func in self.process_rewards]
         weights = args.process_reward_weights
         if weights is not None and len(weights) != len(self.process_rewards):
             raise ValueError(

@@ -20,6 +20,12 @@ def completion_text(completion: Any) -> str:
     return ""
 
 
+def function_name(func: Any) -> str:
+    """What a reward (or process reward) is called in logs and errors: its ``__name__``, else its class name (as TRL
+    names reward functions)."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
 def reward_columns(rows: Sequence[dict]) -> dict[str, list]:
     """The dataset columns TRL hands a reward function as keyword arguments: one list per column, every column but
     the prompt and the completion fields (as ``GRPOTrainer._calculate_rewards`` builds them)."""
