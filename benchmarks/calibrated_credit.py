@@ -26,7 +26,7 @@ from pathlib import Path
 
 from trl_mrtpo.gym import KINDS, VARIANTS, RunSettings, localisation, satisfaction, variant_spec
 from trl_mrtpo.gym.grid import Run, run_all, summarise
-from trl_mrtpo.gym.grid import paired as paired_difference
+from trl_mrtpo.gym.stats import paired as paired_difference
 from trl_mrtpo.gym.report import localisation_rows, satisfaction_rows
 
 HERE = Path(__file__).parent

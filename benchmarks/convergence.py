@@ -30,7 +30,18 @@ import math
 import statistics
 from pathlib import Path
 
-METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "opsd")
+from trl_mrtpo.gym.stats import final_value, mean_std, steps_to_threshold
+
+METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "opsd", "mrtpo+")
+# mrtpo+: paper-MRTPO with the calibrated-credit options frozen on the gym's development seeds
+CHOICE = Path(__file__).parent / "calibrated_credit_choice.json"
+
+
+def method_settings(method: str) -> dict:
+    """The MRTPOConfig fields of a method: its credit_assignment and, for mrtpo+, the frozen options."""
+    if method == "mrtpo+":
+        return {"credit_assignment": "mrtpo", **json.loads(CHOICE.read_text())["options"]}
+    return {"credit_assignment": "gdpo" if method == "opsd" else method}
 TASKS = ("tools", "if", "short")
 EVALUATIONS = {"tools": ("bfcl_simple_python", "ast_accuracy"), "if": ("ifeval", "prompt_strict")}
 
@@ -96,7 +107,7 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
         learning_rate=args.learning_rate,
         temperature=args.temperature,
         seed=seed,
-        credit_assignment="gdpo" if method == "opsd" else method,
+        **method_settings(method),
         credit_warmup_steps=args.warmup_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
@@ -162,19 +173,6 @@ def _number(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
-def steps_to(values: list[float], threshold: float) -> int | None:
-    """1-based step at which the value first reaches the threshold, None if never."""
-    return next((step for step, value in enumerate(values, start=1) if value >= threshold), None)
-
-
-def mean_std(values: list[float]) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return "-"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {std:.3f}"
-
-
 def final_per_reward(runs: list[dict], window: int) -> dict[str, float]:
     """Every reward's mean over the last steps, averaged over seeds (NaN-free)."""
     names = runs[0]["rewards"][0]
@@ -202,13 +200,13 @@ def summarise(results: list[dict], baselines: dict[str, float], args: argparse.N
         for method in args.methods:
             runs = [r for r in results if r["task"] == task and r["method"] == method]
             curves = [[tracked_reward(task, step) for step in r["rewards"]] for r in runs]
-            reached = [steps_to(curve, args.threshold) for curve in curves]
+            reached = [steps_to_threshold(curve, args.threshold, window=1) for curve in curves]
             summary.append(
                 {
                     "task": task,
                     "method": method,
                     "seeds": len(runs),
-                    "steps_to_threshold": mean_std([float(s) for s in reached if s is not None]),
+                    "steps_to_threshold": mean_std([float(s + 1) for s in reached if s is not None]),  # 1-based
                     "runs_reaching_threshold": f"{sum(s is not None for s in reached)}/{len(runs)}",
                     "final_tracked_reward": mean_std([statistics.fmean(c[-args.final_window :]) for c in curves]),
                     "eval_before": f"{baselines[task]:.3f}",
@@ -256,32 +254,35 @@ def summarise(results: list[dict], baselines: dict[str, float], args: argparse.N
 
 
 def paired_lines(results: list[dict], args: argparse.Namespace) -> list[str]:
-    """Every method against gdpo, paired by seed on the final tracked reward (mean difference, W/T/L, exact
-    Wilcoxon p; with 3 seeds the smallest possible p is 0.25)."""
-    from trl_mrtpo.gym.grid import paired
+    """Every method against gdpo, paired by seed, on the final tracked reward and on every reward's final mean (mean
+    difference, W/T/L, exact Wilcoxon p; with 3 seeds the smallest possible p is 0.25, with 8 it is 0.008)."""
+    from trl_mrtpo.gym.stats import paired
 
     if "gdpo" not in args.methods:
         return []
-    lines = ["", "Against gdpo, paired by seed (final tracked reward):", ""]
-    lines += ["| task | method | pairs | mean difference | W/T/L | p |", "|---|---|---|---|---|---|"]
+    lines = ["", "Against gdpo, paired by seed (final tracked reward, then each reward's final mean):", ""]
+    lines += ["| task | method | measure | pairs | mean difference | W/T/L | p |", "|---|---|---|---|---|---|---|"]
     for task in args.tasks:
+        runs = [r for r in results if r["task"] == task]
+        names = list(runs[0]["rewards"][0]) if runs else []
         rows = [
             {
                 "method": r["method"],
                 "seed": r["seed"],
-                "final": statistics.fmean(tracked_reward(task, s) for s in r["rewards"][-args.final_window :]),
+                "tracked": statistics.fmean(tracked_reward(task, s) for s in r["rewards"][-args.final_window :]),
+                **{name: final_value([s[name] for s in r["rewards"]], args.final_window) for name in names},
             }
-            for r in results
-            if r["task"] == task
+            for r in runs
         ]
         for method in args.methods:
             if method == "gdpo":
                 continue
-            c = paired(rows, method, "gdpo", "final")
-            lines.append(
-                f"| {task} | {method} | {c['pairs']} | {c['mean_difference']:+.3f} | "
-                f"{c['wins']}/{c['ties']}/{c['losses']} | {c['p_value']:.3f} |"
-            )
+            for measure in ("tracked", *names):
+                c = paired(rows, method, "gdpo", measure)
+                lines.append(
+                    f"| {task} | {method} | {measure} | {c['pairs']} | {c['mean_difference']:+.3f} | "
+                    f"{c['wins']}/{c['ties']}/{c['losses']} | {c['p_value']:.3f} |"
+                )
     return lines
 
 

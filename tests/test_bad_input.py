@@ -364,6 +364,29 @@ def test_resuming_with_other_rewards_is_refused(tiny_model, tiny_tokenizer, tmp_
         trainer.train(resume_from_checkpoint=str(checkpoint))
 
 
+def test_resuming_a_checkpoint_without_mrtpo_state_warns_and_trains(tiny_model, tiny_tokenizer, tmp_path, caplog):
+    """A checkpoint written before MRTPO saved its state (or by GRPOTrainer) still resumes, with a warning."""
+    import logging
+
+    train(tiny_model, tiny_tokenizer, tmp_path / "run", save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    (checkpoint / "mrtpo_state_0.pt").unlink()
+    from trl_mrtpo import MRTPOTrainer
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path / "run", max_steps=4),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 4
+    assert any("mrtpo_state_0.pt is missing" in record.getMessage() for record in caplog.records)
+
+
 # ---------------------------------------------------------------- random reward outputs and weights
 value = st.one_of(
     st.none(),

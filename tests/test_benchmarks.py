@@ -25,8 +25,8 @@ convergence = load("convergence")
 
 
 def test_steps_to_threshold_and_tracked_reward():
-    assert convergence.steps_to([0.1, 0.79, 0.8, 0.9], 0.8) == 3
-    assert convergence.steps_to([0.1, 0.5], 0.8) is None
+    assert convergence.steps_to_threshold([0.1, 0.79, 0.8, 0.9], 0.8, window=1) == 2  # 0-based: step 3
+    assert convergence.steps_to_threshold([0.1, 0.5], 0.8, window=1) is None
     assert convergence.tracked_reward("tools", {"tool_format_reward": 0.5, "tool_correctness_reward": 0.1}) == 0.5
     # if: the mean over the constraint slots that exist (empty slots are NaN)
     assert convergence.tracked_reward("if", {"a": 1.0, "b": 0.0, "c": math.nan, "d": 0.5}) == 0.5
@@ -88,12 +88,18 @@ def test_paired_lines_compare_each_method_with_gdpo_by_seed():
     import argparse
 
     def run(method, seed, value):
-        return {"task": "short", "method": method, "seed": seed, "rewards": [{"a": 0.0}, {"a": value}]}
+        rewards = [{"a": 0.0, "b": 1.0}, {"a": value, "b": 1.0 - value}]
+        return {"task": "short", "method": method, "seed": seed, "rewards": rewards}
 
     results = [run("gdpo", 0, 0.5), run("gdpo", 1, 0.6), run("mrtpo", 0, 0.7), run("mrtpo", 1, 0.6)]
     args = argparse.Namespace(methods=["gdpo", "mrtpo"], tasks=["short"], final_window=1)
     lines = convergence.paired_lines(results, args)
-    assert lines[-1] == "| short | mrtpo | 2 | +0.100 | 1/1/0 | 1.000 |"
+    # the tracked reward (the mean of a and b: always 0.5 here), then each reward on its own
+    assert lines[-3:] == [
+        "| short | mrtpo | tracked | 2 | +0.000 | 0/2/0 | 1.000 |",
+        "| short | mrtpo | a | 2 | +0.100 | 1/1/0 | 1.000 |",
+        "| short | mrtpo | b | 2 | -0.100 | 0/1/1 | 1.000 |",
+    ]
 
 
 def test_replay_scaling_smoke_run(tmp_path):

@@ -264,7 +264,7 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
     assert trainer.replays[0]["replayed"].any()
     for replay in trainer.replays[1:]:
         assert not replay["replayed"][:, read].any()
-    state = torch.load(tmp_path / "checkpoint-3" / "mrtpo_state_0.pt", weights_only=False)
+    state = torch.load(tmp_path / "checkpoint-3" / "mrtpo_state_0.pt", weights_only=True)  # plain data only
     torch.testing.assert_close(state["reward_specificity"], trainer._specificity, equal_nan=True)
 
 

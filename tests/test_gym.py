@@ -26,7 +26,7 @@ from trl_mrtpo.gym import (
     supervised_response,
     wilcoxon_signed_rank,
 )
-from trl_mrtpo.gym.grid import paired
+from trl_mrtpo.gym.stats import paired
 from trl_mrtpo.gym.task import chat_prompt_ids, supervised_policy
 from trl_mrtpo.info_blocks import InfoBlock, build_contexts
 

@@ -30,8 +30,9 @@ GRPO_TRAINER_NAMES = {
     "_calculate_rewards": "overridden: keeps the per-reward rewards TRL does not expose (TRL 1.16)",
     "_generate_and_score_completions": "overridden: replaces the sequence advantages by token advantages (TRL 1.16)",
     "_tokenize_prompts": "called: the prompt token ids of the replay contexts, as generation tokenises them",
-    "_save_rng_state": "overridden (transformers Trainer): writes MRTPO's state beside TRL's in checkpoints",
-    "_load_rng_state": "overridden (transformers Trainer): reads it back on resume",
+    "_save_checkpoint": "overridden (TRL's own extra-state hook, transformers Trainer): writes MRTPO's state",
+    "_load_optimizer_and_scheduler": "overridden (where TRL reads its extra state back on resume): reads MRTPO's",
+    "_get_output_dir": "called (transformers Trainer): the run folder that holds the checkpoint folders",
     "_save": "overridden (transformers Trainer): an embedded-model adapter is saved without a Hub lookup",
 }
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table

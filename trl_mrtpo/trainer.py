@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
@@ -309,11 +310,15 @@ class MRTPOTrainer(GRPOTrainer):
             "concur_primary": self._concur_primary,
         }
 
-    def _save_rng_state(self, output_dir: str) -> None:
-        """Checkpoint MRTPO's own state beside TRL's (each process its own): CONCUR-A's trust readings, the
-        ``shuffled`` ablation's generator, the collapse monitor and the per-reward specificity, so that a resumed run
-        continues exactly. Plain tensors, numbers and strings only: it loads with ``weights_only=True``."""
-        super()._save_rng_state(output_dir)
+    def _save_checkpoint(self, model, trial) -> None:
+        """Checkpoint MRTPO's own state beside TRL's, as TRL checkpoints its own extra state (each process its own
+        file): CONCUR-A's trust readings, the ``shuffled`` ablation's generator, the collapse monitor and the
+        per-reward specificity, so that a resumed run continues exactly. Plain tensors, numbers and strings only: it
+        loads with ``weights_only=True``."""
+        super()._save_checkpoint(model, trial)
+        if self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         state = {
             "version": STATE_VERSION,
             **self._state_identity(),
@@ -322,10 +327,11 @@ class MRTPOTrainer(GRPOTrainer):
             "collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {},
             "reward_specificity": self._specificity.clone(),
         }
-        torch.save(state, self._credit_state_path(output_dir))
+        torch.save(state, self._credit_state_path(folder))
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        super()._load_rng_state(checkpoint)
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
+        super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         path = self._credit_state_path(checkpoint)

@@ -2,7 +2,8 @@
 :mod:`trl_mrtpo.gym.task`), RL runs of every credit mode on it, and the paired comparison that
 ``trl-mrtpo gym`` writes."""
 
-from .grid import METHODS, Grid, Run, large_grid, quick_grid, run_all, steps_to_threshold, wilcoxon_signed_rank
+from .grid import METHODS, Grid, Run, large_grid, quick_grid, run_all
+from .stats import steps_to_threshold, wilcoxon_signed_rank
 from .runs import RunSettings, localisation, mass_ratio, oracle_relevance, satisfaction, step_record, train_run
 from .task import (
     KINDS,

@@ -8,7 +8,8 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from .grid import MOVING_WINDOW, Grid, Run, moving_mean, paired, summarise
+from .grid import Grid, Run, summarise
+from .stats import MOVING_WINDOW, moving_mean, paired
 from .task import KINDS
 
 
