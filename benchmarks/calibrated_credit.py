@@ -26,8 +26,8 @@ from pathlib import Path
 
 from trl_mrtpo.gym import KINDS, VARIANTS, RunSettings, localisation, satisfaction, variant_spec
 from trl_mrtpo.gym.grid import Run, run_all, summarise
-from trl_mrtpo.gym.stats import paired as paired_difference
 from trl_mrtpo.gym.report import localisation_rows, satisfaction_rows
+from trl_mrtpo.gym.stats import paired as paired_difference
 
 HERE = Path(__file__).parent
 CHOICE = HERE / "calibrated_credit_choice.json"

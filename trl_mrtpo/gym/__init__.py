@@ -3,8 +3,8 @@
 ``trl-mrtpo gym`` writes."""
 
 from .grid import METHODS, Grid, Run, large_grid, quick_grid, run_all
-from .stats import steps_to_threshold, wilcoxon_signed_rank
 from .runs import RunSettings, localisation, mass_ratio, oracle_relevance, satisfaction, step_record, train_run
+from .stats import steps_to_threshold, wilcoxon_signed_rank
 from .task import (
     KINDS,
     VARIANTS,
