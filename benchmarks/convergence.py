@@ -42,6 +42,8 @@ def method_settings(method: str) -> dict:
     if method == "mrtpo+":
         return {"credit_assignment": "mrtpo", **json.loads(CHOICE.read_text())["options"]}
     return {"credit_assignment": "gdpo" if method == "opsd" else method}
+
+
 TASKS = ("tools", "if", "short")
 EVALUATIONS = {"tools": ("bfcl_simple_python", "ast_accuracy"), "if": ("ifeval", "prompt_strict")}
 
