@@ -55,4 +55,5 @@ with tempfile.TemporaryDirectory() as output_dir:
 assert trainer.state.global_step == 2
 assert trainer.last_credit is not None and trainer.last_credit.replayed.any(), "nothing was replayed"
 assert not [m for m in extras if m in sys.modules]
+assert not [m for m in sys.modules if m.startswith("trl_mrtpo.scripts")], "the core imported an application"
 print("core install OK: two MRTPO steps with a user reward and info block")

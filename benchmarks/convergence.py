@@ -60,8 +60,8 @@ def evaluate(model, tokenizer, task: str, limit: int, max_new_tokens: int) -> fl
     """Held-out benchmark score; NaN for a task without one (``short``: its training rewards are the measure)."""
     if task not in EVALUATIONS:
         return math.nan
-    from trl_mrtpo.evaluation import evaluate as run_benchmark
-    from trl_mrtpo.evaluation import transformers_generator
+    from trl_mrtpo.scripts.evaluation import evaluate as run_benchmark
+    from trl_mrtpo.scripts.evaluation import transformers_generator
 
     generate = transformers_generator(model, tokenizer, max_new_tokens=max_new_tokens)
     benchmark, metric = EVALUATIONS[task]
@@ -75,7 +75,7 @@ def baseline_evaluation(task: str, args: argparse.Namespace) -> float:
         return json.loads(path.read_text())["score"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_mrtpo.embedded import embedded_model_path
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     model = AutoModelForCausalLM.from_pretrained(embedded_model_path())
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
@@ -92,10 +92,10 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
     if result_path.exists():
         return json.loads(result_path.read_text())
 
-    from trl_mrtpo.demo import cpu_run_config, embedded_lora_config, embedded_lora_trainer
-    from trl_mrtpo.embedded import embedded_model_path
     from trl_mrtpo.kits import get_kit
     from trl_mrtpo.opsd import opsd_config, opsd_trainer_class
+    from trl_mrtpo.scripts.demo import cpu_run_config, embedded_lora_config, embedded_lora_trainer
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     kit = get_kit(task)
     rewards, info_blocks = kit.rewards, kit.info_blocks

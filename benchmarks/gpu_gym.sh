@@ -13,4 +13,4 @@ output="${1:-${OUT:-benchmarks/results}/credit_gym_large}"
 source benchmarks/gpu_env.sh
 gpu_env benchmarks/gpu_gym.sh
 export OMP_NUM_THREADS=1
-timeout 480 python3 -m trl_mrtpo.cli gym --large --jobs 8 --work-dir /tmp/gym_large --output-dir "$output"
+timeout 480 python3 -m trl_mrtpo.scripts.cli gym --large --jobs 8 --work-dir /tmp/gym_large --output-dir "$output"

@@ -14,7 +14,7 @@ python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl \
     trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 liger-kernel==0.8.5
 # The embedded model's tokenizer (2 MB) for the step-overhead check on a random model of SmolLM2's shape.
-python -c "from transformers import AutoTokenizer; from trl_mrtpo.embedded import embedded_model_path; \
+python -c "from transformers import AutoTokenizer; from trl_mrtpo.scripts.embedded import embedded_model_path; \
 AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained('.whl/smollm2-tokenizer')"
 du -sh .whl
 ls .whl

@@ -42,8 +42,8 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
     import torch
     from transformers import TrainerCallback
 
-    from trl_mrtpo.demo import cpu_run_config, embedded_lora_trainer
     from trl_mrtpo.kits import get_kit
+    from trl_mrtpo.scripts.demo import cpu_run_config, embedded_lora_trainer
 
     torch.set_num_threads(args.threads)
     kit = get_kit(task)

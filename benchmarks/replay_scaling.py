@@ -152,7 +152,7 @@ def main() -> None:
     base, sweeps = (QUICK_BASE, QUICK_SWEEPS) if args.quick else (BASE, SWEEPS)
     model_path = None
     if not args.quick:
-        from trl_mrtpo.embedded import embedded_model_path
+        from trl_mrtpo.scripts.embedded import embedded_model_path
 
         model_path = embedded_model_path()
     points = [("base", base)] + [(name, {**base, name: value}) for name, values in sweeps.items() for value in values]

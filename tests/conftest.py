@@ -95,7 +95,7 @@ def embedded_model_in_hub_cache(tmp_path, monkeypatch):
     model cached, with no network."""
     import huggingface_hub.constants
 
-    from trl_mrtpo.embedded import EMBEDDED_HUB_ID, embedded_model_path
+    from trl_mrtpo.scripts.embedded import EMBEDDED_HUB_ID, embedded_model_path
 
     revision = "0" * 40
     repo = tmp_path / "hub" / ("models--" + EMBEDDED_HUB_ID.replace("/", "--"))

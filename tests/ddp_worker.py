@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from trl_mrtpo.train import build_trainer, make_parser
+from trl_mrtpo.scripts.train import build_trainer, make_parser
 
 
 def main(report_dir: str, argv: list[str]) -> None:

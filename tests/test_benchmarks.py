@@ -31,7 +31,7 @@ def test_steps_to_threshold_and_tracked_reward():
     # if: the mean over the constraint slots that exist (empty slots are NaN)
     assert convergence.tracked_reward("if", {"a": 1.0, "b": 0.0, "c": math.nan, "d": 0.5}) == 0.5
     assert convergence.mean_std([1.0, 3.0]) == "2.000 ± 1.414"
-    assert convergence.mean_std([math.nan]) == "-"
+    assert convergence.mean_std([math.nan]) == "n/a"
 
 
 @pytest.mark.slow
@@ -143,7 +143,7 @@ def test_gpu_check_model_has_smollm2s_shape():
     from gpu_check import SMOLLM2
     from transformers import AutoConfig
 
-    from trl_mrtpo.embedded import embedded_model_path
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     real = AutoConfig.from_pretrained(embedded_model_path())
     for name, value in SMOLLM2.items():

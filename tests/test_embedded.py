@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 def test_embedded_model_loads_as_plain_trainable_model():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_mrtpo.embedded import embedded_model_path
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     path = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(path)
@@ -27,7 +27,7 @@ def test_embedded_model_loads_as_plain_trainable_model():
 
 
 def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path):
-    from trl_mrtpo.demo import run_demo
+    from trl_mrtpo.scripts.demo import run_demo
 
     torch.manual_seed(0)
     trainer = run_demo(steps=2, warmup_steps=0, max_completion_length=24, output_dir=str(tmp_path))
@@ -43,7 +43,7 @@ def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path):
 def test_eval_command_on_the_embedded_model(tmp_path):
     import json
 
-    from trl_mrtpo.cli import main
+    from trl_mrtpo.scripts.cli import main
 
     output = tmp_path / "eval.json"
     main(
@@ -56,7 +56,7 @@ def test_eval_command_on_the_embedded_model(tmp_path):
 
 
 def test_train_command_from_the_cpu_recipe(tmp_path):
-    from trl_mrtpo.cli import main
+    from trl_mrtpo.scripts.cli import main
 
     main(
         ["train", "--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "1", "--max_completion_length", "16",

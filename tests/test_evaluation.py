@@ -5,10 +5,10 @@ import shutil
 
 import pytest
 
-from trl_mrtpo.evaluation import evaluate_bfcl, evaluate_instruction_following, evaluate_sql, format_table
 from trl_mrtpo.kits.instruction_following import load_ifeval
 from trl_mrtpo.kits.sql import build_demo_databases
 from trl_mrtpo.kits.tool_calling import load_bfcl
+from trl_mrtpo.scripts.evaluation import evaluate_bfcl, evaluate_instruction_following, evaluate_sql, format_table
 
 
 def bfcl_answer(row):
@@ -83,8 +83,8 @@ def test_sql_execution_accuracy(tmp_path):
 
 
 def test_eval_places_the_model_on_the_accelerator(monkeypatch):
-    import trl_mrtpo.policy
-    from trl_mrtpo.evaluation import run_evaluation
+    import trl_mrtpo.scripts.policy
+    from trl_mrtpo.scripts.evaluation import run_evaluation
 
     seen = {}
 
@@ -92,7 +92,7 @@ def test_eval_places_the_model_on_the_accelerator(monkeypatch):
         seen.update(model=model, adapter=adapter, device_map=device_map)
         raise RuntimeError("stop after loading")
 
-    monkeypatch.setattr(trl_mrtpo.policy, "load_policy", recording_load)
+    monkeypatch.setattr(trl_mrtpo.scripts.policy, "load_policy", recording_load)
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     with pytest.raises(RuntimeError, match="stop after loading"):
         run_evaluation(model="some/model", adapter="my-adapter", benchmarks=["ifeval"])
@@ -105,7 +105,7 @@ def test_vllm_backend_serves_a_lora_adapter(monkeypatch, tmp_path):
     import sys
     import types
 
-    from trl_mrtpo.evaluation import vllm_generator
+    from trl_mrtpo.scripts.evaluation import vllm_generator
 
     calls = {}
 
@@ -139,7 +139,7 @@ def test_vllm_backend_serves_a_lora_adapter(monkeypatch, tmp_path):
 def test_a_missing_evaluation_package_is_named(monkeypatch):
     import importlib.util
 
-    from trl_mrtpo.evaluation import evaluate
+    from trl_mrtpo.scripts.evaluation import evaluate
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bfcl_eval" else real(name, *a))
@@ -153,11 +153,11 @@ def test_run_evaluation_checks_packages_before_loading_the_model(monkeypatch):
     """A missing optional package stops run_evaluation before any model is loaded."""
     import importlib.util
 
-    import trl_mrtpo.policy
-    from trl_mrtpo.evaluation import run_evaluation
+    import trl_mrtpo.scripts.policy
+    from trl_mrtpo.scripts.evaluation import run_evaluation
 
     loaded = []
-    monkeypatch.setattr(trl_mrtpo.policy, "load_policy", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr(trl_mrtpo.scripts.policy, "load_policy", lambda *a, **k: loaded.append(a))
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "eval_framework" else real(name, *a)

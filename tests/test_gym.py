@@ -201,7 +201,7 @@ def test_same_seed_same_run(tmp_path):
 
 @pytest.mark.slow
 def test_gym_quick_cli_writes_every_result(tmp_path):
-    from trl_mrtpo.cli import main
+    from trl_mrtpo.scripts.cli import main
 
     out = tmp_path / "results"
     main(["gym", "--quick", "--jobs", "1", "--work-dir", str(tmp_path / "work"), "--output-dir", str(out)])

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from tests.helpers import CharTokenizer, record_for
-from trl_mrtpo.inspection import CONTROL_NAME
+from trl_mrtpo.scripts.inspection import CONTROL_NAME
 from trl_mrtpo.viz import credit_heatmap_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -1,8 +1,14 @@
 """Heatmap page and localisation report: exact numbers on a hand-made record, and the inspect command end to end."""
 
 from tests.helpers import CharTokenizer, record_for
-from trl_mrtpo.inspection import CONTROL_NAME, inspect_credit, localisation_report, token_mask, with_control_sentence
 from trl_mrtpo.kits import get_kit
+from trl_mrtpo.scripts.inspection import (
+    CONTROL_NAME,
+    inspect_credit,
+    localisation_report,
+    token_mask,
+    with_control_sentence,
+)
 from trl_mrtpo.viz import credit_heatmap_html
 
 
@@ -93,7 +99,7 @@ def test_load_completions_rejects_uneven_groups(tmp_path):
 
     import pytest
 
-    from trl_mrtpo.inspection import load_completions
+    from trl_mrtpo.scripts.inspection import load_completions
 
     path = tmp_path / "r.jsonl"
     path.write_text(

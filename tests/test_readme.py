@@ -43,7 +43,7 @@ def test_every_python_block_runs(tmp_path, monkeypatch, embedded_model_in_hub_ca
     from transformers import AutoTokenizer
 
     from tests.helpers import build_prm
-    from trl_mrtpo.embedded import embedded_model_path
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     prm = build_prm(AutoTokenizer.from_pretrained(embedded_model_path()), tmp_path / "prm")
     # the saved adapter records the embedded model's Hub id, which the load-back block resolves from the Hub cache

@@ -8,7 +8,7 @@ import pytest
 
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.kits.sql import build_demo_databases
-from trl_mrtpo.train import build_trainer, make_parser
+from trl_mrtpo.scripts.train import build_trainer, make_parser
 
 RECIPES = sorted(p for p in Path("recipes").glob("*/*.yaml") if p.parent.name != "accelerate")
 
@@ -178,15 +178,15 @@ def test_train_reads_a_dataset_mixture(monkeypatch, tmp_path):
 def test_train_launches_under_trls_accelerate_configs(monkeypatch):
     import accelerate.commands.launch
 
-    import trl_mrtpo.train
-    from trl_mrtpo.cli import main
+    import trl_mrtpo.scripts.train
+    from trl_mrtpo.scripts.cli import main
 
     launched = []
     monkeypatch.setattr(accelerate.commands.launch, "launch_command", launched.append)
     main(["train", "--accelerate_config", "zero3", "--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "2"])
     (args,) = launched
     assert args.config_file.endswith("trl/accelerate_configs/zero3.yaml")
-    assert args.training_script == trl_mrtpo.train.__file__
+    assert args.training_script == trl_mrtpo.scripts.train.__file__
     assert args.training_script_args == ["--config", "recipes/cpu/basic-smollm2.yaml", "--max_steps", "2"]
     with pytest.raises(ValueError, match="neither a file nor a valid config"):
         main(["train", "--accelerate_config", "zero9", "--config", "recipes/cpu/basic-smollm2.yaml"])

@@ -34,8 +34,8 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    from trl_mrtpo.embedded import EMBEDDED_HUB_ID
-    from trl_mrtpo.train import run
+    from trl_mrtpo.scripts.embedded import EMBEDDED_HUB_ID
+    from trl_mrtpo.scripts.train import run
 
     hub = FakeHub(tmp_path)
     monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
@@ -76,7 +76,7 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
     assert torch.equal(got, expected)
 
     # ... and evaluates like any adapter (`trl-mrtpo eval --model embedded --adapter <folder>`).
-    from trl_mrtpo.evaluation import run_evaluation
+    from trl_mrtpo.scripts.evaluation import run_evaluation
 
     (result,) = run_evaluation(model="embedded", adapter=str(pushed), benchmarks=["ifeval"], limit=2, max_new_tokens=8)
     assert result.count == 2 and 0.0 <= result.metrics["instruction_loose"] <= 1.0
@@ -90,8 +90,8 @@ def test_saving_an_embedded_adapter_asks_no_hub_and_records_the_hub_id(tmp_path)
     from datasets import Dataset
 
     from tests.helpers import graded_length
-    from trl_mrtpo.demo import cpu_run_config, embedded_lora_trainer
-    from trl_mrtpo.embedded import EMBEDDED_HUB_ID, embedded_model_path
+    from trl_mrtpo.scripts.demo import cpu_run_config, embedded_lora_trainer
+    from trl_mrtpo.scripts.embedded import EMBEDDED_HUB_ID, embedded_model_path
 
     trainer = embedded_lora_trainer(
         [graded_length], [None], cpu_run_config(str(tmp_path / "out")), Dataset.from_list([{"prompt": "hi"}] * 4)
@@ -106,3 +106,35 @@ def test_saving_an_embedded_adapter_asks_no_hub_and_records_the_hub_id(tmp_path)
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert model.peft_config["default"].base_model_name_or_path == EMBEDDED_HUB_ID  # restored in memory too
     assert embedded_model_path() != EMBEDDED_HUB_ID
+
+
+def test_a_local_copy_names_its_hub_id_in_adapters_and_cards(tmp_path, tiny_model, tiny_tokenizer):
+    """A local model folder with a ``hub_id.txt`` (as the embedded model's conversion writes) is a copy of that Hub
+    model: the saved adapter and the card name the Hub id; a folder without one is named by nobody."""
+    from peft import LoraConfig
+
+    from tests.helpers import graded_length, make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import make_basic_dataset
+    from trl_mrtpo.model_card import base_model_id
+
+    copy = tmp_path / "copy"
+    tiny_model.save_pretrained(copy)
+    tiny_tokenizer.save_pretrained(copy)
+    assert base_model_id(str(copy)) is None  # a plain local folder: nobody else could load it
+    (copy / "hub_id.txt").write_text("someone/tiny-llama\n")
+    assert base_model_id(str(copy)) == "someone/tiny-llama"
+    assert base_model_id("someone/else") == "someone/else"
+
+    trainer = MRTPOTrainer(
+        model=str(copy),
+        reward_funcs=[graded_length],
+        args=make_args(tmp_path / "out", max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+        peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+    )
+    trainer.save_model(str(tmp_path / "saved"))
+    written = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
+    assert written["base_model_name_or_path"] == "someone/tiny-llama"
+    assert "base_model: someone/tiny-llama" in (tmp_path / "saved" / "README.md").read_text()

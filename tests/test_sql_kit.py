@@ -16,14 +16,13 @@ from trl_mrtpo.kits.sql import (
     extract_sql,
     load_spider_or_bird,
     make_sql_dataset,
-    run_query,
-    sandbox_connection,
     sql_error_block,
     sql_executable_reward,
     sql_execution_reward,
     sql_format_reward,
     sql_reference_block,
 )
+from trl_mrtpo.kits.sql_sandbox import run_query, sandbox_connection
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +236,7 @@ def test_spider_and_bird_adapters(tmp_path, dbs):
 
 
 def test_timeouts_are_not_cached_but_results_are(dbs):
-    from trl_mrtpo.kits.sql import _cached_query
+    from trl_mrtpo.kits.sql_sandbox import _cached_query
 
     endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
     size = _cached_query.cache_info().currsize

@@ -242,7 +242,7 @@ def test_token_positions_under_the_real_smollm2_tokenizer():
     pytest.importorskip("gguf")
     from transformers import AutoTokenizer
 
-    from trl_mrtpo.embedded import embedded_model_path
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
     text = "Schritt 1: Grüße aus Köln 🙂.\nStep 2: 42 × 3 = 126 ✓\nAnswer: naïve"

@@ -91,7 +91,7 @@ def test_process_reward_from_a_small_prm_on_the_embedded_model(tmp_path):
     from peft import LoraConfig
     from transformers import AutoTokenizer
 
-    from trl_mrtpo.embedded import embedded_model_path
+    from trl_mrtpo.scripts.embedded import embedded_model_path
 
     path = embedded_model_path()
     prm = ProcessRewardModel(build_prm(AutoTokenizer.from_pretrained(path), tmp_path / "prm"), step_separator=" ")

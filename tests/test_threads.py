@@ -26,7 +26,7 @@ def test_no_load_average(monkeypatch):
 
 
 def test_train_takes_a_thread_option():
-    from trl_mrtpo.train import make_parser
+    from trl_mrtpo.scripts.train import make_parser
 
     script_args, *_ = make_parser().parse_args_and_config(
         ["--task", "basic", "--threads", "1", "--output_dir", "x", "--use_cpu", "true", "--bf16", "false"]

@@ -493,7 +493,7 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
     train(tiny_model, tiny_tokenizer, tmp_path, disable_tqdm=True)  # progress bars off: silent
     assert "Step 1: sampling" not in capsys.readouterr().out
     # a generation outside training (what `inspect` runs) is not a training step: nothing to announce
-    from trl_mrtpo.inspection import sample_credit
+    from trl_mrtpo.scripts.inspection import sample_credit
 
     outside = RecordingTrainer(
         model=tiny_model,

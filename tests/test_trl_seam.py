@@ -33,3 +33,22 @@ def test_sampled_token_logprobs_match_log_softmax():
     got = _trl.sampled_token_logprobs(hidden, weight, None, ids, 0.7, 16)
     expected = torch.log_softmax((hidden.double() @ weight.double().T) / 0.7, -1).gather(-1, ids[:, None])[:, 0]
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_core_imports_no_application():
+    """Importing the trainer and its configuration loads nothing of ``trl_mrtpo.scripts`` (commands, the embedded
+    demo model, evaluation): the core stands alone, and ``inspect_credit`` loads on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trl_mrtpo\n"
+        "from trl_mrtpo import MRTPOConfig, MRTPOTrainer, get_kit\n"
+        "import trl_mrtpo.model_card, trl_mrtpo.opsd, trl_mrtpo.step_labels\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('trl_mrtpo.scripts'))\n"
+        "assert not loaded, loaded\n"
+        "trl_mrtpo.inspect_credit\n"
+        "assert 'trl_mrtpo.scripts.inspection' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -3,7 +3,6 @@
 from .config import MRTPOConfig
 from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock, InfoBlockError
-from .inspection import inspect_credit
 from .kits import Kit, get_kit
 from .process_rewards import Step, step_spans
 from .self_certainty import SelfCertaintyReward
@@ -12,6 +11,16 @@ from .trainer import MRTPOTrainer
 from .viz import credit_heatmap_html
 
 __version__ = "0.2.0"
+
+
+def __getattr__(name: str):
+    # inspect_credit is an application (trl_mrtpo.scripts): imported on first use, never with the core
+    if name == "inspect_credit":
+        from .scripts.inspection import inspect_credit
+
+        return inspect_credit
+    raise AttributeError(f"module 'trl_mrtpo' has no attribute {name!r}")
+
 
 __all__ = [
     "CreditRecord",

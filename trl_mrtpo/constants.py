@@ -31,3 +31,7 @@ CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
 # whose strength is 0 is still replayed, so that its reading can recover.
 STRENGTH_MOMENTUM = 0.9
 STRENGTH_PROBE_INTERVAL = 10
+
+# A local model folder that is a copy of a Hub model names its id in this file (the embedded model's conversion writes
+# it): adapters and model cards then name the Hub id, which whoever downloads them can load.
+HUB_ID_FILE = "hub_id.txt"

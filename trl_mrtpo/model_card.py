@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
-from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
+from .utils import local_copy_hub_id
 
 # Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
 ALWAYS_SHOWN = ("credit_beta", "credit_warmup_steps", "max_second_moment_ratio", "learning_rate", "num_generations",
@@ -23,13 +23,13 @@ ALWAYS_SHOWN = ("credit_beta", "credit_warmup_steps", "max_second_moment_ratio",
 
 
 def base_model_id(name_or_path: str | None) -> str | None:
-    """The Hub id of a base model: the id itself, SmolLM2-135M-Instruct's for the embedded model's cached folder, and
+    """The Hub id of a base model: the id itself, the id a local copy names (the embedded model's cached folder), and
     None for any other local folder (nobody who downloads the card could load it)."""
     if not name_or_path:
         return None
-    if is_embedded_model_path(name_or_path):
-        return EMBEDDED_HUB_ID
-    return None if os.path.isdir(name_or_path) else name_or_path
+    if os.path.isdir(name_or_path):
+        return local_copy_hub_id(name_or_path)
+    return name_or_path
 
 
 def settings_lines(args: MRTPOConfig) -> list[str]:

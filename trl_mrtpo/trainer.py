@@ -43,7 +43,6 @@ from .credit import (
     weighted_token_advantages,
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
-from .embedded import EMBEDDED_HUB_ID, is_embedded_model_path
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders, check_spans
 from .process_rewards import (
     NO_BOUNDARY,
@@ -53,7 +52,7 @@ from .process_rewards import (
     token_positions,
 )
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
-from .utils import completion_text, function_name, reward_columns
+from .utils import completion_text, function_name, local_copy_hub_id, reward_columns
 from .validation import STATE_VERSION, check_dataset, checked_reward, read_credit_state
 from .viz import credit_summary, token_strings
 from .weighting import ConcurTrust, concur_advantages, saw_weights
@@ -264,39 +263,46 @@ class MRTPOTrainer(GRPOTrainer):
             self._concur_primary = self.reward_func_names.index(args.concur_primary)
 
     def _name_base_model(self) -> None:
-        """An adapter of the embedded model records its Hub id, not the local cache folder it was loaded from, so
-        that whoever downloads the adapter can load it."""
+        """An adapter of a local copy of a Hub model (the embedded model's cached folder) records the Hub id, not the
+        local folder it was loaded from, so that whoever downloads the adapter can load it."""
         from peft import PeftModel
 
         model = self.accelerator.unwrap_model(self.model)
-        self._embedded_adapters = []  # (adapter config, the local folder it was loaded from)
+        self._local_copy_adapters = []  # (adapter config, the local folder it was loaded from, the Hub id)
         if isinstance(model, PeftModel):
             for config in model.peft_config.values():
-                if is_embedded_model_path(config.base_model_name_or_path):
-                    self._embedded_adapters.append((config, config.base_model_name_or_path))
-                    config.base_model_name_or_path = EMBEDDED_HUB_ID
+                hub_id = local_copy_hub_id(config.base_model_name_or_path)
+                if hub_id is not None:
+                    self._local_copy_adapters.append((config, config.base_model_name_or_path, hub_id))
+                    config.base_model_name_or_path = hub_id
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """Saves as transformers does. An embedded-model adapter names its base by Hub id, which PEFT would look up on
-        the Hub at every save (to learn whether the vocabulary changed), warning twice on a machine without access:
-        during the save it names the local folder PEFT can read, and the written config gets the Hub id back."""
-        if not self._embedded_adapters:
+        """Saves as transformers does. An adapter of a local copy names its base by Hub id, which PEFT would look up
+        on the Hub at every save (to learn whether the vocabulary changed), warning twice on a machine without
+        access: during the save it names the local folder PEFT can read, and the written config gets the id back."""
+        if not self._local_copy_adapters:
             return super()._save(output_dir, state_dict)
-        for config, local in self._embedded_adapters:
+        for config, local, _ in self._local_copy_adapters:
             config.base_model_name_or_path = local
         try:
             super()._save(output_dir, state_dict)
         finally:
-            for config, _ in self._embedded_adapters:
-                config.base_model_name_or_path = EMBEDDED_HUB_ID
+            for config, _, hub_id in self._local_copy_adapters:
+                config.base_model_name_or_path = hub_id
         folder = Path(output_dir or self.args.output_dir)
-        local_folders = {local for _, local in self._embedded_adapters}
+        hub_ids = {local: hub_id for _, local, hub_id in self._local_copy_adapters}
         for path in [folder / "adapter_config.json", *folder.glob("*/adapter_config.json")]:
             if path.is_file():
                 written = json.loads(path.read_text())
-                if written.get("base_model_name_or_path") in local_folders:
-                    written["base_model_name_or_path"] = EMBEDDED_HUB_ID
+                if written.get("base_model_name_or_path") in hub_ids:
+                    written["base_model_name_or_path"] = hub_ids[written["base_model_name_or_path"]]
                     path.write_text(json.dumps(written, indent=2, sort_keys=True))
+        card = folder / "README.md"  # PEFT's card, written during the save, names the base it was given
+        if card.is_file():
+            text = card.read_text()
+            for local, hub_id in hub_ids.items():
+                text = text.replace(f"base_model: {local}\n", f"base_model: {hub_id}\n")
+            card.write_text(text)
 
     def _credit_state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")

@@ -5,7 +5,28 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+from .constants import HUB_ID_FILE
+
+
+def cache_root() -> Path:
+    """Where trl-mrtpo caches what it builds once (the converted embedded model, downloaded databases):
+    ``$TRL_MRTPO_CACHE``, else ``$XDG_CACHE_HOME/trl_mrtpo`` (``~/.cache/trl_mrtpo``)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_mrtpo"
+    return Path(os.environ.get("TRL_MRTPO_CACHE", default))
+
+
+def local_copy_hub_id(path: str | os.PathLike | None) -> str | None:
+    """The Hub id a local model folder is a copy of (its ``HUB_ID_FILE``), None for anything else."""
+    if path is None or not os.path.isdir(path):
+        return None
+    marker = os.path.join(path, HUB_ID_FILE)
+    if not os.path.isfile(marker):
+        return None
+    with open(marker, encoding="utf-8") as handle:
+        return handle.read().strip() or None
 
 
 def completion_text(completion: Any) -> str:

@@ -9,20 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .grid import Grid, Run, summarise
-from .stats import MOVING_WINDOW, moving_mean, paired
+from .stats import MOVING_WINDOW, mean_std, moving_mean, paired
 from .task import KINDS
 
 
 def _fmt(value: float, digits: int = 3) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
-
-
-def _mean_std(values: Sequence[float]) -> str:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return "n/a"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.fmean(values):.3f} ± {std:.3f}"
 
 
 def _write_csv(path: Path, rows: Sequence[dict]) -> None:
@@ -219,8 +211,8 @@ def write_results(
         reached = [float(r["steps_to_threshold"]) for r in rows if r["steps_to_threshold"] != ""]
         cells = [
             method,
-            _mean_std([r["final_reward"] for r in rows]),
-            _mean_std(reached) if reached else "not reached",
+            mean_std([r["final_reward"] for r in rows]),
+            mean_std(reached) if reached else "not reached",
             f"{len(reached)}/{len(rows)}",
         ]
         c = by_method.get(method)
@@ -249,7 +241,7 @@ def write_results(
     for method in grid.methods:
         rows = [r for r in summary if r["method"] == method]
         lines.append(
-            f"| {method} | " + " | ".join(_mean_std([r[f"final_{kind}"] for r in rows]) for kind in KINDS) + " |"
+            f"| {method} | " + " | ".join(mean_std([r[f"final_{kind}"] for r in rows]) for kind in KINDS) + " |"
         )
     lines += [
         "",

@@ -81,9 +81,9 @@ def paired(rows: Sequence[dict], method: str, baseline: str, column: str, missin
 
 
 def mean_std(values: Sequence[float]) -> str:
-    """``mean ± std`` of the non-NaN values (std 0 for one value), ``-`` for none."""
+    """``mean ± std`` of the non-NaN values (std 0 for one value), ``n/a`` for none."""
     values = [v for v in values if not math.isnan(v)]
     if not values:
-        return "-"
+        return "n/a"
     std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {std:.3f}"
+    return f"{statistics.fmean(values):.3f} ± {std:.3f}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .config import MRTPOConfig
+from ..config import MRTPOConfig
 
 
 def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
@@ -40,8 +40,8 @@ def embedded_lora_trainer(
 ):
     """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct (or the ``model`` folder) with
     :func:`embedded_lora_config`'s adapter. ``kwargs`` go to the trainer."""
+    from ..trainer import MRTPOTrainer
     from .embedded import embedded_model_path
-    from .trainer import MRTPOTrainer
 
     return MRTPOTrainer(
         model=model or embedded_model_path(),
@@ -66,9 +66,9 @@ def run_demo(
 ):
     """Train a LoRA adapter on ``task``'s kit, print the per-step curves, save the adapter and its model card in
     ``output_dir``; returns the trainer."""
+    from ..kits import get_kit
+    from ..viz import format_curves
     from .embedded import embedded_model_path
-    from .kits import get_kit
-    from .viz import format_curves
 
     print("Loading the embedded SmolLM2-135M-Instruct (first run converts the GGUF, ~30 s)...", flush=True)
     model_path = embedded_model_path()

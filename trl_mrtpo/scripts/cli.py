@@ -8,9 +8,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .constants import CREDIT_ASSIGNMENTS
+from ..constants import CREDIT_ASSIGNMENTS
+from ..kits import KIT_NAMES
 from .evaluation import BENCHMARKS
-from .kits import KIT_NAMES
 
 THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1-minute load average, at least 1)"
 
@@ -18,7 +18,7 @@ THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1
 def _pin_threads(threads: int | None) -> None:
     import torch
 
-    from .utils import default_threads
+    from ..utils import default_threads
 
     torch.set_num_threads(threads or default_threads())
 
@@ -84,8 +84,8 @@ def run_inspect(args: argparse.Namespace):
 
 
 def run_gym(args: argparse.Namespace) -> str:
-    from .gym import Grid, large_grid, quick_grid
-    from .gym.report import run_and_report
+    from ..gym import Grid, large_grid, quick_grid
+    from ..gym.report import run_and_report
 
     _pin_threads(1)
     grid = quick_grid() if args.quick else large_grid() if args.large else Grid()

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._trl import tokenize_prompts
-from .diagnostics import CreditRecord
-from .info_blocks import InfoBlock
-from .kits import Kit, get_kit
-from .viz import token_strings
+from .._trl import tokenize_prompts
+from ..diagnostics import CreditRecord
+from ..info_blocks import InfoBlock
+from ..kits import Kit, get_kit
+from ..viz import token_strings
 
 CONTROL_SENTENCE = "The museum on the corner opens at nine on Sundays."
 CONTROL_NAME = "control_irrelevant_sentence"
@@ -212,10 +212,10 @@ def inspect_credit(
 
     from datasets import Dataset
 
-    from .config import MRTPOConfig
+    from ..config import MRTPOConfig
+    from ..trainer import MRTPOTrainer
+    from ..viz import credit_heatmap_html
     from .policy import load_policy
-    from .trainer import MRTPOTrainer
-    from .viz import credit_heatmap_html
 
     torch.manual_seed(seed)
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
