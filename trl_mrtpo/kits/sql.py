@@ -32,6 +32,7 @@ FORMAT_RULE = (
 )
 _FENCE = re.compile(r"```sql[ \t]*\n?(.*?)```", re.DOTALL | re.IGNORECASE)
 
+
 def extract_sql(text: str) -> str | None:
     """The query inside the only ```sql fence of ``text``; None if there is none or more than one."""
     if not isinstance(text, str):
