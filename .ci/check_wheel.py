@@ -30,4 +30,7 @@ assert slot(["One sentence here. And a second one.", "Only one."], constraints=[
 package = resources.files("trl_mrtpo")
 for data in ["kits/nltk_data/corpora/stopwords/english", "templates/mrtpo_model_card.md"]:
     assert package.joinpath(data).is_file(), data
+import trl_mrtpo.scripts.cli  # noqa: E402  the trl-mrtpo command's module is in the wheel
+
+assert callable(trl_mrtpo.scripts.cli.main)
 print("wheel OK")
