@@ -493,8 +493,6 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
     train(tiny_model, tiny_tokenizer, tmp_path, disable_tqdm=True)  # progress bars off: silent
     assert "Step 1: sampling" not in capsys.readouterr().out
     # a generation outside training (what `inspect` runs) is not a training step: nothing to announce
-    from trl_mrtpo.scripts.inspection import sample_credit
-
     outside = RecordingTrainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
@@ -503,5 +501,6 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
         train_dataset=make_basic_dataset(4),
         processing_class=tiny_tokenizer,
     )
-    sample_credit(outside, [make_basic_dataset(1)[0]], 4)
+    record = outside.sample_credit([make_basic_dataset(1)[0]], 4)
+    assert record.completion_ids.shape[0] == 4 and outside.state.global_step == 0  # sampled, not trained
     assert "Step 1: sampling" not in capsys.readouterr().out

@@ -417,6 +417,14 @@ class MRTPOTrainer(GRPOTrainer):
         self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
         return output
 
+    def sample_credit(self, rows: list[dict], num_generations: int) -> CreditRecord:
+        """Generate ``num_generations`` responses per row with the policy, score, replay, and return the batch's
+        :class:`~trl_mrtpo.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
+        inputs = [dict(row) for row in rows for _ in range(num_generations)]
+        self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
+        self._generate_and_score_completions(inputs)
+        return self.last_credit
+
     def _announce_first_generation(self, inputs) -> None:
         """One line before the first generation of training (not of ``inspect`` or an evaluation before it): the
         progress bar only moves when a step ends, which on a CPU can take minutes, so say what is running (once, on

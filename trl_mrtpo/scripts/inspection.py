@@ -50,15 +50,6 @@ def with_control_sentence(prompt):
     return messages
 
 
-def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditRecord:
-    """Generate ``num_generations`` responses per row with the trainer's policy, score, replay, and return the
-    batch's :class:`~trl_mrtpo.trainer.CreditRecord` (nothing is trained)."""
-    inputs = [dict(row) for row in rows for _ in range(num_generations)]
-    trainer.model.train()  # TRL picks train-mode group size and sampling from the module mode
-    trainer._generate_and_score_completions(inputs)
-    return trainer.last_credit
-
-
 def load_completions(path: str) -> tuple[list[dict], list[str], int]:
     """Existing completions from a JSONL file: one line per response with ``prompt``, ``completion`` and the row
     fields the task's rewards read. Returns ``(rows, completions, group_size)``; every prompt needs the same number
@@ -254,7 +245,7 @@ def inspect_credit(
     )
     what = "Replaying the given" if completions else "Sampling, scoring and replaying"
     print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...", flush=True)
-    record = sample_credit(trainer, rows, num_generations)
+    record = trainer.sample_credit(rows, num_generations)
     names = trainer.reward_func_names
     if output:
         with open(output, "w", encoding="utf-8") as page:
