@@ -211,7 +211,7 @@ def summarise(results: list[dict], baselines: dict[str, float], args: argparse.N
                     "steps_to_threshold": mean_std([float(s + 1) for s in reached if s is not None]),  # 1-based
                     "runs_reaching_threshold": f"{sum(s is not None for s in reached)}/{len(runs)}",
                     "final_tracked_reward": mean_std([statistics.fmean(c[-args.final_window :]) for c in curves]),
-                    "eval_before": f"{baselines[task]:.3f}",
+                    "eval_before": "n/a" if math.isnan(baselines[task]) else f"{baselines[task]:.3f}",
                     "eval_after": mean_std([r["eval_after"] for r in runs]),
                     "final_per_reward": json.dumps(final_per_reward(runs, args.final_window)),
                 }
