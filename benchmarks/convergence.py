@@ -30,7 +30,7 @@ import math
 import statistics
 from pathlib import Path
 
-from trl_mrtpo.gym.stats import final_value, mean_std, steps_to_threshold
+from trl_mrtpo.gym.stats import mean_std, steps_to_threshold
 
 METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "opsd", "mrtpo+")
 # mrtpo+: paper-MRTPO with the calibrated-credit options frozen on the gym's development seeds
@@ -175,12 +175,18 @@ def _number(value: float | None) -> float:
     return math.nan if value is None else float(value)
 
 
+def run_final(run: dict, name: str, window: int) -> float:
+    """One run's final value of reward ``name``: its mean over the last ``window`` steps (NaN when a step of the
+    window is NaN; the tables and the paired comparison leave such a run out)."""
+    return statistics.fmean(step[name] for step in run["rewards"][-window:])
+
+
 def final_per_reward(runs: list[dict], window: int) -> dict[str, float]:
     """Every reward's mean over the last steps, averaged over seeds (NaN-free)."""
     names = runs[0]["rewards"][0]
     finals = {}
     for name in names:
-        values = [statistics.fmean(step[name] for step in r["rewards"][-window:]) for r in runs]
+        values = [run_final(r, name, window) for r in runs]
         values = [v for v in values if not math.isnan(v)]
         if values:
             finals[name] = round(statistics.fmean(values), 4)
@@ -246,7 +252,7 @@ def summarise(results: list[dict], baselines: dict[str, float], args: argparse.N
             cells = []
             for name in names:
                 first = mean_std([r["rewards"][0][name] for r in runs])
-                last = mean_std([statistics.fmean(s[name] for s in r["rewards"][-args.final_window :]) for r in runs])
+                last = mean_std([run_final(r, name, args.final_window) for r in runs])
                 cells.append(f"{first} -> {last}")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
     (out_dir / "convergence.md").write_text("\n".join(lines) + "\n")
@@ -272,7 +278,7 @@ def paired_lines(results: list[dict], args: argparse.Namespace) -> list[str]:
                 "method": r["method"],
                 "seed": r["seed"],
                 "tracked": statistics.fmean(tracked_reward(task, s) for s in r["rewards"][-args.final_window :]),
-                **{name: final_value([s[name] for s in r["rewards"]], args.final_window) for name in names},
+                **{name: run_final(r, name, args.final_window) for name in names},
             }
             for r in runs
         ]
