@@ -1,4 +1,5 @@
-"""Run by tests/test_ddp.py under `accelerate launch`: trains from a recipe and reports what each rank saw."""
+"""Run by tests/test_ddp.py under `accelerate launch`: trains from a recipe through the CLI's own `main` and reports
+what each rank saw."""
 
 import json
 import sys
@@ -6,17 +7,17 @@ from pathlib import Path
 
 import torch
 
-from trl_mrtpo.scripts.train import build_trainer, make_parser
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.scripts.train import main as train_main
+from trl_mrtpo.scripts.train import make_parser
 
 
 def main(report_dir: str, argv: list[str]) -> None:
-    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(argv)
-    trainer = build_trainer(script_args, training_args, model_args, dataset_args)
     shapes = []
-    original = trainer._generate_and_score_completions
+    original = MRTPOTrainer._generate_and_score_completions
 
-    def recording(inputs):
-        output = original(inputs)
+    def recording(trainer, inputs):
+        output = original(trainer, inputs)
         shapes.append([list(output["advantages"].shape), bool(torch.isfinite(output["advantages"]).all())])
         credit = trainer.last_credit  # this rank's slice: what a single process recomputes on the merged batch
         rank = trainer.accelerator.process_index
@@ -35,8 +36,8 @@ def main(report_dir: str, argv: list[str]) -> None:
         )
         return output
 
-    trainer._generate_and_score_completions = recording
-    trainer.train()
+    MRTPOTrainer._generate_and_score_completions = recording
+    trainer = train_main(*make_parser().parse_args_and_config(argv))
     state = trainer.accelerator.state
     report = {
         "rank": state.process_index,
@@ -44,6 +45,8 @@ def main(report_dir: str, argv: list[str]) -> None:
         "backend": str(state.backend),
         "global_step": trainer.state.global_step,
         "advantages": shapes,
+        # a process group left alive at exit can abort the interpreter's shutdown (gloo's threads)
+        "process_group_destroyed": not torch.distributed.is_initialized(),
     }
     Path(report_dir, f"rank{state.process_index}.json").write_text(json.dumps(report))
 

@@ -1,4 +1,5 @@
-"""Two CPU processes (DDP over gloo) run 2 MRTPO steps through accelerate launch and the CPU recipe."""
+"""Two CPU processes (DDP over gloo) run 2 MRTPO steps through accelerate launch, the CPU recipe and the CLI's
+`main`."""
 
 import json
 import os
@@ -42,6 +43,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
         report = json.loads(path.read_text())
         assert report["num_processes"] == 2 and report["backend"] == "gloo" and report["global_step"] == 2
         assert report["advantages"] and all(finite and len(shape) == 2 for shape, finite in report["advantages"])
+        assert report["process_group_destroyed"], "trl-mrtpo train must destroy the process group before exiting"
     # Steps 7 and 8 see the whole generation batch: the ranks' advantages equal one process's on the merged batch.
     generations = sorted({p.name.split("_")[1] for p in reports.glob("rank0_generation*.pt")})
     assert generations

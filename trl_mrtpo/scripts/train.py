@@ -244,7 +244,8 @@ def data_source(script_args: MRTPOScriptArguments, dataset_args=None) -> str | N
 
 
 def main(script_args, training_args, model_args, dataset_args=None, recipe: str | None = None):
-    """Build, train, save, write the model card and (with ``push_to_hub``) push; returns the trainer."""
+    """Build, train, save, write the model card, (with ``push_to_hub``) push and end the process group; returns the
+    trainer."""
     import torch
 
     from ..utils import default_threads
@@ -260,6 +261,8 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=dataset_name)
         trainer.accelerator.print(f"Model pushed to the Hub in https://huggingface.co/{trainer.hub_model_id}.")
+    # a process group still alive at interpreter shutdown can abort a rank (gloo's worker threads): end it here
+    trainer.accelerator.end_training()
     return trainer
 
 
