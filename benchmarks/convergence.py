@@ -70,6 +70,8 @@ def evaluate(model, tokenizer, task: str, limit: int, max_new_tokens: int) -> fl
 
 def baseline_evaluation(task: str, args: argparse.Namespace) -> float:
     """Held-out score of the untrained model (greedy, so one per task), cached in the work dir."""
+    if task not in EVALUATIONS:  # nothing to score: do not load the model
+        return math.nan
     path = Path(args.work_dir) / task / f"baseline_eval_{args.eval_limit}_{args.eval_max_new_tokens}.json"
     if path.exists():
         return json.loads(path.read_text())["score"]
