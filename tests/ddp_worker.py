@@ -1,7 +1,9 @@
 """Run by tests/test_ddp.py under `accelerate launch`: trains from a recipe through the CLI's own `main` and reports
 what each rank saw."""
 
+import faulthandler
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -11,8 +13,14 @@ from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.scripts.train import main as train_main
 from trl_mrtpo.scripts.train import make_parser
 
+WAIT_LIMIT_SECONDS = 420  # the test's own limit is 600 s; alone the launch takes ~30 s
+
 
 def main(report_dir: str, argv: list[str]) -> None:
+    # A rank that waits too long prints every thread's stack and exits, so a hang fails fast and says where it waits;
+    # a rank the launcher stops (because the other one exited) prints its stack too.
+    faulthandler.dump_traceback_later(WAIT_LIMIT_SECONDS, exit=True)
+    faulthandler.register(signal.SIGTERM, chain=True)
     shapes = []
     original = MRTPOTrainer._generate_and_score_completions
 
@@ -49,6 +57,7 @@ def main(report_dir: str, argv: list[str]) -> None:
         "process_group_destroyed": not torch.distributed.is_initialized(),
     }
     Path(report_dir, f"rank{state.process_index}.json").write_text(json.dumps(report))
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from trl_mrtpo.credit import token_advantages
 
 pytestmark = pytest.mark.slow
 
+DISTRIBUTED_VARIABLES = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
 
 def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
     from tests.conftest import build_tiny_model
@@ -25,6 +27,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", "recipes/accelerate/cpu_ddp.yaml",
+        "--main_process_port", "0",  # a free port: another launch on this machine cannot join this one's group
         "tests/ddp_worker.py", str(reports),
         "--config", "recipes/cpu/basic-smollm2.yaml",
         "--model_name_or_path", str(model_dir),
@@ -34,9 +37,15 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
         "--credit_warmup_steps", "0",
         "--replay_only_varying", "false",
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # The launcher sets the ranks' own distributed variables; none of the test process's may leak into them.
+    inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    except subprocess.TimeoutExpired as error:  # the launcher itself waits: show what the ranks printed
+        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
+        pytest.fail(f"accelerate launch still running after {error.timeout} s:\n{stderr[-8000:]}")
+    assert result.returncode == 0, result.stderr[-8000:]
     seen = sorted(json.loads(p.read_text())["rank"] for p in reports.glob("rank*.json"))
     assert seen == [0, 1]
     for path in reports.glob("rank*.json"):
