@@ -1,5 +1,6 @@
 """Lean replay: shared-prefix KV reuse and batched divergence, against independent full-logits forwards."""
 
+import functools
 import math
 
 import pytest
@@ -73,6 +74,7 @@ def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch)
     decoder, _ = causal_lm_parts(model)
     original, counts = decoder.forward, []
 
+    @functools.wraps(original)  # keeps the signature the replay reads its cache argument's name from
     def forward(*args, input_ids, attention_mask=None, **kwargs):
         mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else input_ids
         counts.append(int((mask != 0).sum()))
