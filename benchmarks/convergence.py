@@ -32,15 +32,18 @@ from pathlib import Path
 
 from trl_mrtpo.gym.stats import mean_std, steps_to_threshold
 
-METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "opsd", "mrtpo+")
-# mrtpo+: paper-MRTPO with the calibrated-credit options frozen on the gym's development seeds
-CHOICE = Path(__file__).parent / "calibrated_credit_choice.json"
+METHODS = ("grpo", "gdpo", "mrtpo", "joint", "shuffled", "opsd", "mrtpo+", "strength")
+# mrtpo+ and strength: paper-MRTPO with options frozen on the gym's development seeds, each in its own committed file
+CHOICES = {
+    "mrtpo+": Path(__file__).parent / "calibrated_credit_choice.json",
+    "strength": Path(__file__).parent / "reward_strength_choice.json",
+}
 
 
 def method_settings(method: str) -> dict:
-    """The MRTPOConfig fields of a method: its credit_assignment and, for mrtpo+, the frozen options."""
-    if method == "mrtpo+":
-        return {"credit_assignment": "mrtpo", **json.loads(CHOICE.read_text())["options"]}
+    """The MRTPOConfig fields of a method: its credit_assignment and, for a frozen variant, its options."""
+    if method in CHOICES:
+        return {"credit_assignment": "mrtpo", **json.loads(CHOICES[method].read_text())["options"]}
     return {"credit_assignment": "gdpo" if method == "opsd" else method}
 
 
