@@ -237,6 +237,66 @@ def test_a_step_boundary_inside_a_token_ends_at_that_token(tiny_tokenizer):
     assert token_positions(tiny_tokenizer, ids, text, [len(text)]) == [len(ids) - 1]
 
 
+def reasoning_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer with a Qwen3 chat template and TRL's response template for it: TRL's parser moves the
+    reasoning out of the message content."""
+    import copy
+
+    from trl.chat_template_utils import add_response_schema, qwen3_chat_template
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = qwen3_chat_template
+    return add_response_schema(tokenizer)
+
+
+def test_step_ends_of_parsed_content_land_on_their_own_tokens(tiny_tokenizer):
+    """The content TRL's parser leaves (reasoning stripped) is placed on the ids by where it sits in their decode."""
+    from trl.chat_template_utils import parse_response
+
+    tokenizer = reasoning_tokenizer(tiny_tokenizer)
+    prefix = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    full = "<think>\nplan the sum\n</think>\n\nAnswer: 42\nDone"
+    ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    content = parse_response(tokenizer, ids, prefix=prefix)["content"]
+    assert content == "Answer: 42\nDone"  # what the reward sees is not the decode of the ids
+    ends = [b for _, b in step_spans(content)]
+    start = full.index(content)
+    expected = brute_force_positions(tokenizer, ids, full, [start + end for end in ends])
+    got = token_positions(tokenizer, ids, content, ends, "process reward 'steps' on sample 0")
+    assert got == expected
+    assert got[0] < len(ids) - 1 == got[1]  # "Answer: 42" ends on its own token, not on the last one
+
+
+@pytest.mark.parametrize(
+    "full, text",
+    [
+        ("Answer: 42\nDone", "Answer: 43\nDone"),  # rewritten: not in the decode at all
+        ("42 is it.\n42", "42"),  # in the decode twice: which one the reward scored is unknowable
+    ],
+)
+def test_a_text_that_cannot_be_placed_on_the_ids_is_refused(tiny_tokenizer, full, text):
+    ids = tiny_tokenizer(full, add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match=r"process reward 'steps' on sample 3.*cannot be placed on tokens"):
+        token_positions(tiny_tokenizer, ids, text, [len(text)], "process reward 'steps' on sample 3")
+
+
+def test_token_positions_with_invalid_utf8_in_the_ids(tiny_tokenizer):
+    """A lone continuation-less lead byte decodes to U+FFFD in the text the reward sees; the offsets still map."""
+    lead_byte = tiny_tokenizer.convert_tokens_to_ids("\u00e2")  # byte 0xE2, the start of a 3-byte character
+    tail = tiny_tokenizer("ok done", add_special_tokens=False)["input_ids"]
+    ids = [lead_byte, *tail]
+    text = tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == "\ufffdok done"
+    got = token_positions(tiny_tokenizer, ids, text, [1, 3, len(text)])
+    assert got[0] == 0  # the replacement character is the lone byte's
+    assert tiny_tokenizer.decode(ids[: got[1] + 1]).endswith("ok") and not tiny_tokenizer.decode(
+        ids[: got[1]]
+    ).endswith("ok")
+    assert got[2] == len(ids) - 1
+
+
 @pytest.mark.slow
 def test_token_positions_under_the_real_smollm2_tokenizer():
     pytest.importorskip("gguf")

@@ -54,21 +54,53 @@ def _common_prefix_length(a: str, b: str) -> int:
     return length
 
 
-def token_positions(tokenizer, completion_ids: Sequence[int], text: str, char_ends: Sequence[int]) -> list[int]:
-    """For each exclusive character end ``e`` of ``text`` (the completion decoded from ``completion_ids`` without
-    special tokens), the index of the completion token that holds character ``e - 1``.
+def text_alignment(tokenizer, completion_ids: Sequence[int], text: str, where: str) -> tuple[bool, int]:
+    """How the text a reward scored relates to the completion's ids: ``(skip_special_tokens, start)``, the decode of
+    the ids (without or with special tokens) in which ``text`` starts at character ``start``.
 
-    A step that ends inside a token ends at that token. Prefixes are decoded and compared with ``text``, so a token
-    that holds only part of a multi-byte character (its prefix decodes to a replacement character) does not count as
-    holding it: the character belongs to the token that completes it. Binary search: ``O(log T)`` decodes per end.
+    ``text`` is that decode itself, or occurs in it exactly once (TRL's response parser moves reasoning or tool calls
+    out of the message content, leaving the content as one piece of the decode). Anything else cannot be placed on
+    tokens: a ValueError names ``where`` instead of guessing.
     """
+    views = {skip: tokenizer.decode(list(completion_ids), skip_special_tokens=skip) for skip in (True, False)}
+    for skip, decoded in views.items():
+        if decoded == text:
+            return skip, 0
+    for skip, decoded in views.items():
+        start = decoded.find(text)
+        if start >= 0 and decoded.find(text, start + 1) < 0:
+            return skip, start
+    raise ValueError(
+        f"The {where} scored the text {text!r:.80}, which is neither the decode of the completion's token ids "
+        f"({views[False]!r:.120}) nor a piece that occurs exactly once in it, so its character offsets cannot be "
+        "placed on tokens. Score the decoded completion_ids (passed to process rewards) instead of a rewritten text."
+    )
+
+
+def token_positions(
+    tokenizer, completion_ids: Sequence[int], text: str, char_ends: Sequence[int], where: str = "step rule"
+) -> list[int]:
+    """For each exclusive character end ``e`` of ``text`` (the text a reward scored), the index of the completion
+    token that holds character ``e - 1``, read from the decoded pieces of the ids themselves (docs/method.md,
+    "Process rewards": spans to tokens).
+
+    ``text`` is related to the ids by :func:`text_alignment` (refused, naming ``where``, when it is not recoverable
+    from them). A step that ends inside a token ends at that token. Prefixes of the ids are decoded and compared
+    with the full decode, so a token that holds only part of a multi-byte character (its prefix decodes to a
+    replacement character) does not count as holding it: the character belongs to the token that completes it.
+    Binary search: ``O(log T)`` decodes per end.
+    """
+    if not char_ends:
+        return []
+    skip, start = text_alignment(tokenizer, completion_ids, text, where)
+    full = tokenizer.decode(list(completion_ids), skip_special_tokens=skip)
     count = len(completion_ids)
     covered_cache: dict[int, int] = {}
 
     def covered(tokens: int) -> int:
         if tokens not in covered_cache:
-            decoded = tokenizer.decode(list(completion_ids[:tokens]), skip_special_tokens=True)
-            covered_cache[tokens] = _common_prefix_length(decoded, text)
+            decoded = tokenizer.decode(list(completion_ids[:tokens]), skip_special_tokens=skip)
+            covered_cache[tokens] = _common_prefix_length(decoded, full)
         return covered_cache[tokens]
 
     positions = []
@@ -76,7 +108,7 @@ def token_positions(tokenizer, completion_ids: Sequence[int], text: str, char_en
         low, high = 1, count
         while low < high:
             middle = (low + high) // 2
-            if covered(middle) >= end:
+            if covered(middle) >= start + end:
                 high = middle
             else:
                 low = middle + 1

@@ -195,7 +195,7 @@ class MathShepherd:
         verdicts: dict[tuple[int, int], list[bool]] = {}
         prefixes = []  # (response, step, prompt ids, prefix ids) of every step with room left to continue
         for i, (prompt, text, ids) in enumerate(zip(prompts, texts, completion_ids)):
-            ends = token_positions(tokenizer, ids, text, [b for _, b in spans[i]])
+            ends = token_positions(tokenizer, ids, text, [b for _, b in spans[i]], f"{self.__name__} on sample {i}")
             prompt_ids = list(self._prompt_ids(tokenizer, prompt))
             for s, last_token in enumerate(ends):
                 prefix = list(ids[: last_token + 1])

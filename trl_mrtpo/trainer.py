@@ -53,7 +53,13 @@ from .process_rewards import (
 )
 from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
 from .utils import completion_text, function_name, local_copy_hub_id, reward_columns
-from .validation import STATE_VERSION, check_dataset, checked_reward, read_credit_state
+from .validation import (
+    STATE_VERSION,
+    check_dataset,
+    check_loss_keeps_token_credit,
+    checked_reward,
+    read_credit_state,
+)
 from .viz import credit_summary, token_strings
 from .weighting import ConcurTrust, concur_advantages, saw_weights
 
@@ -234,6 +240,16 @@ class MRTPOTrainer(GRPOTrainer):
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
+        token_credit = [
+            name
+            for name, on in (
+                (f"credit_assignment='{args.credit_assignment}'", self._replays),
+                *((rule, True) for rule in step_rules),
+                ("taco_strength", args.taco_strength > 0),
+            )
+            if on
+        ]
+        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, token_credit)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
         if self._replays or args.taco_strength > 0:
@@ -578,7 +594,8 @@ class MRTPOTrainer(GRPOTrainer):
             local = []
             for i, (result, text) in enumerate(zip(results, texts)):
                 steps = checked_steps(result, name, rank * len(texts) + i, text)
-                ends = token_positions(self._text_tokenizer, ids[i], text, [step.end for step in steps])
+                where = f"process reward '{name}' on sample {rank * len(texts) + i}"
+                ends = token_positions(self._text_tokenizer, ids[i], text, [step.end for step in steps], where)
                 local.append(([step.score for step in steps], ends))
             gathered = gather_object(local)
             width = max(1, max(len(scores) for scores, _ in gathered))
@@ -611,7 +628,9 @@ class MRTPOTrainer(GRPOTrainer):
                     )
                     if offset is not None:
                         offsets[k] = offset
-            positions = token_positions(self._text_tokenizer, ids[i], text, list(offsets.values()))
+            names = ", ".join(f"'{self.reward_func_names[k]}'" for k in offsets)
+            where = f"failure boundary builder of {names} on sample {i}"
+            positions = token_positions(self._text_tokenizer, ids[i], text, list(offsets.values()), where)
             for k, position in zip(offsets, positions):
                 boundaries[i, k] = position
         return failure_suffix_mask(boundaries, batch.mask.shape[1]).to(batch.mask.device)

@@ -31,6 +31,27 @@ def check_finite_fields(config: Any, names: Sequence[str]) -> None:
                 raise ValueError(f"{name}[{i}]={weight} is beyond float32's range.")
 
 
+# Losses whose gradient flows through each token's log-probability, not through the importance ratio: a sequence-level
+# ratio leaves their per-token advantages in the gradient (measured: tests/test_loss_options.py).
+TOKEN_GRADIENT_LOSSES = ("cispo", "vespo")
+
+
+def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str, token_credit: Sequence[str]) -> None:
+    """Refuse a sequence-level importance ratio (GSPO, LUSPO) with a loss whose gradient flows through that ratio when
+    the run gives tokens different advantages (``token_credit``: what makes them differ): the ratio is one number per
+    response, so the token advantages would reach the gradient only through their mean over the response, and the
+    run would silently train as GDPO."""
+    if importance_sampling_level != "sequence" or loss_type in TOKEN_GRADIENT_LOSSES or not token_credit:
+        return
+    raise ValueError(
+        f"importance_sampling_level='sequence' with loss_type='{loss_type}' multiplies every token of a response by "
+        f"one ratio, so the token advantages of {' and '.join(token_credit)} would reach the gradient only through "
+        "their mean over the response (the run would train as uniform GDPO). Use importance_sampling_level='token', "
+        f"or a loss whose gradient is per token ({', '.join(repr(loss) for loss in TOKEN_GRADIENT_LOSSES)}), or "
+        "credit_assignment='gdpo' without step rules for uniform credit with a sequence-level ratio."
+    )
+
+
 def _reward_value(name: str, index: int, value: Any) -> float | None:
     """One reward value as a float (None stays None), or a TypeError/ValueError naming the reward and sample."""
     if value is None:
