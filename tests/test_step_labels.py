@@ -8,25 +8,64 @@ from tests.helpers import build_prm
 from trl_mrtpo import MathShepherd, MRTPOConfig, MRTPOTrainer, ProcessRewardModel, step_spans
 
 
-def test_prm_scores_each_step_at_its_separator(tiny_tokenizer, tmp_path):
-    prm = ProcessRewardModel(build_prm(tiny_tokenizer, tmp_path / "prm"), step_separator="\n", batch_size=2)
+def trl_prm_row(tokenizer, prompt, steps, separator):
+    """TRL's former ``PRMTrainer.tokenize_row``, by hand: BOS, the prompt without special tokens, each step plus the
+    separator; the label on the last token of each step's separator."""
+    ids = [tokenizer.bos_token_id] + tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    positions = []
+    for text in steps:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"] + tokenizer.encode(
+            separator, add_special_tokens=False
+        )
+        positions.append(len(ids) - 1)
+    return ids, positions
+
+
+@pytest.fixture
+def bos_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer with a BOS token (as most PRMs' tokenizers have)."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.bos_token = "<|system|>"
+    return tokenizer
+
+
+def test_prm_input_is_trls_prm_format(bos_tokenizer, tmp_path):
+    prm = ProcessRewardModel(build_prm(bos_tokenizer, tmp_path / "prm"), step_separator="\n", batch_size=2)
     prompts = ["Write SQL.", "Call the tool.", "Write a poem."]
     steps = [["SELECT name", "FROM users"], ["get_weather"], ["The sea", "the sky", "the fox"]]
+    seen = []
+    prm.model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs["input_ids"]), with_kwargs=True)
     scores = prm.score_steps(prompts, steps)
-    # by hand, one sequence at a time: prompt ids, then each step's ids and the separator's; P(label 1) at the end
-    separator = tiny_tokenizer.encode("\n", add_special_tokens=False)
+    first_batch = seen[0]
+    for row, (prompt, texts) in enumerate(zip(prompts[:2], steps[:2])):
+        ids, _ = trl_prm_row(bos_tokenizer, prompt, texts, "\n")
+        assert first_batch[row, : len(ids)].tolist() == ids  # the very ids PRMTrainer trained on
     for prompt, texts, got in zip(prompts, steps, scores):
-        ids, positions = tiny_tokenizer(prompt)["input_ids"], []
-        for text in texts:
-            ids = ids + tiny_tokenizer.encode(text, add_special_tokens=False) + separator
-            positions.append(len(ids) - 1)
+        ids, positions = trl_prm_row(bos_tokenizer, prompt, texts, "\n")
         with torch.no_grad():
             logits = prm.model(input_ids=torch.tensor([ids])).logits[0]
         expected = logits.softmax(-1)[positions, 1]
         torch.testing.assert_close(torch.tensor(got), expected, atol=1e-5, rtol=1e-4)
     # batching (right padding) changes nothing
-    one_by_one = ProcessRewardModel(prm.model, tiny_tokenizer, batch_size=1).score_steps(prompts, steps)
+    one_by_one = ProcessRewardModel(prm.model, bos_tokenizer, batch_size=1).score_steps(prompts, steps)
     torch.testing.assert_close(torch.tensor(sum(one_by_one, [])), torch.tensor(sum(scores, [])))
+
+
+def test_a_prm_that_is_not_a_step_classifier_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    with pytest.raises(TypeError, match="token-classification model.*LlamaForCausalLM"):
+        ProcessRewardModel(tiny_model, tiny_tokenizer)
+    classifier = build_prm(tiny_tokenizer, tmp_path / "prm")
+    with pytest.raises(ValueError, match="positive_label=2 is not one of the PRM's 2 labels"):
+        ProcessRewardModel(classifier, positive_label=2)
+    for separator in ("", None):
+        with pytest.raises(ValueError, match="step_separator must be non-empty text"):
+            ProcessRewardModel(classifier, step_separator=separator)
+        with pytest.raises(ValueError, match="step_separator must be non-empty text"):
+            MathShepherd(lambda *_: 1.0, step_separator=separator)
+    with pytest.raises(ValueError, match="non-empty separator"):
+        step_spans("a\nb", "")
 
 
 def test_prm_as_a_process_reward_returns_the_steps_spans(tiny_tokenizer, tmp_path):

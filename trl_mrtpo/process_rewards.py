@@ -34,6 +34,8 @@ class Step(NamedTuple):
 def step_spans(text: str, separator: str = "\n") -> list[tuple[int, int]]:
     """The ``[start, end)`` spans of ``text``'s steps, split at ``separator`` (which belongs to neither side); steps
     made only of whitespace are skipped."""
+    if not separator:
+        raise ValueError("step_spans needs a non-empty separator (an empty one splits nowhere and never ends).")
     spans, start = [], 0
     while start <= len(text):
         cut = text.find(separator, start)

@@ -26,11 +26,35 @@ def _prompt_text(prompt: Prompt) -> str:
     return str(users[-1]) if users else ""
 
 
+def check_separator(step_separator: Any, owner: str) -> None:
+    """A step separator is non-empty text (an empty one would split nowhere, or everywhere)."""
+    if not isinstance(step_separator, str) or not step_separator:
+        raise ValueError(f"{owner}: step_separator must be non-empty text, got {step_separator!r}.")
+
+
+def check_token_classifier(model: torch.nn.Module, positive_label: Any) -> None:
+    """Refuse a PRM that is not a token-classification model with ``positive_label`` among its labels (a causal LM
+    would be read as "the probability of vocabulary token ``positive_label``")."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    kind = type(base).__name__
+    if not kind.endswith("ForTokenClassification"):
+        raise TypeError(
+            f"ProcessRewardModel needs a token-classification model (AutoModelForTokenClassification, the format of "
+            f"TRL's former PRMTrainer), got {kind}."
+        )
+    labels = getattr(base.config, "num_labels", None)
+    if not isinstance(positive_label, int) or isinstance(positive_label, bool) or not 0 <= positive_label < labels:
+        raise ValueError(
+            f"positive_label={positive_label!r} is not one of the PRM's {labels} labels (0-{labels - 1})."
+        )
+
+
 class ProcessRewardModel:
-    """Step scores from a process reward model: a token-classification model that predicts, at the last token of
-    each step (the step's text followed by ``step_separator``), whether the step is good. This is the format of TRL's
-    former ``PRMTrainer`` and of common open PRMs: input = prompt tokens, then each step's tokens plus the
-    separator's; the score is the softmax probability of ``positive_label`` at each step's last token.
+    """Step scores from a process reward model: a token-classification model that predicts, at the end of each step
+    (the step's text followed by ``step_separator``), whether the step is good. The input is exactly that of TRL's
+    former ``PRMTrainer`` (and common open PRMs trained with it): the BOS token when the tokenizer has one, the prompt
+    tokenised without special tokens, then each step's tokens followed by the separator's; the score is the softmax
+    probability of ``positive_label`` at the last token of each step's separator, where ``PRMTrainer`` put the label.
 
     Args:
         model: a path or Hub id (loaded with ``AutoModelForTokenClassification``), or a loaded model.
@@ -59,6 +83,8 @@ class ProcessRewardModel:
             model = AutoModelForTokenClassification.from_pretrained(model)
         if tokenizer is None:
             raise ValueError("ProcessRewardModel needs the PRM's tokenizer when the model is passed loaded.")
+        check_token_classifier(model, positive_label)
+        check_separator(step_separator, "ProcessRewardModel")
         self.model, self.tokenizer = model.eval(), tokenizer
         self.step_separator, self.positive_label, self.batch_size = step_separator, positive_label, batch_size
         self.__name__ = name
@@ -71,7 +97,9 @@ class ProcessRewardModel:
         return self
 
     def _encode(self, prompt: str, steps: Sequence[str]) -> tuple[list[int], list[int]]:
-        ids = self.tokenizer(prompt)["input_ids"] if prompt else []
+        """TRL's PRM input for one (prompt, steps) pair and the position of each step's label."""
+        bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
+        ids = bos + (self.tokenizer(prompt, add_special_tokens=False)["input_ids"] if prompt else [])
         separator = self.tokenizer.encode(self.step_separator, add_special_tokens=False)
         positions = []
         for step in steps:
@@ -143,6 +171,7 @@ class MathShepherd:
             raise ValueError(f"label must be 'soft' or 'hard', got {label!r}")
         if num_rollouts < 1:
             raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
+        check_separator(step_separator, "MathShepherd")
         self.verifier, self.num_rollouts, self.label_type = verifier, num_rollouts, label
         self.step_separator, self.max_new_tokens, self.threshold = step_separator, max_new_tokens, threshold
         self.temperature, self.model, self.tokenizer = temperature, model, tokenizer
