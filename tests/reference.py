@@ -18,8 +18,9 @@ def js_float64(logits_p, logits_q):
     return (0.5 * kl(p, m) + 0.5 * kl(q, m)) / math.log(2)
 
 
-def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
-    """Plain loops in float64, written from docs/method.md without using credit.py."""
+def reference_parts(rewards, q, mask, c, beta, rho, G, eps=1e-4):
+    """Plain loops in float64, written from docs/method.md without using credit.py: the group advantages ``[n, K]``,
+    each reward's token weights ``w[j][k][t]``, the cap factor, the capped scores ``[j][t]`` and step 8's std."""
     n, k_count = rewards.shape
     rewards, q, c = rewards.double(), q.double(), c.double()
     adv = torch.zeros(n, k_count, dtype=torch.float64)
@@ -37,21 +38,26 @@ def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
                     adv[g * G + j, k] = (vals[j] - mean) / (std + eps)
                 varying[g * G + j, k] = std > 0
     lengths = [int(m.sum()) for m in mask]
-    scores, uniforms = [], []
+    scores, uniforms, weights = [], [], []
     for j in range(n):
         length = lengths[j]
         u = sum(c[k] * adv[j, k] for k in range(k_count)).item()
         s_row = [0.0] * length
+        w_rows = []
         for k in range(k_count):
             qs = q[j, k, :length].tolist()
             qbar = sum(qs) / length if length else 0.0
+            w_row = []
             for t in range(length):
                 w = 1.0
                 if varying[j, k] and qbar >= 1e-8:
                     w = (1 - beta) + beta * qs[t] / qbar
+                w_row.append(w)
                 s_row[t] += c[k].item() * adv[j, k].item() * w
+            w_rows.append(w_row)
         scores.append(s_row)
         uniforms.append(u)
+        weights.append(w_rows)
     uni_moment = sum(lengths[j] * uniforms[j] ** 2 for j in range(n))
     red_moment = sum((s - uniforms[j]) ** 2 for j in range(n) for s in scores[j])
     # As in credit.py, a redistribution below float rounding of the uniform part (relative 1e-12) is none.
@@ -60,9 +66,15 @@ def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
     flat = [v for row in capped for v in row]
     mean = sum(flat) / len(flat)
     std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
+    return adv, weights, s_cap, capped, std
+
+
+def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
+    """Steps 1-8 in float64 loops: the token advantages ``[n, T]`` and the cap factor."""
+    _, _, s_cap, capped, std = reference_parts(rewards, q, mask, c, beta, rho, G, eps)
     out = torch.zeros(mask.shape, dtype=torch.float64)
-    for j in range(n):
-        for t, v in enumerate(capped[j]):
+    for j, row in enumerate(capped):
+        for t, v in enumerate(row):
             out[j, t] = v / std if std > 0 else v
     return out, s_cap
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import RecordingTrainer, graded_length, make_args
-from tests.reference import reference_token_advantages
+from tests.reference import reference_parts, reference_token_advantages
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.credit import (
     failure_suffix_mask,
@@ -154,6 +154,73 @@ def test_failure_suffix_on_preserved_totals_keeps_everything_but_the_dropped_pen
     torch.testing.assert_close(masked.advantages[2], plain[2])
     torch.testing.assert_close(masked.advantages[:, 0], plain[:, 0])
     assert not torch.allclose(masked.advantages[0], plain[0])
+
+
+def test_failure_suffix_under_a_binding_cap_drops_the_capped_penalty():
+    """Two rewards, replay weights and a cap that binds (s < 1): a dropped penalty is the reward's *capped* credit
+    c_k A_k (1 + s (w - 1)) on the marked positions; the other reward and the std are those of the unmasked batch.
+    Float64 loops (tests/reference.py), not credit.py."""
+    gen = torch.Generator().manual_seed(3)
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    mask = torch.ones(6, 6, dtype=torch.long)
+    mask[1, 4:] = 0
+    q = torch.rand(6, 2, 6, generator=gen) ** 4  # peaked profiles: a large redistribution, so the cap binds
+    c, beta, rho = torch.tensor([1.0, 0.7]), 1.0, 1.2
+    advantages, varying = group_advantages(rewards, 3)
+    suffix = failure_suffix_mask(torch.tensor([[2, 1], [1, 0], [3, 2], [0, 4], [2, 2], [1, 3]]), 6)
+    got = token_advantages(advantages, q, varying, mask, c, beta, rho, failure_suffix=suffix)
+    adv, weights, s_cap, capped, std = reference_parts(rewards, q, mask, c, beta, rho, 3)
+    assert s_cap < 0.9 and got.cap_factor == pytest.approx(s_cap, rel=1e-6)
+    expected = torch.zeros(6, 6, dtype=torch.float64)
+    dropped_any = False
+    for j, row in enumerate(capped):
+        for t, value in enumerate(row):
+            for k in range(2):
+                if adv[j, k] < 0 and suffix[j, k, t]:
+                    value -= c[k].item() * adv[j, k].item() * (1 + s_cap * (weights[j][k][t] - 1))
+                    dropped_any = True
+            expected[j, t] = value / std
+    assert dropped_any
+    torch.testing.assert_close(got.advantages.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_process_credit_with_preserved_totals_rescales_by_uniform_plus_process():
+    """Preserved totals with replay weights (beta > 0) and process advantages: each reward capped on its own,
+    the process part added after the caps, and step 8's std that of U plus the process part, not of S."""
+    rewards, advantages, varying, mask = gdpo_case()
+    q = torch.rand(4, 2, 4, generator=torch.Generator().manual_seed(4)) ** 3
+    scores, ends = as_tensors([[(1.0, 1), (0.0, 3)], [(0.0, 2)], [(1.0, 3)], [(0.0, 0), (1.0, 1)]])
+    process = 0.5 * process_advantages(scores, ends, 2, 4)
+    beta, rho = 0.8, 1.3
+    got = token_advantages(
+        advantages, q, varying, mask, torch.ones(2), beta, rho, preserve_reward_totals=True, process=process
+    ).advantages
+    # float64 loops: per-reward weights, per-reward cap factors, then the sums
+    adv, weights, _, _, _ = reference_parts(rewards, q, mask, torch.ones(2), beta, rho, 2)
+    lengths = [int(m.sum()) for m in mask]
+    factors = []
+    for k in range(2):
+        uniform_moment = sum(lengths[j] * adv[j, k].item() ** 2 for j in range(4))
+        spread = sum((adv[j, k].item() * (weights[j][k][t] - 1)) ** 2 for j in range(4) for t in range(lengths[j]))
+        factors.append(
+            1.0 if spread <= 1e-12 * uniform_moment else min(1.0, math.sqrt((rho - 1) * uniform_moment / spread))
+        )
+    assert min(factors) < 1.0  # the per-reward cap binds
+    baseline, total = [], []
+    for j in range(4):
+        for t in range(lengths[j]):
+            uniform = adv[j].sum().item() + process[j, t].item()
+            baseline.append(uniform)
+            total.append(uniform + sum(factors[k] * adv[j, k].item() * (weights[j][k][t] - 1) for k in range(2)))
+    mean = sum(baseline) / len(baseline)
+    std = math.sqrt(sum((v - mean) ** 2 for v in baseline) / (len(baseline) - 1))
+    expected = torch.zeros(4, 4, dtype=torch.float64)
+    cursor = 0
+    for j in range(4):
+        for t in range(lengths[j]):
+            expected[j, t] = total[cursor] / std
+            cursor += 1
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_process_advantages_join_at_step_six_and_enter_the_std():
