@@ -17,7 +17,7 @@ from .constants import (
     REWARD_WEIGHTINGS,
 )
 from .ops import triton_divergence
-from .validation import check_finite_fields
+from .validation import check_field_types, check_finite_fields
 
 
 @dataclass
@@ -261,6 +261,7 @@ class MRTPOConfig(GRPOConfig):
     def __post_init__(self):
         # NaN passes every range check below (each comparison is False): refuse non-finite numbers first, by name.
         own = [name for name in self.__dataclass_fields__ if name not in GRPOConfig.__dataclass_fields__]
+        check_field_types(self, [*own, "temperature", "reward_weights"])
         check_finite_fields(self, [*own, "temperature"])
         if self.gradient_checkpointing is not None:
             warnings.warn(
@@ -338,3 +339,39 @@ class MRTPOConfig(GRPOConfig):
                 f"{', '.join(chosen)} act on each reward's own q profile, which only credit_assignment='mrtpo' (or "
                 f"its 'shuffled' ablation) computes; got credit_assignment={self.credit_assignment!r}."
             )
+        self._check_scopes()
+
+    def _check_scopes(self) -> None:
+        """Refuse an option set away from its default in a configuration where it does nothing (it would be ignored
+        silently: a user would believe it acts)."""
+        mode = self.credit_assignment
+        scopes = {
+            "preserve_reward_totals": (
+                mode in ("mrtpo", "joint", "shuffled"),
+                "credit_assignment 'mrtpo', 'joint' or 'shuffled'",
+            ),
+            "cort_eta": (mode == "cort", "credit_assignment='cort'"),
+            "cort_tau": (mode == "cort", "credit_assignment='cort'"),
+            "cort_offset": (mode == "cort", "credit_assignment='cort'"),
+            "taco_threshold": (self.taco_strength > 0, "taco_strength > 0"),
+            "taco_sharpness": (self.taco_strength > 0, "taco_strength > 0"),
+            "reward_strength_floor": (self.reward_strength, "reward_strength=True"),
+            **{
+                name: (self.reward_weighting == "concur", "reward_weighting='concur'")
+                for name in (
+                    "concur_primary",
+                    "concur_pass_threshold",
+                    "concur_ceiling",
+                    "concur_ceiling_mode",
+                    "concur_min_readings",
+                )
+            },
+        }
+        for name, (acts, condition) in scopes.items():
+            value = getattr(self, name)
+            if not acts and value != self.__dataclass_fields__[name].default:
+                raise ValueError(
+                    f"{name}={value!r} has no effect unless {condition} (credit_assignment={mode!r}, "
+                    f"reward_weighting={self.reward_weighting!r}, taco_strength={self.taco_strength}, "
+                    f"reward_strength={self.reward_strength}); remove it or set what it needs."
+                )

@@ -278,6 +278,7 @@ def preserved_token_advantages(
     Returns:
         :class:`TokenCredit` whose ``cap_factor`` is the smallest ``s_k``.
     """
+    dtype, advantages = advantages.dtype, advantages.double()  # float64 until the rescale, as above
     mask_f = mask.to(advantages)
     scaled = advantages * reward_weights.to(advantages)
     uniform = scaled.sum(-1)
@@ -301,7 +302,7 @@ def preserved_token_advantages(
         scores, baseline = scores + process.to(scores) * mask_f, baseline + process.to(scores) * mask_f
     std = batch_std(baseline, mask, reduce_sum)
     scores = _without_masked_penalties(scores, scaled, weights, factors.to(scaled), mask_f, failure_suffix)
-    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std), weights, float(factors.min()))
+    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, float(factors.min()))
 
 
 def null_corrected_relevance(relevance: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
@@ -396,6 +397,8 @@ def weighted_token_advantages(
     else changes, not the std, not positive credit, not the other rewards (docs/method.md, "Process rewards and
     failure-suffix masking").
     """
+    # float64 until the rescale: c_k A_k summed over rewards can pass float32's range (weights near its maximum)
+    dtype, advantages = advantages.dtype, advantages.double()
     uniform, redistributed = combine(advantages, weights, reward_weights, mask)
     if max_second_moment_ratio is None:
         scores, s = (uniform[:, None] + redistributed) * mask.to(uniform), 1.0
@@ -408,7 +411,7 @@ def weighted_token_advantages(
     scaled = advantages * reward_weights.to(advantages)
     factors = torch.full_like(scaled[0], s)
     scores = _without_masked_penalties(scores, scaled, weights, factors, mask_f, failure_suffix)
-    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std), weights, s)
+    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, s)
 
 
 def _without_masked_penalties(

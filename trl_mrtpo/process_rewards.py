@@ -14,11 +14,11 @@ response's last unrecovered error ends (exclusive), or None.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .info_blocks import Prompt, call_builder
+from .validation import FLOAT32_MAX
 
 NO_BOUNDARY = -1
 
@@ -119,7 +119,13 @@ def token_positions(
 
 
 def _is_score(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number within float32's range, as rewards are (a group's statistics then stay finite in float64)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return abs(float(value)) <= FLOAT32_MAX
+    except OverflowError:
+        return False
 
 
 def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:
@@ -145,7 +151,10 @@ def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:
         if hasattr(score, "item"):
             score = score.item()
         if not _is_score(score):
-            raise ValueError(f"Step {index} of the {where} has score {score!r}; scores are finite numbers.")
+            raise ValueError(
+                f"Step {index} of the {where} has score {score!r:.40}; scores are finite numbers within float32's "
+                "range (3.4e38)."
+            )
         steps.append(Step(start, end, float(score)))
     return sorted(steps, key=lambda s: s.end)
 

@@ -8,12 +8,46 @@ import functools
 import inspect
 import math
 import numbers
+import types
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _has_type(value: Any, kind: Any) -> bool:
+    """Whether ``value`` fits a field's declared type (``float``, ``int | None``, ``list[float] | None``, ...); a bool
+    is not a number, an int is a float; a type this check does not read is left to the field's own validation."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        return any(_has_type(value, option) for option in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(kind) or (Any,)
+        return isinstance(value, (list, tuple)) and all(_has_type(element, item) for element in value)
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind in (float, int):
+        return isinstance(value, numbers.Real if kind is float else numbers.Integral) and not isinstance(value, bool)
+    if kind is str:
+        return isinstance(value, str)
+    return True
+
+
+def check_field_types(config: Any, names: Sequence[str]) -> None:
+    """Refuse a field whose value does not have its declared type (a scalar where a list is expected, text where a
+    number is, None where the field takes none), naming the field: a YAML recipe or a Python call hands values over
+    unconverted, and a wrong type would otherwise fail deep inside a step, or silently (text iterated as a list)."""
+    hints = typing.get_type_hints(type(config))  # the declared types (argument parsers rewrite the fields' own)
+    for name in names:
+        value = getattr(config, name)
+        if not _has_type(value, hints[name]):
+            kind = hints[name].__name__ if isinstance(hints[name], type) else str(hints[name]).replace("typing.", "")
+            raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r:.60}.")
 
 
 def check_finite_fields(config: Any, names: Sequence[str]) -> None:
@@ -72,11 +106,15 @@ def _reward_value(name: str, index: int, value: Any) -> float | None:
             f"reward function '{name}' returned {type(value).__name__} {value!r:.60} for sample {index}; each reward "
             "must be a real number (int, float, bool, numpy scalar or 0-d tensor) or None where it does not apply."
         )
-    value = float(value)
+    returned = value
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        value = math.inf
     if math.isinf(value) or abs(value) > FLOAT32_MAX:
         raise ValueError(
-            f"reward function '{name}' returned {value} for sample {index}; rewards must be finite and within "
-            "float32's range (return None where a reward does not apply, and rescale scores beyond 3.4e38)."
+            f"reward function '{name}' returned {returned!r:.40} for sample {index}; rewards must be finite and "
+            "within float32's range (return None where a reward does not apply, and rescale scores beyond 3.4e38)."
         )
     return value
 

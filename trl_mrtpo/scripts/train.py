@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from trl import ScriptArguments
 
 from ..kits import KIT_NAMES, data_loaders, get_kit, resolve
+from ..validation import check_field_types
 
 
 @dataclass
@@ -84,6 +85,12 @@ class MRTPOScriptArguments(ScriptArguments):
         default="mrtpo",
         metadata={"help": "mrtpo, or opsd: self-distillation with the info blocks as privileged context."},
     )
+
+    def __post_init__(self):
+        own = [name for name in self.__dataclass_fields__ if name not in ScriptArguments.__dataclass_fields__]
+        check_field_types(self, own)
+        if self.num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}.")
 
 
 def make_parser():
