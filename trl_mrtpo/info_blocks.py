@@ -111,8 +111,17 @@ def build_block(
 def _span_count(prompt: Prompt, text: str) -> int:
     """How often ``text`` occurs in the prompt (over every message with string content)."""
     if isinstance(prompt, str):
-        return prompt.count(text)
-    return sum(m.get("content").count(text) for m in prompt if isinstance(m.get("content"), str))
+        return _occurrences(prompt, text)
+    return sum(_occurrences(m.get("content"), text) for m in prompt if isinstance(m.get("content"), str))
+
+
+def _occurrences(content: str, text: str) -> int:
+    """How often ``text`` occurs in ``content``, overlapping occurrences included (``str.count`` skips them: "aba"
+    is once in "ababa" for it, twice here, and removing either would be a guess)."""
+    count, start = 0, content.find(text)
+    while start >= 0:
+        count, start = count + 1, content.find(text, start + 1)
+    return count
 
 
 def _find_span(prompt: Prompt, text: str) -> tuple[int, ...] | None:

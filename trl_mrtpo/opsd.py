@@ -22,6 +22,7 @@ import torch
 
 from .info_blocks import build_block, check_builders
 from .utils import function_name, reward_columns
+from .validation import checked_reward
 
 # MRTPOConfig fields that mean the same in SDFTConfig: what a recipe or benchmark sets for every arm.
 SHARED_FIELDS = (
@@ -134,8 +135,9 @@ def opsd_trainer_class():
             separator: str = "\n\n",
             **kwargs,
         ):
-            self.scoring_funcs = list(reward_funcs)
-            self.reward_func_names = [function_name(f) for f in self.scoring_funcs]
+            self.reward_func_names = [function_name(f) for f in reward_funcs]
+            # checked where they return, as in MRTPOTrainer: a bad value names the function and the sample
+            self.scoring_funcs = [checked_reward(f, name) for f, name in zip(reward_funcs, self.reward_func_names)]
             builders = check_builders(info_blocks, self.reward_func_names)
             train_dataset = with_privileged_context(train_dataset, builders, self.reward_func_names, separator)
             super().__init__(
@@ -171,7 +173,7 @@ def opsd_trainer_class():
             prompts = [row["prompt"] for row in inputs]
             table = [
                 [
-                    math.nan if v is None else float(v)
+                    math.nan if v is None else v
                     for v in func(prompts=prompts, completions=completions, trainer_state=self.state, **columns)
                 ]
                 for func in self.scoring_funcs

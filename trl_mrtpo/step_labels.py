@@ -7,6 +7,9 @@ prompts and completions, they split each completion into steps at ``step_separat
 
 from __future__ import annotations
 
+import copy
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +18,7 @@ import torch
 from .info_blocks import Prompt
 from .process_rewards import Step, step_spans, token_positions
 from .replay import padded
-from .utils import completion_text
+from .utils import completion_text, function_name
 
 
 def _prompt_text(prompt: Prompt) -> str:
@@ -172,6 +175,10 @@ class MathShepherd:
         if num_rollouts < 1:
             raise ValueError(f"num_rollouts must be >= 1, got {num_rollouts}")
         check_separator(step_separator, "MathShepherd")
+        if not callable(verifier):
+            raise TypeError(f"MathShepherd's verifier must be callable, got {type(verifier).__name__}.")
+        if not isinstance(threshold, numbers.Real) or isinstance(threshold, bool) or not math.isfinite(threshold):
+            raise ValueError(f"MathShepherd's threshold must be a finite number, got {threshold!r}.")
         self.verifier, self.num_rollouts, self.label_type = verifier, num_rollouts, label
         self.step_separator, self.max_new_tokens, self.threshold = step_separator, max_new_tokens, threshold
         self.temperature, self.model, self.tokenizer = temperature, model, tokenizer
@@ -202,8 +209,22 @@ class MathShepherd:
             return tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
 
-    def _correct(self, prompt: Prompt, text: str, row: dict) -> bool:
-        return float(self.verifier(prompt, text, row)) >= self.threshold
+    def _correct(self, prompt: Prompt, text: str, row: dict, sample: int) -> bool:
+        """The verifier's verdict on one finished response, checked: a bool or a finite number (an error naming
+        the verifier and the sample otherwise, also for an exception it raises); it gets copies of the prompt and
+        row."""
+        where = f"{self.__name__}'s verifier {function_name(self.verifier)!r} on sample {sample}"
+        try:
+            verdict = self.verifier(copy.deepcopy(prompt), text, copy.deepcopy(row))
+        except Exception as raised:
+            raise RuntimeError(f"{where} raised {type(raised).__name__}: {raised}") from raised
+        if hasattr(verdict, "item") and getattr(verdict, "shape", None) in ((), torch.Size([])):
+            verdict = verdict.item()
+        if not isinstance(verdict, numbers.Real) or not math.isfinite(verdict):
+            raise TypeError(
+                f"{where} returned {type(verdict).__name__} {verdict!r:.60}; a verdict is a bool or a finite number."
+            )
+        return float(verdict) >= self.threshold
 
     @torch.no_grad()
     def label(
@@ -230,7 +251,7 @@ class MathShepherd:
                 prefix = list(ids[: last_token + 1])
                 if s == len(ends) - 1 or budget - len(prefix) < 1:  # the response (or prefix) is its own ending
                     ending = text if s == len(ends) - 1 else tokenizer.decode(prefix, skip_special_tokens=True)
-                    verdicts[i, s] = [self._correct(prompt, ending, rows[i])]
+                    verdicts[i, s] = [self._correct(prompt, ending, rows[i], i)]
                 else:
                     prefixes.append((i, s, prompt_ids, prefix))
         was_training = model.training
@@ -240,7 +261,7 @@ class MathShepherd:
                 chunk = prefixes[start : start + self.batch_size]
                 endings = self._continue(model, tokenizer, chunk, budget, temperature)
                 for (i, s, _, _), rollouts in zip(chunk, endings):
-                    verdicts[i, s] = [self._correct(prompts[i], ending, rows[i]) for ending in rollouts]
+                    verdicts[i, s] = [self._correct(prompts[i], ending, rows[i], i) for ending in rollouts]
         finally:
             model.train(was_training)
         labels = []

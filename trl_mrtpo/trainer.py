@@ -58,6 +58,7 @@ from .validation import (
     check_dataset,
     check_loss_keeps_token_credit,
     checked_reward,
+    own_copies,
     read_credit_state,
 )
 from .viz import credit_summary, token_strings
@@ -580,8 +581,7 @@ class MRTPOTrainer(GRPOTrainer):
         total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
         for func, name, weight in zip(self.process_rewards, self.process_reward_names, self.process_reward_weights):
             results = func(
-                prompts=batch.prompts,
-                completions=batch.completions,
+                **own_copies(dict(prompts=batch.prompts, completions=batch.completions)),
                 completion_ids=ids,
                 trainer_state=self.state,
                 **columns,

@@ -4,6 +4,7 @@ a training step (docs/behaviour.md lists what is refused and what falls back).""
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import math
@@ -140,19 +141,26 @@ def check_reward_values(name: str, values: Any, expected: int) -> list[float | N
     return [_reward_value(name, i, v) for i, v in enumerate(values)]
 
 
+def own_copies(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A user function's keyword arguments with its own copies of the prompts and completions."""
+    return {key: copy.deepcopy(value) if key in ("prompts", "completions") else value for key, value in kwargs.items()}
+
+
 def checked_reward(func: Callable, name: str) -> Callable:
-    """``func`` with its return value checked by :func:`check_reward_values` (sync or async, name kept)."""
+    """``func`` with its return value checked by :func:`check_reward_values` (sync or async, name kept). It gets
+    copies of the prompts and completions: a function that edits them changes nothing the next reward, the info
+    blocks or the replay see."""
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
 
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
-            return check_reward_values(name, await func(*args, **kwargs), len(kwargs["completions"]))
+            return check_reward_values(name, await func(*args, **own_copies(kwargs)), len(kwargs["completions"]))
 
         return checked_async
 
     @functools.wraps(func)
     def checked(*args, **kwargs):
-        return check_reward_values(name, func(*args, **kwargs), len(kwargs["completions"]))
+        return check_reward_values(name, func(*args, **own_copies(kwargs)), len(kwargs["completions"]))
 
     return checked
 
@@ -170,6 +178,13 @@ def _check_prompt(prompt: Any, where: str) -> None:
     for i, message in enumerate(prompt):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"message {i} of {where} is not a dict with 'role' and 'content': {message!r:.80}")
+        content = message["content"]
+        typed_parts = isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content)
+        if not (isinstance(content, str) or typed_parts or (content is None and message.get("tool_calls"))):
+            raise ValueError(
+                f"message {i} of {where} has content {content!r:.60}; a message's content is text (or a list of "
+                "typed parts), None only beside tool_calls."
+            )
 
 
 def check_dataset(dataset: Any, split: str) -> None:
@@ -235,4 +250,60 @@ def read_credit_state(path: str, identity: dict) -> dict:
             "per-reward state would be applied to the wrong rewards. Resume with the same rewards and credit "
             "settings, or start a new run."
         )
+    _check_state_contents(state, path, len(identity["reward_names"]), set(identity))
     return state
+
+
+TRUST_FIELDS = {"count": int, "total": float, "total_squares": float, "min_readings": int}  # ConcurTrust's
+_STATE_ENTRIES = {"version", "concur_trust", "shuffle_generator", "collapse_streaks", "reward_specificity"}
+
+
+def _check_state_contents(state: dict, path: str, num_rewards: int, identity_keys: set[str]) -> None:
+    """Every entry of a checkpointed MRTPO state has the type and shape this release writes; an unknown entry, a
+    trust record with other fields, a generator state of another size or a specificity of another length is
+    refused naming the file and the entry (it would otherwise crash on resume or resume with wrong state)."""
+
+    def refuse(entry: str, found: Any) -> None:
+        raise ValueError(
+            f"{path}: entry {entry!r} is {found!s:.80}, not what MRTPO writes; delete the file to resume "
+            "with a fresh MRTPO state."
+        )
+
+    unknown = set(state) - _STATE_ENTRIES - identity_keys
+    if unknown:
+        refuse(", ".join(sorted(map(str, unknown))), "unknown")
+    trust = state["concur_trust"]
+    if not isinstance(trust, dict):
+        refuse("concur_trust", type(trust).__name__)
+    for key, record in trust.items():
+        if not isinstance(record, dict) or set(record) != set(TRUST_FIELDS):
+            refuse(f"concur_trust[{key!r}]", record)
+        for field, kind in TRUST_FIELDS.items():
+            value = record[field]
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+                refuse(f"concur_trust[{key!r}].{field}", repr(value))
+            if kind is int and value != int(value):
+                refuse(f"concur_trust[{key!r}].{field}", repr(value))
+    generator = state["shuffle_generator"]
+    expected = torch.Generator().get_state()
+    if (
+        not isinstance(generator, torch.Tensor)
+        or generator.dtype != expected.dtype
+        or generator.shape != expected.shape
+    ):
+        refuse("shuffle_generator", getattr(generator, "shape", type(generator).__name__))
+    streaks = state["collapse_streaks"]
+    if not isinstance(streaks, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
+    ):
+        refuse("collapse_streaks", streaks)
+    specificity = state.get("reward_specificity")
+    if specificity is not None and (
+        not isinstance(specificity, torch.Tensor)
+        or not specificity.is_floating_point()
+        or tuple(specificity.shape) != (num_rewards,)
+    ):
+        refuse(
+            "reward_specificity",
+            f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})",
+        )
