@@ -265,7 +265,7 @@ def _check_state_contents(state: dict, path: str, num_rewards: int, identity_key
 
     def refuse(entry: str, found: Any) -> None:
         raise ValueError(
-            f"{path}: entry {entry!r} is {found!s:.80}, not what MRTPO writes; delete the file to resume "
+            f"{path}: entry {entry} is {found!s:.80}, not what MRTPO writes; delete the file to resume "
             "with a fresh MRTPO state."
         )
 
