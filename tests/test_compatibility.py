@@ -1,0 +1,141 @@
+"""docs/compatibility.md against the code: every GRPOTrainer option it lists works, changes the credit as it says,
+or is refused; the loss rows agree with the start-up check and every test it names exists."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import RecordingTrainer, graded_length, make_args
+from tests.test_loss_options import LOSS_TYPES
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.validation import check_loss_keeps_token_credit
+
+ROOT = Path(__file__).resolve().parents[1]
+TABLE = ROOT / "docs" / "compatibility.md"
+
+
+def table_rows() -> list[tuple[str, str, str, str]]:
+    rows = []
+    for line in TABLE.read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("option", "---") and not cells[0].startswith("-"):
+            rows.append(tuple(cells))
+    return rows
+
+
+def test_every_named_test_exists():
+    rows = table_rows()
+    assert len(rows) >= 20
+    for option, status, _, checked_by in rows:
+        assert status in ("works", "changes credit", "not run here") or status.startswith("refused"), option
+        if checked_by == "—":
+            assert status == "not run here", option
+            continue
+        file, name = checked_by.strip("`").split("::")
+        tree = ast.parse((ROOT / "tests" / file).read_text())
+        assert name in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, checked_by
+
+
+def test_the_loss_rows_agree_with_the_start_up_check():
+    rows = table_rows()
+    token_rows = {re.search(r'loss_type="(\w+)"', o).group(1) for o, s, _, _ in rows if "token level" in o}
+    assert token_rows == set(LOSS_TYPES) and all(s == "works" for o, s, _, _ in rows if "token level" in o)
+    sequence = {o: s for o, s, _, _ in rows if o.startswith('`importance_sampling_level="sequence"`')}
+    listed = {status: set(re.findall(r"`(\w+)`", option)) & set(LOSS_TYPES) for option, status in sequence.items()}
+    refused = {loss for loss in LOSS_TYPES if _refused_at_sequence_level(loss)}
+    assert listed == {"refused with token credit": refused, "works": set(LOSS_TYPES) - refused}
+
+
+def _refused_at_sequence_level(loss: str) -> bool:
+    try:
+        check_loss_keeps_token_credit(loss, "sequence", ["credit_assignment='mrtpo'"])
+    except ValueError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"beta": 0.04},
+        {"top_entropy_quantile": 0.5},
+        {"off_policy_mask_threshold": 0.5, "num_iterations": 2},
+        {"mask_truncated_completions": True},
+    ],
+    ids=lambda option: next(iter(option)),
+)
+def test_trl_option_keeps_token_credit(tiny_model, tiny_tokenizer, tmp_path, option):
+    tiny_model.save_pretrained(tmp_path / "policy")  # by path, as a user passes it: TRL loads the reference from it
+    trainer = RecordingTrainer(
+        model=str(tmp_path / "policy"),
+        reward_funcs=[graded_length, *BASIC.rewards[1:]],  # a fractional reward: it varies in every group
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, credit_assignment="mrtpo", max_steps=1, max_completion_length=16, **option),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    (batch,) = trainer.batches
+    advantages, mask = batch["advantages"], batch["completion_mask"]
+    assert advantages.shape == mask.shape and torch.isfinite(advantages).all()
+    assert (advantages[mask == 0] == 0).all()  # masked (e.g. truncated) completions carry no credit
+    assert trainer.state.log_history[-1]["train_loss"] == trainer.state.log_history[-1]["train_loss"]  # not NaN
+    if option.get("mask_truncated_completions"):
+        return
+    spread = [row[m.bool()] for row, m in zip(advantages, mask) if m.sum() > 1]
+    assert any(row.max() > row.min() for row in spread), "no response got token-level credit"
+
+
+def test_a_reward_model_among_the_rewards(tiny_model, tiny_tokenizer, tmp_path):
+    from transformers import LlamaForSequenceClassification
+
+    from tests.conftest import tiny_llama_config
+
+    torch.manual_seed(0)
+    reward_model = LlamaForSequenceClassification(tiny_llama_config(tiny_tokenizer, num_labels=1))
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=[*BASIC.rewards, reward_model],
+        reward_processing_classes=[None] * len(BASIC.rewards) + [tiny_tokenizer],
+        info_blocks=[*BASIC.info_blocks, None],
+        args=make_args(tmp_path, credit_assignment="mrtpo", max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    model_rewards = trainer.last_credit.rewards[:, -1]
+    assert torch.isfinite(model_rewards).all() and model_rewards.std() > 0  # scored, varied, normalised per group
+    assert torch.isfinite(trainer.batches[0]["advantages"]).all()
+
+
+def test_tool_rollouts_are_refused_with_a_replaying_mode(tiny_model, tiny_tokenizer, tmp_path):
+    def get_weather(city: str) -> str:
+        """Weather of a city.
+
+        Args:
+            city: the city.
+        """
+        return "sunny"
+
+    import copy
+
+    from trl.chat_template_utils import add_response_schema, qwen3_chat_template
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = qwen3_chat_template  # a template that renders tool calls, with TRL's parser for it
+    add_response_schema(tokenizer)
+    with pytest.raises(ValueError, match="does not support tool-calling rollouts"):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            tools=[get_weather],
+            args=make_args(tmp_path, credit_assignment="mrtpo"),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tokenizer,
+        )
