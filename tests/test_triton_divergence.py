@@ -151,3 +151,57 @@ def test_automatic_triton_failure_falls_back_to_torch_once(monkeypatch):
         replay_divergence(*args, backend="auto")
     assert len(calls) == 3
     divergence.triton_fallback.reset()
+
+
+def _pretend_triton(monkeypatch, kernel):
+    from trl_mrtpo.ops import divergence
+
+    monkeypatch.setattr(triton_divergence, "fused_replay_divergence", kernel)
+    monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend to be on a GPU
+    divergence.triton_fallback.reset()
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(40, 8, generator=gen), torch.randn(2, 40, 8, generator=gen), torch.randn(20, 8, generator=gen))
+
+
+def test_auto_refuses_a_kernel_that_returns_wrong_numbers(monkeypatch):
+    """A kernel that runs but computes the wrong thing (a GPU-specific bug) must not reach the credit."""
+    from trl_mrtpo.ops import divergence
+
+    def wrong(hidden_all, hidden_removed, weight, bias, temperature):
+        return divergence._torch_divergence(hidden_all, hidden_removed, weight, bias, temperature, None) * 1.5 + 0.01
+
+    args = _pretend_triton(monkeypatch, wrong)
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"disagreed with the torch path on its first 16 tokens .*2 removed "
+        r"contexts x 40 tokens, hidden 8, vocabulary 20",
+    ):
+        q = replay_divergence(*args, backend="auto")
+    assert not divergence.triton_fallback.enabled
+    torch.testing.assert_close(q, replay_divergence(*args, backend="torch"))  # the torch result, whole
+    divergence.triton_fallback.reset()
+
+
+def test_auto_validates_a_correct_kernel_once(monkeypatch):
+    from trl_mrtpo.ops import divergence
+
+    calls = {"kernel": 0, "reference": 0}
+    torch_path = divergence._torch_divergence
+
+    def right(*args):
+        calls["kernel"] += 1
+        return torch_path(*args, None) + 1e-6  # within the tolerance
+
+    def counted(*args):
+        calls["reference"] += 1
+        return torch_path(*args)
+
+    args = _pretend_triton(monkeypatch, right)
+    monkeypatch.setattr(divergence, "_torch_divergence", counted)
+    first = replay_divergence(*args, backend="auto")
+    replay_divergence(*args, backend="auto")
+    assert calls == {"kernel": 2, "reference": 1}  # checked on the first call only
+    assert divergence.triton_fallback.validated and divergence.triton_fallback.enabled
+    torch.testing.assert_close(first, torch_path(*args, None, 1.0, None) + 1e-6)
+    divergence.triton_fallback.reset()

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 
-from ..constants import DEFAULT_CHUNK_ELEMENTS, DIVERGENCE_BACKENDS, LN2, MAX_LOG_RATIO, MIN_CHUNK_TOKENS
+from ..constants import (
+    DEFAULT_CHUNK_ELEMENTS,
+    DIVERGENCE_BACKENDS,
+    LN2,
+    MAX_LOG_RATIO,
+    MIN_CHUNK_TOKENS,
+    VALIDATION_ATOL,
+    VALIDATION_RTOL,
+    VALIDATION_TOKENS,
+)
 from . import triton_divergence
 
 
@@ -41,26 +51,31 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
 
 
 class TritonFallback:
-    """Whether ``backend="auto"`` may still choose the Triton kernel in this process.
+    """Whether ``backend="auto"`` may still choose the Triton kernel in this process, and whether it has been
+    validated here.
 
-    The first failure of an automatically chosen kernel warns once and turns it off for the rest of the process;
-    :meth:`reset` turns it back on (tests; or after fixing the environment in a long-lived session).
+    ``auto`` trusts the kernel only after its first call in the process agreed with the torch path on a slice of
+    the same inputs (:data:`VALIDATION_TOKENS` tokens). A failure or a mismatch warns once and turns the kernel off
+    for the rest of the process; :meth:`reset` turns it back on, unvalidated (tests; or after fixing the
+    environment in a long-lived session).
     """
 
     def __init__(self) -> None:
         self.enabled = True
+        self.validated = False
 
-    def disable(self, error: Exception) -> None:
+    def disable(self, reason: str) -> None:
         self.enabled = False
         warnings.warn(
-            f"The fused Triton JS kernel failed ({type(error).__name__}: {error}); using the chunked torch path from "
-            "now on. Set divergence_backend='torch' to silence this, or 'triton' to make it an error.",
+            f"The fused Triton JS kernel {reason}; using the chunked torch path from now on. Set "
+            "divergence_backend='torch' to silence this, or 'triton' to use the kernel unchecked.",
             RuntimeWarning,
             stacklevel=4,
         )
 
     def reset(self) -> None:
         self.enabled = True
+        self.validated = False
 
 
 triton_fallback = TritonFallback()
@@ -94,9 +109,11 @@ def replay_divergence(
     - ``triton`` (CUDA): :func:`trl_mrtpo.ops.triton_divergence.fused_replay_divergence` tiles the vocabulary, with
       fp32 accumulation and one log-normaliser per context shared across rewards.
 
-    ``auto`` picks ``triton`` for CUDA tensors when Triton is installed, ``torch`` otherwise; if the kernel fails
-    (it has been validated in Triton's interpreter, not yet on every GPU), ``auto`` warns once and uses ``torch``
-    for the rest of the process, while an explicit ``triton`` raises.
+    ``auto`` picks ``triton`` for CUDA tensors when Triton is installed, ``torch`` otherwise. The kernel has been
+    validated in Triton's interpreter, not yet on every GPU, so ``auto`` checks its first result in a process
+    against the torch path on the first tokens; if the kernel fails or disagrees, ``auto`` warns once (naming the
+    sizes) and uses ``torch`` for the rest of the process, while an explicit ``triton`` raises on failure and is
+    not checked.
 
     Args:
         hidden_all: ``[N, H]`` last hidden states at the N completion positions after ``P_all``.
@@ -124,13 +141,60 @@ def replay_divergence(
         == "triton"
     ):
         try:
-            return triton_divergence.fused_replay_divergence(
+            fused = triton_divergence.fused_replay_divergence(
                 hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
             )
         except Exception as error:  # noqa: BLE001 - any compile/launch failure of an automatic choice
             if backend == "triton":
                 raise
-            triton_fallback.disable(error)
+            triton_fallback.disable(f"failed ({type(error).__name__}: {error})")
+        else:
+            if backend == "triton" or triton_fallback.validated:
+                return fused
+            mismatch = _kernel_mismatch(fused, hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
+            if mismatch is None:
+                triton_fallback.validated = True
+                return fused
+            triton_fallback.disable(mismatch)
+    return _torch_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, chunk_size)
+
+
+def _kernel_mismatch(
+    fused: torch.Tensor,
+    hidden_all: torch.Tensor,
+    hidden_removed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    temperature: float,
+) -> str | None:
+    """Where the kernel's first result disagrees with the torch path on its first tokens (None: it agrees)."""
+    tokens = min(VALIDATION_TOKENS, hidden_all.shape[0])
+    reference = _torch_divergence(
+        hidden_all[:tokens], hidden_removed[:, :tokens], lm_head_weight, lm_head_bias, temperature, None
+    )
+    checked = fused[:, :tokens].float()
+    error = (checked - reference).abs().max().item() if checked.numel() else 0.0
+    bound = VALIDATION_ATOL + VALIDATION_RTOL * (reference.abs().max().item() if reference.numel() else 0.0)
+    if checked.shape == reference.shape and math.isfinite(error) and error <= bound:
+        return None
+    sizes = (
+        f"{hidden_removed.shape[0]} removed contexts x {hidden_all.shape[0]} tokens, hidden {hidden_all.shape[1]}, "
+        f"vocabulary {lm_head_weight.shape[0]}, {hidden_all.dtype}"
+    )
+    return (
+        f"disagreed with the torch path on its first {tokens} tokens (max |diff| {error:.3g} > {bound:.3g}; {sizes})"
+    )
+
+
+def _torch_divergence(
+    hidden_all: torch.Tensor,
+    hidden_removed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    temperature: float,
+    chunk_size: int | None,
+) -> torch.Tensor:
+    """The chunked torch path of :func:`replay_divergence`: fp32 lm_head and JS over token chunks."""
     num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
