@@ -1,4 +1,6 @@
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,33 @@ def batch():
     contexts.append([other + random_ids(gen, 6), other + random_ids(gen, 2)])
     completions = [random_ids(gen, n) for n in (5, 9, 1, 12, 7)]
     return contexts, completions
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_tokenizer):
+    """The tiny model and its tokenizer saved in a folder, loadable by path as a recipe's model."""
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(tiny_tokenizer).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def local_data(tmp_path_factory):
+    """Small stand-ins for Spider, HIR-16K and RLLA in their real layouts."""
+    from trl_mrtpo.kits.sql import build_demo_databases
+
+    root = tmp_path_factory.mktemp("data")
+    dbs = build_demo_databases(root / "built")
+    (root / "spider" / "database" / "shop").mkdir(parents=True)
+    shutil.copy(dbs["shop"], root / "spider" / "database" / "shop" / "shop.sqlite")
+    examples = [{"db_id": "shop", "question": "How many customers?", "query": "SELECT count(*) FROM customers"}] * 8
+    (root / "spider" / "train_spider.json").write_text(json.dumps(examples))
+    hir = {
+        "instruction": "Describe the sea.",
+        "constraints": [{"instruction_id": "punctuation:no_comma", "kwargs": {}}],
+    }
+    (root / "hir.jsonl").write_text("\n".join(json.dumps(hir) for _ in range(8)))
+    rlla = {"prompt": [{"role": "user", "content": "weather in Oslo"}], "answer": '[{"name": "w", "arguments": {}}]'}
+    (root / "rlla.jsonl").write_text("\n".join(json.dumps(rlla) for _ in range(8)))
+    return {"spider": str(root / "spider"), "hir": str(root / "hir.jsonl"), "rlla": str(root / "rlla.jsonl")}

@@ -1,45 +1,13 @@
 """Every recipe parses and builds an MRTPOTrainer (the model swapped for the tiny one, data for small local copies)."""
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.kits.sql import build_demo_databases
 from trl_mrtpo.scripts.train import build_trainer, make_parser
 
 RECIPES = sorted(p for p in Path("recipes").glob("*/*.yaml") if p.parent.name != "accelerate")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, tiny_tokenizer):
-    from tests.conftest import build_tiny_model
-
-    folder = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(tiny_tokenizer).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def local_data(tmp_path_factory):
-    """Small stand-ins for Spider, HIR-16K and RLLA in their real layouts."""
-    root = tmp_path_factory.mktemp("data")
-    dbs = build_demo_databases(root / "built")
-    (root / "spider" / "database" / "shop").mkdir(parents=True)
-    shutil.copy(dbs["shop"], root / "spider" / "database" / "shop" / "shop.sqlite")
-    examples = [{"db_id": "shop", "question": "How many customers?", "query": "SELECT count(*) FROM customers"}] * 8
-    (root / "spider" / "train_spider.json").write_text(json.dumps(examples))
-    hir = {
-        "instruction": "Describe the sea.",
-        "constraints": [{"instruction_id": "punctuation:no_comma", "kwargs": {}}],
-    }
-    (root / "hir.jsonl").write_text("\n".join(json.dumps(hir) for _ in range(8)))
-    rlla = {"prompt": [{"role": "user", "content": "weather in Oslo"}], "answer": '[{"name": "w", "arguments": {}}]'}
-    (root / "rlla.jsonl").write_text("\n".join(json.dumps(rlla) for _ in range(8)))
-    return {"spider": str(root / "spider"), "hir": str(root / "hir.jsonl"), "rlla": str(root / "rlla.jsonl")}
 
 
 def test_recipes_exist_for_every_task_and_paper_model():
