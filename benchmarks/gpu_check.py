@@ -11,11 +11,16 @@
 
 Every part writes under ``OUTPUT_DIR`` and a failing part is recorded in ``summary.json`` without stopping the
 others. Without CUDA it stops at once (exit code 2).
+
+``--dry-run`` runs every part on the CPU at toy sizes (the kernel in Triton's interpreter, the test file collected
+only, a two-layer model of SmolLM2's vocabulary): it checks the script's plumbing, not the GPU, so that a refactor
+cannot break it unseen (tests/test_benchmarks.py runs it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,30 +45,41 @@ def run(command: list[str], log: Path, timeout: int) -> dict:
     return {"returncode": done.returncode, "seconds": round(time.perf_counter() - started, 1), "log": log.name}
 
 
+# (tokens, [(vocab, hidden), ...], k values, block sweep) of the GPU run and of the CPU dry run
+SIZES = {
+    "cuda": (4096, ((49152, 576), (152064, 1536)), (1, 3, 8), BLOCKS),
+    "cpu": (16, ((256, 32),), (1,), BLOCKS[:1]),
+}
+
+
 def _timed(function, repeats: int = 5) -> tuple[float, float]:
-    """Median seconds of ``repeats`` calls after a warm-up, and the peak extra CUDA memory (MB)."""
+    """Median seconds of ``repeats`` calls after a warm-up, and the peak extra CUDA memory (MB; 0 on the CPU)."""
     import torch
 
+    cuda = torch.cuda.is_available()
     function()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         function()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - started)
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**20
+    return statistics.median(times), ((torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else 0.0)
 
 
-def _inputs(tokens: int, hidden: int, vocab: int, k: int):
+def _inputs(tokens: int, hidden: int, vocab: int, k: int, device: str = "cuda"):
     import torch
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    h_all = torch.randn(tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
-    h_removed = torch.randn(k, tokens, hidden, generator=gen, device="cuda", dtype=torch.bfloat16)
-    weight = torch.randn(vocab, hidden, generator=gen, device="cuda", dtype=torch.bfloat16) / hidden**0.5
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 dots are wrong
+    gen = torch.Generator(device=device).manual_seed(0)
+    h_all = torch.randn(tokens, hidden, generator=gen, device=device, dtype=dtype)
+    h_removed = torch.randn(k, tokens, hidden, generator=gen, device=device, dtype=dtype)
+    weight = torch.randn(vocab, hidden, generator=gen, device=device, dtype=dtype) / hidden**0.5
     return h_all, h_removed, weight
 
 
@@ -72,13 +88,14 @@ def _per_removed_context(jsd, h_all, h_removed, weight) -> list:
     return [jsd(h, weight, h_all, weight) for h in h_removed]
 
 
-def liger_and_blocks(output: Path) -> None:
+def liger_and_blocks(output: Path, device: str = "cuda") -> None:
     from trl_mrtpo.ops import triton_divergence
 
+    tokens, shapes, ks, blocks = SIZES[device]
     rows = []
-    for vocab, hidden in ((49152, 576), (152064, 1536)):
-        for k in (1, 3, 8):
-            h_all, h_removed, weight = _inputs(4096, hidden, vocab, k)
+    for vocab, hidden in shapes:
+        for k in ks:
+            h_all, h_removed, weight = _inputs(tokens, hidden, vocab, k, device)
             ours, ours_mb = _timed(partial(triton_divergence.fused_replay_divergence, h_all, h_removed, weight))
             row = {"vocab": vocab, "hidden": hidden, "k": k, "ours_s": ours, "ours_mb": ours_mb}
             try:
@@ -92,8 +109,9 @@ def liger_and_blocks(output: Path) -> None:
             rows.append(row)
     (output / "liger_vs_ours.json").write_text(json.dumps(rows, indent=1))
     sweep = []
-    h_all, h_removed, weight = _inputs(4096, 1536, 152064, 3)
-    for block_n, block_v, block_h in BLOCKS:
+    vocab, hidden = shapes[-1]
+    h_all, h_removed, weight = _inputs(tokens, hidden, vocab, ks[-1], device)
+    for block_n, block_v, block_h in blocks:
         try:
             kernel = partial(
                 triton_divergence.fused_replay_divergence, block_n=block_n, block_v=block_v, block_h=block_h
@@ -106,47 +124,53 @@ def liger_and_blocks(output: Path) -> None:
     (output / "block_sweep.json").write_text(json.dumps(sweep, indent=1))
 
 
-def random_smollm2(folder: Path, tokenizer: Path) -> str:
-    """A randomly initialised model of SmolLM2-135M's shape with the embedded model's tokenizer, saved in folder."""
+def random_smollm2(folder: Path, tokenizer: Path, **shape) -> str:
+    """A randomly initialised model of SmolLM2-135M's shape (``shape`` changes any of it) with the embedded model's
+    tokenizer, saved in folder."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**SMOLLM2)).save_pretrained(folder)
+    LlamaForCausalLM(LlamaConfig(**{**SMOLLM2, **shape})).save_pretrained(folder)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(folder)
     return str(folder)
 
 
-def main(output: Path, tokenizer: Path | None) -> int:
+def main(output: Path, tokenizer: Path | None, dry_run: bool = False) -> int:
     import torch
 
-    if not torch.cuda.is_available():
+    if not dry_run and not torch.cuda.is_available():
         print("benchmarks/gpu_check.sh needs a CUDA device; none is available here.", file=sys.stderr)
         return 2
+    device = "cpu" if dry_run else "cuda"
+    tokens, shapes, ks, _ = SIZES[device]
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    summary = {"device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(), "torch": torch.__version__}
     python = sys.executable
     summary["triton_tests"] = run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_divergence.py",
-         f"--junitxml={output / 'triton_tests.xml'}"], output / "triton_tests.log", 300,
+         f"--junitxml={output / 'triton_tests.xml'}", *(["--collect-only"] if dry_run else [])],
+        output / "triton_tests.log", 300,
     )  # fmt: skip
-    for vocab, hidden in ((49152, 576), (152064, 1536)):
+    for vocab, hidden in shapes:
         summary[f"js_kernel_{vocab}"] = run(
-            [python, "benchmarks/js_kernel.py", "--device", "cuda", "--tokens", "4096", "--hidden", str(hidden),
-             "--vocab", str(vocab), "--k", "1", "3", "8", "--output", str(output / f"js_kernel_cuda_{vocab}.csv")],
+            [python, "benchmarks/js_kernel.py", "--device", device, "--tokens", str(tokens), "--hidden", str(hidden),
+             "--vocab", str(vocab), "--k", *map(str, ks), "--output", str(output / f"js_kernel_{device}_{vocab}.csv")],
             output / f"js_kernel_{vocab}.log", 240,
         )  # fmt: skip
     try:
-        liger_and_blocks(output)
+        liger_and_blocks(output, device)
         summary["liger_and_blocks"] = "ok"
     except Exception:  # noqa: BLE001
         summary["liger_and_blocks"] = traceback.format_exc()
     if tokenizer is not None:
-        model = random_smollm2(Path("/tmp/smollm2-random"), tokenizer)
+        shape = dict(num_hidden_layers=2, intermediate_size=64, hidden_size=72) if dry_run else {}
+        model = random_smollm2(output / "smollm2-random", tokenizer, **shape)
+        steps, batch, length = ("2", "4", "8") if dry_run else ("6", "16", "256")  # step 1 is the warm-up
         summary["step_overhead"] = run(
-            [python, "benchmarks/replay_overhead.py", "--device", "cuda", "--model", model, "--methods", "gdpo",
-             "mrtpo", "--steps", "6", "--batch-size", "16", "--max-completion-length", "256",
-             "--output", str(output / "replay_overhead_cuda.csv")], output / "replay_overhead.log", 300,
+            [python, "benchmarks/replay_overhead.py", "--device", device, "--model", model, "--methods", "gdpo",
+             "mrtpo", "--steps", steps, "--batch-size", batch, "--max-completion-length", length, "--tasks", "basic",
+             "--output", str(output / f"replay_overhead_{device}.csv")], output / "replay_overhead.log", 300,
         )  # fmt: skip
     else:
         summary["step_overhead"] = "skipped: no tokenizer folder (run benchmarks/prepare_gpu_wheels.sh here first)"
@@ -156,6 +180,15 @@ def main(output: Path, tokenizer: Path | None) -> int:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "gpu_check"
+    arguments = sys.argv[1:]
+    dry = "--dry-run" in arguments
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"  # the kernel on CPU tensors; read when Triton is first imported
+    arguments = [a for a in arguments if a != "--dry-run"]
+    out = Path(arguments[0]) if arguments else ROOT / "benchmarks" / "results" / "gpu_check"
     tokenizer_dir = ROOT / ".whl" / "smollm2-tokenizer"
-    sys.exit(main(out, tokenizer_dir if tokenizer_dir.is_dir() else None))
+    if dry and not tokenizer_dir.is_dir():  # the embedded model's tokenizer, here
+        from trl_mrtpo.scripts.embedded import embedded_model_path
+
+        tokenizer_dir = Path(embedded_model_path())
+    sys.exit(main(out, tokenizer_dir if tokenizer_dir.is_dir() else None, dry))

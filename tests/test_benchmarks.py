@@ -169,3 +169,23 @@ def test_recorded_runs_are_reused_without_recomputing(tmp_path):
     assert math.isnan(gdpo["eval_after"])
     assert convergence.train_run("short", "gdpo", 0, args) == gdpo  # a finished run: read back, never retrained
     assert convergence.reuse_recorded_runs(str(steps), args) == 0  # what is there is left alone
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
+    """The GPU check's plumbing, on CPU at toy sizes: every part runs and writes its file, so a refactor cannot
+    break the one command a lent GPU gets."""
+    import json
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["liger_and_blocks"] == "ok"
+    for part in ("triton_tests", "js_kernel_256", "step_overhead"):
+        assert summary[part]["returncode"] == 0, (part, (tmp_path / "out" / summary[part]["log"]).read_text()[-2000:])
+    for name in ("liger_vs_ours.json", "block_sweep.json", "js_kernel_cpu_256.csv", "replay_overhead_cpu.csv"):
+        assert (tmp_path / "out" / name).is_file(), name
