@@ -82,8 +82,9 @@ def baseline_evaluation(task: str, args: argparse.Namespace) -> float:
 
     from trl_mrtpo.scripts.embedded import embedded_model_path
 
-    model = AutoModelForCausalLM.from_pretrained(embedded_model_path())
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
+    name = args.model or embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(name, dtype="auto").to("cuda" if args.gpu else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(name)
     score = evaluate(model, tokenizer, task, args.eval_limit, args.eval_max_new_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"score": score}))
@@ -114,6 +115,8 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
         learning_rate=args.learning_rate,
         temperature=args.temperature,
         seed=seed,
+        use_cpu=not args.gpu,
+        bf16=args.gpu,
         **method_settings(method),
         credit_warmup_steps=args.warmup_steps,
         save_strategy="steps",
@@ -123,7 +126,7 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
     )
     if method == "opsd":  # TRL's self-distillation, the info blocks as privileged context, same shared settings
         trainer = opsd_trainer_class()(
-            embedded_model_path(),
+            args.model or embedded_model_path(),
             rewards,
             info_blocks,
             opsd_config(config),
@@ -131,7 +134,7 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
             peft_config=embedded_lora_config(),
         )
     else:
-        trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset)
+        trainer = embedded_lora_trainer(rewards, info_blocks, config, dataset, model=args.model)
     resume = any(run_dir.glob("checkpoint-*"))
     print(f"{task}/{method}/seed{seed}: {'resuming' if resume else 'training'} ({args.steps} steps)", flush=True)
     trainer.train(resume_from_checkpoint=resume or None)
@@ -352,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--save-steps", type=int, default=5, help="checkpoint interval (resumable runs)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--work-dir", default="convergence_runs", help="checkpoints and per-run results")
+    parser.add_argument("--model", default=None, help="a model folder or Hub id instead of the embedded SmolLM2")
+    parser.add_argument("--gpu", action="store_true", help="train on the GPU in bf16 (default: CPU, fp32)")
     parser.add_argument(
         "--reuse-steps",
         default=None,

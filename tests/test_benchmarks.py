@@ -189,3 +189,20 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
         assert summary[part]["returncode"] == 0, (part, (tmp_path / "out" / summary[part]["log"]).read_text()[-2000:])
     for name in ("liger_vs_ours.json", "block_sweep.json", "js_kernel_cpu_256.csv", "replay_overhead_cpu.csv"):
         assert (tmp_path / "out" / name).is_file(), name
+
+
+@pytest.mark.slow
+def test_paper_task_dry_run_writes_the_grids_tables(tmp_path):
+    """The GPU comparison command, dry (CPU, the embedded model, one step per arm): its tables are the CPU grids'."""
+    import csv
+    import os
+
+    result = subprocess.run(
+        ["bash", "benchmarks/paper_task.sh", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "DRY_RUN": "1", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("convergence.md", "convergence_summary.csv", "convergence_steps.csv", "convergence.png"):
+        assert (tmp_path / "out" / name).is_file(), name
+    with open(tmp_path / "out" / "convergence_summary.csv") as handle:
+        assert {row["method"] for row in csv.DictReader(handle)} == {"gdpo", "mrtpo"}
