@@ -203,7 +203,8 @@ def completion_hidden_states(
             hidden = decoder.hidden(cache, cached, rows)
             for row, i in enumerate(chunk):
                 first = len(contexts[i]) - cached - 1  # the state after the last context token predicts token 0
-                out[i] = hidden[row, first : first + len(completions[i])]
+                # a copy: a view would keep the whole batch's [rows, width, H] states alive until the JS
+                out[i] = hidden[row, first : first + len(completions[i])].clone()
 
     def walk(node: ContextNode, cache, cached: int, pending: list[int]) -> None:
         pending = pending + node.tokens
