@@ -104,6 +104,17 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
     return {"kept_states": kept, "forward": forward, "divergence": divergence, "peak": kept + max(forward, divergence)}
 
 
+RECIPE_REPLAYS = [
+    # (recipe, model shape, replay): 32 completions per generation (2 per device x 16 accumulation steps)
+    # IF: up to 5 constraints replayed per response, ~250-token prompts, 1024-token completions, replay batch 4
+    ("if/qwen2.5-7b-instruct-qlora-24gb", "qwen2.5-7b", Replay(32, 5, 250, 1024, batch=4)),
+    # SQL: format, error and reference blocks, ~1200-token prompts (a schema), 1024-token completions
+    ("sql/qwen2.5-coder-7b-instruct-qlora-24gb", "qwen2.5-7b", Replay(32, 3, 1200, 1024, block=150, batch=4)),
+    # tools: format and reference blocks, ~600-token prompts (the tool schemas), 512-token completions
+    ("tools/qwen2.5-3b-instruct-lora-24gb", "qwen2.5-3b", Replay(16, 2, 600, 512, block=80, batch=4)),
+]
+
+
 def measured_peak(shape: Shape, replay: Replay, layers: int) -> float:
     """The replay's measured peak resident memory above the loaded model (bytes), in a fresh process."""
     child = [sys.executable, __file__, "--child", json.dumps([asdict(shape), asdict(replay), layers])]
@@ -188,17 +199,13 @@ def main(argv: list[str] | None = None) -> None:
                  "measured_over_predicted": round(measured / predicted, 2)}
             )  # fmt: skip
             print(rows[-1], flush=True)
-    # the recipes' scales: 16 responses, every reward replayed (the worst case), bf16
-    for name, removed, prompt, completion in (
-        ("qwen2.5-1.5b", 2, 400, 512),
-        ("qwen2.5-3b", 2, 400, 512),
-        ("qwen2.5-7b", 5, 300, 1024),
-        ("qwen2.5-7b", 2, 1200, 512),
-    ):
-        replay = Replay(16, removed, prompt, completion, dtype_bytes=2)
+    # the 24 GB recipes' shapes: the generation batch (per-device batch x accumulation steps), their replay batch,
+    # completion length and dtype; prompt lengths and replayed rewards per response are typical of their kits
+    for recipe, name, replay in RECIPE_REPLAYS:
         parts = replay_peak_bytes(SHAPES[name], replay)
         rows.append(
-            {"kind": "computed", "model": name, **asdict(replay), "predicted_gb": round(parts["peak"] / GB, 3),
+            {"kind": "computed", "model": f"{name} ({recipe})", **asdict(replay),
+             "predicted_gb": round(parts["peak"] / GB, 3),
              **{f"{part}_gb": round(value / GB, 3) for part, value in parts.items() if part != "peak"}}
         )  # fmt: skip
     output = Path(args.output)
