@@ -1,10 +1,14 @@
 """Run in a fresh venv where only the bare wheel (the core install, no extras) is installed, outside the source tree:
 MRTPOTrainer trains two steps with a user-written reward and info block on a tiny model built here, and no kit,
-demo or plotting dependency is installed or imported."""
+demo or plotting dependency is installed or imported. Then `trl-mrtpo train` trains a recipe whose reward, info
+block and process reward are the user's, named by dotted path (no kit may be needed to resolve them)."""
 
 import importlib.util
+import json
+import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -57,3 +61,56 @@ assert trainer.last_credit is not None and trainer.last_credit.replayed.any(), "
 assert not [m for m in extras if m in sys.modules]
 assert not [m for m in sys.modules if m.startswith("trl_mrtpo.scripts")], "the core imported an application"
 print("core install OK: two MRTPO steps with a user reward and info block")
+
+USER_MODULE = """
+def says_red(completions, **kwargs):
+    return [float("red" in c[-1]["content"].split()) for c in completions]
+
+
+def red_block(*, prompt, completion, row, score):
+    from trl_mrtpo import InfoBlock
+
+    return InfoBlock("has red ;", placement="in_prompt")
+
+
+def word_steps(completions, **kwargs):
+    import re
+
+    texts = [c[-1]["content"] for c in completions]
+    return [[(m.start(), m.end(), float(len(m.group()) % 2)) for m in re.finditer(r"\\S+", t)] for t in texts]
+"""
+with tempfile.TemporaryDirectory() as folder:
+    root = Path(folder)
+    (root / "user_rewards.py").write_text(USER_MODULE)
+    build_policy(tokenizer, GymSpec(), seed=0).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "data").mkdir()
+    (root / "data" / "train.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in prompts * 2))
+    recipe = {
+        "model_name_or_path": str(root / "model"),
+        "dataset_name": str(root / "data"),
+        "reward_funcs": ["user_rewards.says_red"],
+        "info_blocks": ["user_rewards.red_block"],
+        "process_rewards": ["user_rewards.word_steps"],
+        "output_dir": str(root / "out"),
+        "per_device_train_batch_size": 4,
+        "num_generations": 4,
+        "max_completion_length": 6,
+        "max_steps": 2,
+        "credit_warmup_steps": 0,
+        "replay_only_varying": False,
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "threads": 1,
+    }
+    (root / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
+    os.chdir(root)  # the user's module is found from the working directory, as on the command line
+    from trl_mrtpo.scripts.train import run
+
+    cli_trainer = run(["--config", str(root / "recipe.yaml")])
+    assert cli_trainer.state.global_step == 2 and cli_trainer.process_reward_names == ["word_steps"]
+    assert not [m for m in extras if m in sys.modules], "resolving dotted paths imported a kit's extra"
+print("core install OK: trl-mrtpo train with a dotted-path reward, info block and process reward")
+

@@ -446,3 +446,22 @@ def test_a_kit_without_its_extra_names_the_install(monkeypatch, missing, call, e
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
     with pytest.raises(ImportError, match=f"needs the '{missing}' package.*pip install \"trl-mrtpo\\[{extra}\\]\""):
         call()
+
+
+def test_a_dotted_path_resolves_without_any_kit(monkeypatch):
+    """On a core install (no kit extras) a user's reward by dotted path resolves; a kit's name says which kits could
+    not be searched."""
+    import importlib.util
+
+    from trl_mrtpo import kits
+
+    real = importlib.util.find_spec
+    missing = {"sqlglot", "if_verifiable", "nltk"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    imported, real_get_kit = [], kits.get_kit
+    monkeypatch.setattr(kits, "get_kit", lambda name: imported.append(name) or real_get_kit(name))
+    assert kits.resolve("json.dumps", "reward") is __import__("json").dumps
+    assert kits.resolve("json.loads", "process_reward") is __import__("json").loads
+    assert imported == []  # no kit was imported for a dotted path
+    with pytest.raises(ValueError, match="unknown reward 'no_such_reward'.*Not searched: the 'sql' kit needs"):
+        kits.resolve("no_such_reward", "reward")

@@ -102,25 +102,41 @@ def data_loaders() -> dict[str, Callable[..., Any]]:
 def resolve(name: str, kind: str) -> Callable | None:
     """A reward function (``kind="reward"``) or info-block builder (``kind="info_block"``) by a kit's name for it
     or a dotted import path (``my_pkg.rewards.my_reward``, resolved from the working directory too); anything else
-    (a process reward) by dotted path only. ``"none"`` gives None (a reward without an info block)."""
+    (a process reward) by dotted path only. ``"none"`` gives None (a reward without an info block).
+
+    A dotted path imports no kit (a core install without the kits' extras resolves it); a plain name imports the
+    kits whose extras are installed and, when it is in none of them, says which kits could not be searched."""
     if kind == "info_block" and name.lower() == "none":
         return None
-    kits = [get_kit(kit_name) for kit_name in KIT_NAMES] if kind in ("reward", "info_block") else []
-    functions = [f for kit in kits for f in (kit.rewards if kind == "reward" else kit.info_blocks) if f is not None]
-    registry = {f.__name__: f for f in functions}
+    if "." in name:  # kits' functions have plain names: a dot is an import path
+        return _import_path(name, kind)
+    registry, unavailable = {}, []
+    for kit_name in KIT_NAMES if kind in ("reward", "info_block") else ():
+        try:
+            kit = get_kit(kit_name)
+        except ImportError as error:
+            unavailable.append(str(error))
+            continue
+        functions = kit.rewards if kind == "reward" else kit.info_blocks
+        registry.update({f.__name__: f for f in functions if f is not None})
     if name in registry:
         return registry[name]
-    if "." in name:
-        module_path, attribute = name.rsplit(".", 1)
-        # the working directory is searched for this import only, then the path is as it was
-        added = os.getcwd() not in sys.path
+    unsearched = f" Not searched: {' '.join(unavailable)}" if unavailable else ""
+    raise ValueError(
+        f"unknown {kind} {name!r}: use a dotted import path or one of {', '.join(sorted(registry))}.{unsearched}"
+    )
+
+
+def _import_path(name: str, kind: str) -> Callable:
+    """``module.attribute`` imported, the working directory searched for this import only."""
+    module_path, attribute = name.rsplit(".", 1)
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_path), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
+    finally:
         if added:
-            sys.path.insert(0, os.getcwd())
-        try:
-            return getattr(importlib.import_module(module_path), attribute)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
-        finally:
-            if added:
-                sys.path.remove(os.getcwd())
-    raise ValueError(f"unknown {kind} {name!r}: use a dotted import path or one of {', '.join(sorted(registry))}")
+            sys.path.remove(os.getcwd())
