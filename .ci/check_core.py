@@ -113,4 +113,3 @@ with tempfile.TemporaryDirectory() as folder:
     assert cli_trainer.state.global_step == 2 and cli_trainer.process_reward_names == ["word_steps"]
     assert not [m for m in extras if m in sys.modules], "resolving dotted paths imported a kit's extra"
 print("core install OK: trl-mrtpo train with a dotted-path reward, info block and process reward")
-

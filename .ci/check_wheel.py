@@ -5,8 +5,7 @@ import json
 from importlib import resources
 
 import trl_mrtpo
-from trl_mrtpo import get_kit
-from trl_mrtpo.kits import KIT_NAMES
+from trl_mrtpo.kits import KIT_NAMES, get_kit
 
 assert "site-packages" in trl_mrtpo.__file__, f"imported from the source tree: {trl_mrtpo.__file__}"
 completion = [{"role": "assistant", "content": "```sql\nSELECT 1\n```"}]

@@ -434,9 +434,9 @@ def test_recipe_reward_names_that_resolve_to_nothing(name):
 @pytest.mark.parametrize(
     "missing, call, extra",
     [
-        ("sqlglot", lambda: __import__("trl_mrtpo").get_kit("sql"), "sql"),
-        ("if_verifiable", lambda: __import__("trl_mrtpo").get_kit("if"), "if"),
-        ("nltk", lambda: __import__("trl_mrtpo").get_kit("if"), "if"),
+        ("sqlglot", lambda: __import__("trl_mrtpo.kits").kits.get_kit("sql"), "sql"),
+        ("if_verifiable", lambda: __import__("trl_mrtpo.kits").kits.get_kit("if"), "if"),
+        ("nltk", lambda: __import__("trl_mrtpo.kits").kits.get_kit("if"), "if"),
     ],
 )
 def test_a_kit_without_its_extra_names_the_install(monkeypatch, missing, call, extra):

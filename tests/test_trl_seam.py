@@ -37,18 +37,38 @@ def test_sampled_token_logprobs_match_log_softmax():
 
 def test_the_core_imports_no_application():
     """Importing the trainer and its configuration loads nothing of ``trl_mrtpo.scripts`` (commands, the embedded
-    demo model, evaluation): the core stands alone, and ``inspect_credit`` loads on first use."""
+    demo model, evaluation): the core stands alone."""
     import subprocess
     import sys
 
     code = (
         "import sys, trl_mrtpo\n"
-        "from trl_mrtpo import MRTPOConfig, MRTPOTrainer, get_kit\n"
+        "from trl_mrtpo import MRTPOConfig, MRTPOTrainer\n"
+        "from trl_mrtpo.kits import get_kit\n"
         "import trl_mrtpo.model_card, trl_mrtpo.opsd, trl_mrtpo.step_labels\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('trl_mrtpo.scripts'))\n"
         "assert not loaded, loaded\n"
-        "trl_mrtpo.inspect_credit\n"
-        "assert 'trl_mrtpo.scripts.inspection' in sys.modules\n"
+        "from trl_mrtpo.scripts.inspection import inspect_credit\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_top_level_is_the_trainers_and_moved_names_warn():
+    """Four names at the top level, as TRL's trainers export theirs; the names that moved to their modules still
+    resolve for one minor release, with a FutureWarning naming the new import."""
+    import pytest
+
+    import trl_mrtpo
+    from trl_mrtpo.step_labels import MathShepherd
+
+    assert sorted(n for n in trl_mrtpo.__all__ if n != "__version__") == [
+        "InfoBlock",
+        "InfoBlockError",
+        "MRTPOConfig",
+        "MRTPOTrainer",
+    ]
+    with pytest.warns(FutureWarning, match="trl_mrtpo.MathShepherd` moved to `trl_mrtpo.step_labels.MathShepherd"):
+        assert trl_mrtpo.MathShepherd is MathShepherd
+    with pytest.raises(AttributeError):
+        trl_mrtpo.no_such_name  # noqa: B018

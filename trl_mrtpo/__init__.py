@@ -1,41 +1,39 @@
 """trl-mrtpo: reward-specific token-level credit assignment (MRTPO) for multi-reward RL with TRL."""
 
+import importlib
+import warnings
+
 from .config import MRTPOConfig
-from .diagnostics import CreditRecord
 from .info_blocks import InfoBlock, InfoBlockError
-from .kits import Kit, get_kit
-from .process_rewards import Step, step_spans
-from .self_certainty import SelfCertaintyReward
-from .step_labels import MathShepherd, ProcessRewardModel
 from .trainer import MRTPOTrainer
-from .viz import credit_heatmap_html
 
 __version__ = "0.2.0"
 
+# Exported here until 0.3, each from its own module now (a FutureWarning says where); the top level is TRL's size.
+_MOVED = {
+    "CreditRecord": "diagnostics",
+    "Kit": "kits",
+    "get_kit": "kits",
+    "Step": "process_rewards",
+    "step_spans": "process_rewards",
+    "SelfCertaintyReward": "self_certainty",
+    "MathShepherd": "step_labels",
+    "ProcessRewardModel": "step_labels",
+    "credit_heatmap_html": "viz",
+    "inspect_credit": "scripts.inspection",
+}
+
 
 def __getattr__(name: str):
-    # inspect_credit is an application (trl_mrtpo.scripts): imported on first use, never with the core
-    if name == "inspect_credit":
-        from .scripts.inspection import inspect_credit
-
-        return inspect_credit
+    if name in _MOVED:
+        module = f"{__name__}.{_MOVED[name]}"
+        warnings.warn(
+            f"`trl_mrtpo.{name}` moved to `{module}.{name}` and leaves the top level in 0.3; import it from there.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'trl_mrtpo' has no attribute {name!r}")
 
 
-__all__ = [
-    "CreditRecord",
-    "InfoBlock",
-    "InfoBlockError",
-    "Kit",
-    "MRTPOConfig",
-    "MRTPOTrainer",
-    "MathShepherd",
-    "ProcessRewardModel",
-    "SelfCertaintyReward",
-    "Step",
-    "__version__",
-    "credit_heatmap_html",
-    "get_kit",
-    "inspect_credit",
-    "step_spans",
-]
+__all__ = ["InfoBlock", "InfoBlockError", "MRTPOConfig", "MRTPOTrainer", "__version__"]

@@ -436,7 +436,7 @@ class MRTPOTrainer(GRPOTrainer):
 
     def sample_credit(self, rows: list[dict], num_generations: int) -> CreditRecord:
         """Generate ``num_generations`` responses per row with the policy, score, replay, and return the batch's
-        :class:`~trl_mrtpo.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
+        :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
         inputs = [dict(row) for row in rows for _ in range(num_generations)]
         self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
         self._generate_and_score_completions(inputs)
