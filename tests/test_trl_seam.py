@@ -72,3 +72,85 @@ def test_the_top_level_is_the_trainers_and_moved_names_warn():
         assert trl_mrtpo.MathShepherd is MathShepherd
     with pytest.raises(AttributeError):
         trl_mrtpo.no_such_name  # noqa: B018
+
+
+def test_sharded_parameters_with_extra_policy_forwards_are_refused(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    """Under ZeRO-3 or FSDP every forward is a collective and ranks replay different amounts: refused at start-up,
+    naming the engine and what runs the forwards, before the temperature probe that would crash on sharded weights."""
+    import pytest
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+    from trl_mrtpo.self_certainty import SelfCertaintyReward
+
+    def build(mode, rewards=BASIC.rewards, blocks=BASIC.info_blocks):
+        return MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=rewards,
+            info_blocks=blocks,
+            args=make_args(tmp_path, credit_assignment=mode),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+        )
+
+    for engine in ("DeepSpeed ZeRO-3", "FSDP"):
+        monkeypatch.setattr("trl_mrtpo.trainer.sharding_engine", lambda trainer, engine=engine: engine)
+        with pytest.raises(ValueError, match=f"credit_assignment='mrtpo' run extra forwards .* {engine} does not"):
+            build("mrtpo")
+        with pytest.raises(ValueError, match="rewards that run the policy"):
+            build("gdpo", [*BASIC.rewards, SelfCertaintyReward()], [*BASIC.info_blocks, None])
+        assert build("gdpo").args.credit_assignment == "gdpo"  # no extra forward: uniform credit trains sharded
+
+
+def test_the_sharding_engine_is_read_from_the_trainer():
+    from types import SimpleNamespace
+
+    from trl_mrtpo._trl import sharding_engine
+
+    def trainer(fsdp=False, deepspeed=False, stage=None):
+        plugin = SimpleNamespace(zero_stage=stage) if stage else None
+        state = SimpleNamespace(deepspeed_plugin=plugin)
+        return SimpleNamespace(
+            is_fsdp_enabled=fsdp, is_deepspeed_enabled=deepspeed, accelerator=SimpleNamespace(state=state)
+        )
+
+    assert sharding_engine(trainer()) is None
+    assert sharding_engine(trainer(fsdp=True)) == "FSDP"
+    assert sharding_engine(trainer(deepspeed=True, stage=3)) == "DeepSpeed ZeRO-3"
+    assert sharding_engine(trainer(deepspeed=True, stage=2)) is None
+
+
+def test_an_lm_head_subclass_is_accepted_and_lora_on_it_named():
+    """FSDP2 swaps the lm_head's class for an nn.Linear subclass: accepted; a PEFT layer on it is named as such."""
+    import pytest
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import build_tiny_model, build_tiny_tokenizer
+    from trl_mrtpo.replay import causal_lm_parts
+
+    model = build_tiny_model(build_tiny_tokenizer())
+    head = model.get_output_embeddings()
+    head.__class__ = type("FSDPLinear", (torch.nn.Linear,), {})
+    assert causal_lm_parts(model)[1] is head
+    lora = get_peft_model(build_tiny_model(build_tiny_tokenizer()), LoraConfig(r=2, target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="carries a PEFT adapter"):
+        causal_lm_parts(lora)
+
+
+def test_an_fsdp_config_on_a_cpu_machine_is_named(tmp_path, capsys):
+    """accelerate's CPU backend ignores the FSDP plugin: the launch says so instead of pretending to shard."""
+    import torch
+
+    from trl_mrtpo.scripts.cli import warn_fsdp_on_cpu
+
+    if torch.cuda.is_available():
+        return
+    fsdp, ddp = tmp_path / "fsdp.yaml", tmp_path / "ddp.yaml"
+    fsdp.write_text("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n")
+    ddp.write_text("distributed_type: MULTI_CPU\n")
+    assert warn_fsdp_on_cpu(["--config_file", str(fsdp)])
+    assert "ignores the FSDP plugin" in capsys.readouterr().err
+    assert not warn_fsdp_on_cpu(["--config_file", str(ddp)])

@@ -61,6 +61,19 @@ def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
     return trainer._tokenize_prompts(prompts)[0]
 
 
+def sharding_engine(trainer) -> str | None:
+    """The engine that shards the policy's parameters across processes, by the names transformers' Trainer sets
+    (``is_deepspeed_enabled``, ``is_fsdp_enabled``), or None when every process holds them whole (one process, DDP,
+    ZeRO-1/2)."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP"
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        plugin = trainer.accelerator.state.deepspeed_plugin
+        if plugin is not None and plugin.zero_stage == 3:
+            return "DeepSpeed ZeRO-3"
+    return None
+
+
 def sampled_token_logprobs(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,

@@ -41,10 +41,16 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
             f"MRTPO replay needs a causal LM with get_decoder() and get_output_embeddings(); "
             f"{type(model).__name__} does not provide them."
         )
-    if type(head) is not nn.Linear:
+    if hasattr(head, "lora_A") or hasattr(head, "base_layer"):  # a PEFT layer around the lm_head
         raise ValueError(
-            f"MRTPO replay reads the lm_head weight directly, but the output layer is a {type(head).__name__} "
-            "(e.g. LoRA on lm_head). Leave lm_head out of the adapter's target_modules."
+            f"MRTPO replay reads the lm_head weight directly, but the output layer carries a PEFT adapter "
+            f"({type(head).__name__}: lm_head in the adapter's target_modules). Leave lm_head out of them."
+        )
+    # a subclass is fine: FSDP2 swaps a module's class for an nn.Linear subclass that gathers its shards
+    if not isinstance(head, nn.Linear):
+        raise ValueError(
+            f"MRTPO replay reads the lm_head weight directly, but the output layer is a {type(head).__name__}, "
+            "not a linear layer."
         )
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("MRTPO replay does not support final_logit_softcapping models yet.")

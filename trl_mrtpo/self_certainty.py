@@ -27,6 +27,7 @@ class SelfCertaintyReward:
     """
 
     def __init__(self, batch_size: int = REPLAY_BATCH_SIZE):
+        self.runs_policy_forwards = True  # on the instance: the trainer's reward check copies its __dict__
         self.__name__ = "self_certainty"  # TRL names reward functions by __name__
         self.batch_size = batch_size
         self._trainer = None

@@ -156,6 +156,8 @@ class MathShepherd:
         model, tokenizer: the policy and its tokenizer when labelling offline; a trainer binds its own.
     """
 
+    runs_policy_forwards = True  # it samples continuations from the policy (refused under parameter sharding)
+
     def __init__(
         self,
         verifier: Callable[[Prompt, str, dict[str, Any]], bool | float],

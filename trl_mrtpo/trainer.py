@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ._trl import get_config_model_id, tokenize_prompts
+from ._trl import get_config_model_id, sharding_engine, tokenize_prompts
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
@@ -57,6 +57,7 @@ from .validation import (
     STATE_VERSION,
     check_dataset,
     check_loss_keeps_token_credit,
+    check_sharded_replay,
     checked_reward,
     own_copies,
     read_credit_state,
@@ -251,6 +252,21 @@ class MRTPOTrainer(GRPOTrainer):
             if on
         ]
         check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, token_credit)
+        forwards = [
+            name
+            for name, on in (
+                (f"credit_assignment='{args.credit_assignment}'", self._replays),
+                ("taco_strength", args.taco_strength > 0),
+                (
+                    "rewards that run the policy",
+                    any(
+                        getattr(f, "runs_policy_forwards", False) for f in [*self.reward_funcs, *self.process_rewards]
+                    ),
+                ),
+            )
+            if on
+        ]
+        check_sharded_replay(sharding_engine(self), forwards)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
         if self._replays or args.taco_strength > 0:

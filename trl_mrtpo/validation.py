@@ -87,6 +87,20 @@ def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str
     )
 
 
+def check_sharded_replay(engine: str | None, forwards: Sequence[str]) -> None:
+    """Refuse extra policy forwards (``forwards``: what runs them) under an engine that shards the parameters: every
+    such forward is a collective (an all-gather per module), and ranks replay different amounts (their own prefix
+    trees, or nothing), so one rank would wait in an all-gather while another waits elsewhere: a deadlock."""
+    if engine is None or not forwards:
+        return
+    raise ValueError(
+        f"{' and '.join(forwards)} run extra forwards of the policy, which {engine} does not support yet: under "
+        f"{engine} every forward gathers parameters from all processes, and processes replay different amounts, so "
+        "training would deadlock. Use DDP (`--accelerate_config multi_gpu`) or DeepSpeed ZeRO-1/2 (`zero1`, `zero2`), "
+        "which keep the parameters whole on every process, or credit_assignment='gdpo' (no replay)."
+    )
+
+
 def _reward_value(name: str, index: int, value: Any) -> float | None:
     """One reward value as a float (None stays None), or a TypeError/ValueError naming the reward and sample."""
     if value is None:

@@ -206,6 +206,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def warn_fsdp_on_cpu(launch_args: Sequence[str]) -> bool:
+    """Say so when an FSDP config is launched without CUDA: accelerate's CPU backend ignores the FSDP plugin and runs
+    plain data parallelism (every rank holds the whole model). Returns whether it warned."""
+    import torch
+    import yaml
+
+    if torch.cuda.is_available() or "--config_file" not in launch_args:
+        return False
+    path = launch_args[list(launch_args).index("--config_file") + 1]
+    with open(path) as handle:
+        config = yaml.safe_load(handle) or {}
+    if config.get("distributed_type") != "FSDP":
+        return False
+    print(
+        f"warning: {path} asks for FSDP, but there is no CUDA device: accelerate's CPU backend ignores the FSDP "
+        "plugin and runs plain data parallelism (each process holds the whole model). docs/recipes-eval-sharing.md, "
+        '"Scaling out", says how the tests simulate sharding on CPU.',
+        file=sys.stderr,
+    )
+    return True
+
+
 def launch_train(argv: Sequence[str]) -> None:
     """``trl-mrtpo train --accelerate_config NAME ...``: the train script under ``accelerate launch``, with NAME one
     of the configs TRL ships (``single_gpu``, ``multi_gpu``, ``zero1``-``zero3``, ``fsdp1``, ``fsdp2``) or a file,
@@ -218,6 +240,7 @@ def launch_train(argv: Sequence[str]) -> None:
     argv = list(argv)
     at = argv.index("--accelerate_config")
     launch_args = resolve_accelerate_config_argument(argv[at : at + 2])
+    warn_fsdp_on_cpu(launch_args)
     script_args = argv[:at] + argv[at + 2 :]
     launch_command(launch_command_parser().parse_args([*launch_args, train.__file__, *script_args]))
 
