@@ -217,13 +217,13 @@ def test_paper_task_dry_run_writes_the_grids_tables(tmp_path):
 
 @pytest.mark.slow
 def test_replay_memory_model_is_within_its_stated_margin_of_a_measured_peak():
-    """benchmarks/replay_memory.md states the model within -4 % / +26 % of CPU-measured peaks; one small case keeps
-    it honest (a 4-layer model of SmolLM2's width and vocabulary, fp32)."""
+    """benchmarks/replay_memory.md states the model within +10 % of CPU-measured peaks at Qwen2.5's width; one case
+    keeps it honest (2 layers of Qwen2.5-1.5B's width and vocabulary, fp32; measured 1.07x and 1.10x)."""
     sys.path.insert(0, "benchmarks")
     from replay_memory import SHAPES, Replay, Shape, measured_peak, replay_peak_bytes
 
-    full = SHAPES["smollm2-135m"]
-    shape = Shape(full.hidden, 4, full.heads, full.kv_heads, full.intermediate, full.vocab)
-    replay = Replay(8, 3, 120, 64, dtype_bytes=4)
-    ratio = measured_peak(full, replay, 4) / replay_peak_bytes(shape, replay)["peak"]
-    assert 0.7 <= ratio <= 1.4, ratio
+    full = SHAPES["qwen2.5-1.5b"]
+    shape = Shape(full.hidden, 2, full.heads, full.kv_heads, full.intermediate, full.vocab)
+    replay = Replay(4, 8, 300, 64, dtype_bytes=4)
+    ratio = measured_peak(full, replay, 2) / replay_peak_bytes(shape, replay)["peak"]
+    assert 0.85 <= ratio <= 1.3, ratio
