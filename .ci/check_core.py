@@ -4,6 +4,7 @@ demo or plotting dependency is installed or imported. Then `trl-mrtpo train` tra
 block and process reward are the user's, named by dotted path (no kit may be needed to resolve them)."""
 
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -62,23 +63,16 @@ assert not [m for m in extras if m in sys.modules]
 assert not [m for m in sys.modules if m.startswith("trl_mrtpo.scripts")], "the core imported an application"
 print("core install OK: two MRTPO steps with a user reward and info block")
 
-USER_MODULE = """
-def says_red(completions, **kwargs):
-    return [float("red" in c[-1]["content"].split()) for c in completions]
 
-
-def red_block(*, prompt, completion, row, score):
-    from trl_mrtpo import InfoBlock
-
-    return InfoBlock("has red ;", placement="in_prompt")
-
-
-def word_steps(completions, **kwargs):
+def word_steps(completions, **kwargs):  # and a process reward: each word a step
     import re
 
     texts = [c[-1]["content"] for c in completions]
-    return [[(m.start(), m.end(), float(len(m.group()) % 2)) for m in re.finditer(r"\\S+", t)] for t in texts]
-"""
+    return [[(m.start(), m.end(), float(len(m.group()) % 2)) for m in re.finditer(r"\S+", t)] for t in texts]
+
+
+# the same functions, as a module of the user's that a recipe names by dotted path
+USER_MODULE = "import trl_mrtpo\n\n\n" + "\n\n".join(inspect.getsource(f) for f in (says_red, red_block, word_steps))
 with tempfile.TemporaryDirectory() as folder:
     root = Path(folder)
     (root / "user_rewards.py").write_text(USER_MODULE)

@@ -345,31 +345,31 @@ class MRTPOConfig(GRPOConfig):
         """Refuse an option set away from its default in a configuration where it does nothing (it would be ignored
         silently: a user would believe it acts)."""
         mode = self.credit_assignment
-        scopes = {
-            "preserve_reward_totals": (
+        groups = [
+            (
+                ("preserve_reward_totals",),
                 mode in ("mrtpo", "joint", "shuffled"),
                 "credit_assignment 'mrtpo', 'joint' or 'shuffled'",
             ),
-            "cort_eta": (mode == "cort", "credit_assignment='cort'"),
-            "cort_tau": (mode == "cort", "credit_assignment='cort'"),
-            "cort_offset": (mode == "cort", "credit_assignment='cort'"),
-            "taco_threshold": (self.taco_strength > 0, "taco_strength > 0"),
-            "taco_sharpness": (self.taco_strength > 0, "taco_strength > 0"),
-            "reward_strength_floor": (self.reward_strength, "reward_strength=True"),
-            **{
-                name: (self.reward_weighting == "concur", "reward_weighting='concur'")
-                for name in (
+            (("cort_eta", "cort_tau", "cort_offset"), mode == "cort", "credit_assignment='cort'"),
+            (("taco_threshold", "taco_sharpness"), self.taco_strength > 0, "taco_strength > 0"),
+            (("reward_strength_floor",), self.reward_strength, "reward_strength=True"),
+            (
+                (
                     "concur_primary",
                     "concur_pass_threshold",
                     "concur_ceiling",
                     "concur_ceiling_mode",
                     "concur_min_readings",
-                )
-            },
-        }
-        for name, (acts, condition) in scopes.items():
-            value = getattr(self, name)
-            if not acts and value != self.__dataclass_fields__[name].default:
+                ),
+                self.reward_weighting == "concur",
+                "reward_weighting='concur'",
+            ),
+        ]
+        for names, acts, condition in groups:
+            set_here = [name for name in names if getattr(self, name) != self.__dataclass_fields__[name].default]
+            if set_here and not acts:
+                name, value = set_here[0], getattr(self, set_here[0])
                 raise ValueError(
                     f"{name}={value!r} has no effect unless {condition} (credit_assignment={mode!r}, "
                     f"reward_weighting={self.reward_weighting!r}, taco_strength={self.taco_strength}, "

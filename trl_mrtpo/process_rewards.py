@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .info_blocks import Prompt, call_builder
-from .validation import FLOAT32_MAX
+from .validation import within_float32
 
 NO_BOUNDARY = -1
 
@@ -56,9 +56,9 @@ def _common_prefix_length(a: str, b: str) -> int:
     return length
 
 
-def text_alignment(tokenizer, completion_ids: Sequence[int], text: str, where: str) -> tuple[bool, int]:
-    """How the text a reward scored relates to the completion's ids: ``(skip_special_tokens, start)``, the decode of
-    the ids (without or with special tokens) in which ``text`` starts at character ``start``.
+def text_alignment(tokenizer, completion_ids: Sequence[int], text: str, where: str) -> tuple[bool, str, int]:
+    """How the text a reward scored relates to the completion's ids: ``(skip_special_tokens, decoded, start)``, the
+    decode of the ids (without or with special tokens) in which ``text`` starts at character ``start``.
 
     ``text`` is that decode itself, or occurs in it exactly once (TRL's response parser moves reasoning or tool calls
     out of the message content, leaving the content as one piece of the decode). Anything else cannot be placed on
@@ -67,11 +67,11 @@ def text_alignment(tokenizer, completion_ids: Sequence[int], text: str, where: s
     views = {skip: tokenizer.decode(list(completion_ids), skip_special_tokens=skip) for skip in (True, False)}
     for skip, decoded in views.items():
         if decoded == text:
-            return skip, 0
+            return skip, decoded, 0
     for skip, decoded in views.items():
         start = decoded.find(text)
         if start >= 0 and decoded.find(text, start + 1) < 0:
-            return skip, start
+            return skip, decoded, start
     raise ValueError(
         f"The {where} scored the text {text!r:.80}, which is neither the decode of the completion's token ids "
         f"({views[False]!r:.120}) nor a piece that occurs exactly once in it, so its character offsets cannot be "
@@ -94,8 +94,7 @@ def token_positions(
     """
     if not char_ends:
         return []
-    skip, start = text_alignment(tokenizer, completion_ids, text, where)
-    full = tokenizer.decode(list(completion_ids), skip_special_tokens=skip)
+    skip, full, start = text_alignment(tokenizer, completion_ids, text, where)
     count = len(completion_ids)
     covered_cache: dict[int, int] = {}
 
@@ -120,12 +119,7 @@ def token_positions(
 
 def _is_score(value: Any) -> bool:
     """A finite number within float32's range, as rewards are (a group's statistics then stay finite in float64)."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return abs(float(value)) <= FLOAT32_MAX
-    except OverflowError:
-        return False
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and within_float32(value)
 
 
 def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:

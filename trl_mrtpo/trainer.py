@@ -242,31 +242,17 @@ class MRTPOTrainer(GRPOTrainer):
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
-        token_credit = [
-            name
-            for name, on in (
-                (f"credit_assignment='{args.credit_assignment}'", self._replays),
-                *((rule, True) for rule in step_rules),
-                ("taco_strength", args.taco_strength > 0),
-            )
-            if on
-        ]
-        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, token_credit)
-        forwards = [
-            name
-            for name, on in (
-                (f"credit_assignment='{args.credit_assignment}'", self._replays),
-                ("taco_strength", args.taco_strength > 0),
-                (
-                    "rewards that run the policy",
-                    any(
-                        getattr(f, "runs_policy_forwards", False) for f in [*self.reward_funcs, *self.process_rewards]
-                    ),
-                ),
-            )
-            if on
-        ]
-        check_sharded_replay(sharding_engine(self), forwards)
+        # what gives tokens different advantages, and what runs extra forwards of the policy, named for the errors
+        replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
+        taco = ["taco_strength"] if args.taco_strength > 0 else []
+        functions = [*self.reward_funcs, *self.process_rewards]
+        runs_policy = (
+            ["rewards that run the policy"]
+            if any(getattr(f, "runs_policy_forwards", False) for f in functions)
+            else []
+        )
+        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *taco])
+        check_sharded_replay(sharding_engine(self), [*replay, *taco, *runs_policy])
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
         if self._replays or args.taco_strength > 0:

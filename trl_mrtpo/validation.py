@@ -16,7 +16,17 @@ from typing import Any
 
 import torch
 
+from .weighting import ConcurTrust
+
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def within_float32(value: numbers.Real) -> bool:
+    """Whether a real number is finite and within float32's range (an int too large for any float is not)."""
+    try:
+        return abs(float(value)) <= FLOAT32_MAX
+    except OverflowError:  # an int beyond any float (10**400)
+        return False
 
 
 def _has_type(value: Any, kind: Any) -> bool:
@@ -121,17 +131,12 @@ def _reward_value(name: str, index: int, value: Any) -> float | None:
             f"reward function '{name}' returned {type(value).__name__} {value!r:.60} for sample {index}; each reward "
             "must be a real number (int, float, bool, numpy scalar or 0-d tensor) or None where it does not apply."
         )
-    returned = value
-    try:
-        value = float(value)
-    except OverflowError:  # an int beyond any float (10**400)
-        value = math.inf
-    if math.isinf(value) or abs(value) > FLOAT32_MAX:
+    if value == value and not within_float32(value):  # NaN passes: it means "does not apply"
         raise ValueError(
-            f"reward function '{name}' returned {returned!r:.40} for sample {index}; rewards must be finite and "
+            f"reward function '{name}' returned {value!r:.40} for sample {index}; rewards must be finite and "
             "within float32's range (return None where a reward does not apply, and rescale scores beyond 3.4e38)."
         )
-    return value
+    return float(value)
 
 
 def check_reward_values(name: str, values: Any, expected: int) -> list[float | None]:
@@ -268,7 +273,6 @@ def read_credit_state(path: str, identity: dict) -> dict:
     return state
 
 
-TRUST_FIELDS = {"count": int, "total": float, "total_squares": float, "min_readings": int}  # ConcurTrust's
 _STATE_ENTRIES = {"version", "concur_trust", "shuffle_generator", "collapse_streaks", "reward_specificity"}
 
 
@@ -289,10 +293,11 @@ def _check_state_contents(state: dict, path: str, num_rewards: int, identity_key
     trust = state["concur_trust"]
     if not isinstance(trust, dict):
         refuse("concur_trust", type(trust).__name__)
+    trust_fields = typing.get_type_hints(ConcurTrust)  # what a trust record holds: the dataclass's own fields
     for key, record in trust.items():
-        if not isinstance(record, dict) or set(record) != set(TRUST_FIELDS):
+        if not isinstance(record, dict) or set(record) != set(trust_fields):
             refuse(f"concur_trust[{key!r}]", record)
-        for field, kind in TRUST_FIELDS.items():
+        for field, kind in trust_fields.items():
             value = record[field]
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
                 refuse(f"concur_trust[{key!r}].{field}", repr(value))
