@@ -4,7 +4,7 @@ configuration, and rewards with known orderings."""
 import torch
 
 from trl_mrtpo import MRTPOConfig, MRTPOTrainer
-from trl_mrtpo.credit import token_weights
+from trl_mrtpo.credit import token_advantages, token_weights
 from trl_mrtpo.diagnostics import CreditRecord
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -122,3 +122,27 @@ def build_prm(tokenizer, folder, seed=0):
     LlamaForTokenClassification(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+def check_merged_advantages(parts: list[dict]) -> None:
+    """Each process's token advantages (``parts``: what each rank recorded for one generation, in rank order) equal
+    one process's on the merged batch: the cap and the means see the whole batch on every rank."""
+    width = max(p["mask"].shape[1] for p in parts)
+
+    def merged(key):
+        tensors = [p[key] for p in parts]
+        if key in ("relevance", "mask", "advantages"):
+            tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
+        return torch.cat(tensors)
+
+    single = token_advantages(
+        merged("group_advantages"),
+        merged("relevance"),
+        merged("replayed"),
+        merged("mask"),
+        parts[0]["reward_weights"],
+        parts[0]["beta"],
+        parts[0]["rho"],
+    )
+    assert merged("replayed").any()  # a real redistribution, not only the uniform part
+    torch.testing.assert_close(merged("advantages"), single.advantages, atol=1e-5, rtol=1e-5)

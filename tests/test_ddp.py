@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from trl_mrtpo.credit import token_advantages
+from tests.helpers import check_merged_advantages
 
 pytestmark = pytest.mark.slow
 
@@ -57,23 +57,4 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
     generations = sorted({p.name.split("_")[1] for p in reports.glob("rank0_generation*.pt")})
     assert generations
     for generation in generations:
-        parts = [torch.load(reports / f"rank{r}_{generation}") for r in (0, 1)]
-        width = max(p["mask"].shape[1] for p in parts)
-
-        def merged(key, parts=parts, width=width):
-            tensors = [p[key] for p in parts]
-            if key in ("relevance", "mask", "advantages"):
-                tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
-            return torch.cat(tensors)
-
-        single = token_advantages(
-            merged("group_advantages"),
-            merged("relevance"),
-            merged("replayed"),
-            merged("mask"),
-            parts[0]["reward_weights"],
-            parts[0]["beta"],
-            parts[0]["rho"],
-        )
-        assert merged("replayed").any()  # a real redistribution, not only the uniform part
-        torch.testing.assert_close(merged("advantages"), single.advantages, atol=1e-5, rtol=1e-5)
+        check_merged_advantages([torch.load(reports / f"rank{r}_{generation}") for r in (0, 1)])

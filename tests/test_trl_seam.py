@@ -74,7 +74,7 @@ def test_the_top_level_is_the_trainers_and_moved_names_warn():
         trl_mrtpo.no_such_name  # noqa: B018
 
 
-def test_sharded_parameters_with_extra_policy_forwards_are_refused(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+def test_sharding_refuses_only_what_it_cannot_run(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     """Under ZeRO-3 or FSDP every forward is a collective and ranks replay different amounts: refused at start-up,
     naming the engine and what runs the forwards, before the temperature probe that would crash on sharded weights."""
     import pytest
@@ -85,41 +85,48 @@ def test_sharded_parameters_with_extra_policy_forwards_are_refused(tiny_model, t
     from trl_mrtpo.kits.basic import make_basic_dataset
     from trl_mrtpo.self_certainty import SelfCertaintyReward
 
-    def build(mode, rewards=BASIC.rewards, blocks=BASIC.info_blocks):
+    def build(mode, rewards=BASIC.rewards, blocks=BASIC.info_blocks, **overrides):
         return MRTPOTrainer(
             model=tiny_model,
             reward_funcs=rewards,
             info_blocks=blocks,
-            args=make_args(tmp_path, credit_assignment=mode),
+            args=make_args(tmp_path, credit_assignment=mode, **overrides),
             train_dataset=make_basic_dataset(4),
             processing_class=tiny_tokenizer,
         )
 
-    for engine in ("DeepSpeed ZeRO-3", "FSDP"):
+    for engine in ("DeepSpeed ZeRO-3", "FSDP2", "FSDP1"):
         monkeypatch.setattr("trl_mrtpo.trainer.sharding_engine", lambda trainer, engine=engine: engine)
-        with pytest.raises(ValueError, match=f"credit_assignment='mrtpo' run extra forwards .* {engine} does not"):
-            build("mrtpo")
-        with pytest.raises(ValueError, match="rewards that run the policy"):
+        with pytest.raises(ValueError, match=f"'self_certainty' run the policy .* {engine} does not support"):
             build("gdpo", [*BASIC.rewards, SelfCertaintyReward()], [*BASIC.info_blocks, None])
+        if engine == "FSDP1":
+            with pytest.raises(ValueError, match="credit_assignment='mrtpo' replay .* not supported under FSDP1"):
+                build("mrtpo")
+        else:  # the replay runs on the policy gathered whole
+            assert build("mrtpo").args.credit_assignment == "mrtpo"
+        if engine == "DeepSpeed ZeRO-3":  # ... which a user who turned TRL's gather off does not have
+            with pytest.raises(ValueError, match="ds3_gather_for_generation=False the policy is never gathered"):
+                build("mrtpo", ds3_gather_for_generation=False)
         assert build("gdpo").args.credit_assignment == "gdpo"  # no extra forward: uniform credit trains sharded
 
 
-def test_the_sharding_engine_is_read_from_the_trainer():
+def test_the_sharding_engine_is_read_from_the_accelerator_state():
     from types import SimpleNamespace
 
     from trl_mrtpo._trl import sharding_engine
 
-    def trainer(fsdp=False, deepspeed=False, stage=None):
-        plugin = SimpleNamespace(zero_stage=stage) if stage else None
-        state = SimpleNamespace(deepspeed_plugin=plugin)
-        return SimpleNamespace(
-            is_fsdp_enabled=fsdp, is_deepspeed_enabled=deepspeed, accelerator=SimpleNamespace(state=state)
+    def trainer(fsdp_version=None, stage=None):
+        state = SimpleNamespace(
+            deepspeed_plugin=SimpleNamespace(zero_stage=stage) if stage else None,
+            fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version) if fsdp_version else None,
         )
+        return SimpleNamespace(accelerator=SimpleNamespace(state=state))
 
     assert sharding_engine(trainer()) is None
-    assert sharding_engine(trainer(fsdp=True)) == "FSDP"
-    assert sharding_engine(trainer(deepspeed=True, stage=3)) == "DeepSpeed ZeRO-3"
-    assert sharding_engine(trainer(deepspeed=True, stage=2)) is None
+    assert sharding_engine(trainer(fsdp_version=2)) == "FSDP2"
+    assert sharding_engine(trainer(fsdp_version=1)) == "FSDP1"
+    assert sharding_engine(trainer(stage=3)) == "DeepSpeed ZeRO-3"
+    assert sharding_engine(trainer(stage=2)) is None
 
 
 def test_an_lm_head_subclass_is_accepted_and_lora_on_it_named():

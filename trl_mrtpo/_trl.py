@@ -9,12 +9,19 @@ helpers only through this module, so a TRL upgrade that moves one fails here, in
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
+from torch import nn
+
+# TRL's own detection of ZeRO-3 / FSDP and its context for generating with a ZeRO-3 model gathered whole (TRL 1.16).
+from trl.distributed import DistributedBackend
 
 # Sampled-token log-probabilities from hidden states and the lm_head weight, vocabulary-tiled (TRL 1.16; private and
 # renamed in TRL's development branch).
 from trl.kernels import ChunkedLogProbFunction
+from trl.models.utils import unwrap_model_for_generation
 
 # Gathers a ZeRO-3 / FSDP-sharded lm_head weight for the replay; the model id and tracker URLs of the model card
 # (TRL 1.16, trl.trainer.utils: not TRL's documented API).
@@ -49,10 +56,13 @@ __all__ = [
     "get_comet_experiment_url",
     "get_config_model_id",
     "get_trackio_space_url",
+    "gathered_for_probe",
     "maybe_gather_lm_head_ctx",
     "missing_names",
     "sampled_token_logprobs",
+    "sharding_engine",
     "tokenize_prompts",
+    "whole_policy",
 ]
 
 
@@ -62,16 +72,73 @@ def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
 
 
 def sharding_engine(trainer) -> str | None:
-    """The engine that shards the policy's parameters across processes, by the names transformers' Trainer sets
-    (``is_deepspeed_enabled``, ``is_fsdp_enabled``), or None when every process holds them whole (one process, DDP,
+    """The engine that shards the policy's parameters across processes, by TRL's own detection
+    (``trl.distributed.DistributedBackend``), or None when every process holds them whole (one process, DDP,
     ZeRO-1/2)."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "FSDP"
-    if getattr(trainer, "is_deepspeed_enabled", False):
-        plugin = trainer.accelerator.state.deepspeed_plugin
-        if plugin is not None and plugin.zero_stage == 3:
-            return "DeepSpeed ZeRO-3"
+    backend = DistributedBackend(trainer.accelerator)
+    if backend.is_zero3:
+        return "DeepSpeed ZeRO-3"
+    if backend.is_fsdp:
+        return f"FSDP{backend.fsdp_version}"
     return None
+
+
+FSDP_HOOKS = "torch.distributed.fsdp."  # where FSDP2's forward hooks are defined (one unit's or a group's)
+
+
+@contextmanager
+def whole_policy(trainer) -> Iterator[nn.Module]:
+    """The policy, unwrapped, with every parameter whole on this process while in the context, so that the replay's
+    forwards are local: their number may differ from process to process.
+
+    Under ZeRO-3 the parameters are gathered and DeepSpeed's hooks removed, exactly as TRL does to generate
+    (``unwrap_model_for_generation``); under FSDP2 every FSDP unit is unsharded and its FSDP forward hooks set aside
+    until the context closes, then resharded. Entering and leaving are collectives there: every
+    process must enter at the same points, whatever it has to replay. Elsewhere this is the unwrapped model.
+    """
+    backend = DistributedBackend(trainer.accelerator)
+    if backend.is_zero3:
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            yield model
+        return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if backend.fsdp_version != 2:
+        yield model
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in trainer.model_wrapped.modules() if isinstance(m, FSDPModule)]
+    for unit in units:  # the same units in the same order on every process
+        unit.unshard()
+    # FSDP's own forward hooks stay out of the replay, as TRL removes DeepSpeed's to generate: they would gather
+    # again after each forward and record the replay's forwards in the order the backward prefetches by, which then
+    # differs between processes that replayed different amounts.
+    saved = [(unit, unit._forward_pre_hooks.copy(), unit._forward_hooks.copy()) for unit in units]
+    for unit in units:
+        for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
+            for key in [k for k, hook in hooks.items() if getattr(hook, "__module__", "").startswith(FSDP_HOOKS)]:
+                del hooks[key]
+    try:
+        yield model
+    finally:
+        for unit, pre_hooks, hooks in saved:
+            unit._forward_pre_hooks.clear()
+            unit._forward_pre_hooks.update(pre_hooks)
+            unit._forward_hooks.clear()
+            unit._forward_hooks.update(hooks)
+            unit.reshard()
+
+
+def gathered_for_probe(model: nn.Module):
+    """All parameters gathered while in the context when ZeRO-3 partitioned them at load (``zero.Init``), for a
+    start-up forward before DeepSpeed wraps the model; a null context otherwise."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(model.parameters()))
 
 
 def sampled_token_logprobs(

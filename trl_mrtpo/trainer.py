@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ._trl import get_config_model_id, sharding_engine, tokenize_prompts
+from ._trl import gathered_for_probe, get_config_model_id, sharding_engine, tokenize_prompts, whole_policy
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
@@ -245,18 +245,17 @@ class MRTPOTrainer(GRPOTrainer):
         # what gives tokens different advantages, and what runs extra forwards of the policy, named for the errors
         replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
         taco = ["taco_strength"] if args.taco_strength > 0 else []
-        functions = [*self.reward_funcs, *self.process_rewards]
-        runs_policy = (
-            ["rewards that run the policy"]
-            if any(getattr(f, "runs_policy_forwards", False) for f in functions)
-            else []
-        )
+        named = [*zip(self.reward_func_names, self.reward_funcs)]
+        named += [(type(f).__name__, f) for f in self.process_rewards]
+        runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
         check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *taco])
-        check_sharded_replay(sharding_engine(self), [*replay, *taco, *runs_policy])
+        check_sharded_replay(sharding_engine(self), [*replay, *taco], runs_policy, args.ds3_gather_for_generation)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
         if self._replays or args.taco_strength > 0:
-            self._replay_temperature = self.temperature / logit_multiplier(self.accelerator.unwrap_model(self.model))
+            policy = self.accelerator.unwrap_model(self.model)
+            with gathered_for_probe(policy):
+                self._replay_temperature = self.temperature / logit_multiplier(policy)
         self._scored: Scored | None = None
         self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced
@@ -815,18 +814,20 @@ class MRTPOTrainer(GRPOTrainer):
         relevance = torch.zeros(*batch.varying.shape, mask.shape[1], device=mask.device)
         votes = torch.zeros_like(relevance)
         replayed = torch.zeros_like(batch.varying)
-        if not any(wanted):
-            return relevance, replayed
-        q, voted = replay_relevance_and_votes(
-            self.accelerator.unwrap_model(self.model),
-            context_ids,
-            completion_ids,
-            self._replay_temperature,
-            backend=self.args.divergence_backend,
-            chunk_size=self.args.replay_chunk_size,
-            votes=self.args.directional_relevance,
-            **self._replay_options(),
-        )
+        # every process enters (a collective under sharding), even one with nothing to replay
+        with whole_policy(self) as policy:
+            if not any(wanted):
+                return relevance, replayed
+            q, voted = replay_relevance_and_votes(
+                policy,
+                context_ids,
+                completion_ids,
+                self._replay_temperature,
+                backend=self.args.divergence_backend,
+                chunk_size=self.args.replay_chunk_size,
+                votes=self.args.directional_relevance,
+                **self._replay_options(),
+            )
         for i, ids in enumerate(completion_ids):
             length = len(ids)
             if length == 0:
@@ -848,13 +849,10 @@ class MRTPOTrainer(GRPOTrainer):
         mask = batch.mask
         contrast = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         replayed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-        logprobs = replay_logprobs(
-            self.accelerator.unwrap_model(self.model),
-            context_ids,
-            completion_ids,
-            self._replay_temperature,
-            **self._replay_options(),
-        )
+        with whole_policy(self) as policy:
+            logprobs = replay_logprobs(
+                policy, context_ids, completion_ids, self._replay_temperature, **self._replay_options()
+            )
         for i, lp in enumerate(logprobs):
             if lp.shape[0] == 2:
                 contrast[i, : lp.shape[1]] = (lp[0] - lp[1]).to(mask.device)
@@ -868,13 +866,14 @@ class MRTPOTrainer(GRPOTrainer):
         if output.get("old_per_token_logps") is not None:
             return -output["old_per_token_logps"].float() * mask
         prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])]
-        logprobs = replay_logprobs(
-            self.accelerator.unwrap_model(self.model),
-            [[p] for p in prompt_ids],
-            completion_token_lists(output),
-            self._replay_temperature,
-            **self._replay_options(),
-        )
+        with whole_policy(self) as policy:
+            logprobs = replay_logprobs(
+                policy,
+                [[p] for p in prompt_ids],
+                completion_token_lists(output),
+                self._replay_temperature,
+                **self._replay_options(),
+            )
         surprisal = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         for i, lp in enumerate(logprobs):
             if lp.shape[0]:

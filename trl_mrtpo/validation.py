@@ -97,18 +97,38 @@ def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str
     )
 
 
-def check_sharded_replay(engine: str | None, forwards: Sequence[str]) -> None:
-    """Refuse extra policy forwards (``forwards``: what runs them) under an engine that shards the parameters: every
-    such forward is a collective (an all-gather per module), and ranks replay different amounts (their own prefix
-    trees, or nothing), so one rank would wait in an all-gather while another waits elsewhere: a deadlock."""
-    if engine is None or not forwards:
+def check_sharded_replay(
+    engine: str | None, replay: Sequence[str], policy_rewards: Sequence[str], gathers_for_generation: bool = True
+) -> None:
+    """Refuse what sharding cannot run exactly and without deadlock (docs/scaling.md).
+
+    The replay (``replay``: what needs it) runs on the policy gathered whole, so its forwards are local and processes
+    may replay different amounts; that needs ZeRO-3's gather for generation (``ds3_gather_for_generation``) or FSDP2.
+    FSDP1's units cannot run a direct decoder call, and rewards that run the policy themselves (``policy_rewards``)
+    run forwards outside the gathered context, where each is a collective and processes run different numbers.
+    """
+    if engine is None:
         return
-    raise ValueError(
-        f"{' and '.join(forwards)} run extra forwards of the policy, which {engine} does not support yet: under "
-        f"{engine} every forward gathers parameters from all processes, and processes replay different amounts, so "
-        "training would deadlock. Use DDP (`--accelerate_config multi_gpu`) or DeepSpeed ZeRO-1/2 (`zero1`, `zero2`), "
-        "which keep the parameters whole on every process, or credit_assignment='gdpo' (no replay)."
-    )
+    if policy_rewards:
+        raise ValueError(
+            f"{', '.join(policy_rewards)} run the policy inside the reward computation, which {engine} does not "
+            f"support: under {engine} every such forward gathers parameters from all processes, and processes run "
+            "different numbers of them, so training would deadlock. Use DDP or DeepSpeed ZeRO-1/2 (`zero1`, `zero2`)."
+        )
+    if not replay:
+        return
+    if engine == "FSDP1":
+        raise ValueError(
+            f"{' and '.join(replay)} replay completions with the policy, which is not supported under FSDP1 (its "
+            "units cannot run the decoder alone). Use FSDP2 (`fsdp_version: 2` in the accelerate config), DeepSpeed "
+            "ZeRO-2/3 or DDP."
+        )
+    if engine == "DeepSpeed ZeRO-3" and not gathers_for_generation:
+        raise ValueError(
+            f"{' and '.join(replay)} replay completions with the policy gathered whole, as TRL generates under "
+            "ZeRO-3; with ds3_gather_for_generation=False the policy is never gathered. Set "
+            "ds3_gather_for_generation=True, or use credit_assignment='gdpo' (no replay)."
+        )
 
 
 def _reward_value(name: str, index: int, value: Any) -> float | None:

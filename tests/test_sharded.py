@@ -1,0 +1,70 @@
+"""Two CPU processes under DeepSpeed ZeRO-3 and FSDP2 run 2 MRTPO steps in which one rank replays and the other has
+nothing to replay: no deadlock, the parameters stay sharded between steps, q equals an unsharded one-process replay
+and every rank's token advantages equal one process's on the merged batch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import check_merged_advantages
+from tests.test_ddp import DISTRIBUTED_VARIABLES
+from trl_mrtpo.replay import replay_relevance
+
+pytestmark = pytest.mark.slow
+
+ENGINES = {"DeepSpeed ZeRO-3": "tests/accelerate/cpu_zero3.yaml", "FSDP2": "tests/accelerate/cpu_fsdp2.yaml"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer):
+    from tests.conftest import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(tiny_tokenizer).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("adapter", ["lora", "none"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_sharded_replay_with_unequal_work_per_rank(tmp_path, tiny_model_dir, engine, adapter):
+    pytest.importorskip("deepspeed") if engine.startswith("DeepSpeed") else None
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", ENGINES[engine],
+        "--main_process_port", "0",
+        "tests/sharded_worker.py", str(tmp_path), str(tiny_model_dir), adapter,
+    ]  # fmt: skip
+    inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "DS_ACCELERATOR": "cpu"}
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    except subprocess.TimeoutExpired as error:
+        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
+        pytest.fail(f"accelerate launch still running after {error.timeout} s:\n{stderr[-8000:]}")
+    assert result.returncode == 0, result.stderr[-8000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report == {"rank": rank, "engine": engine, "global_step": 2}
+    generations = [[torch.load(tmp_path / f"rank{r}_generation{g}.pt") for r in (0, 1)] for g in (0, 1)]
+    for parts in generations:
+        assert all(p["sharded_between_steps"] for p in parts)  # really sharded outside the replay
+        check_merged_advantages(parts)
+    # the unequal work that deadlocked: a generation where one rank replays and the other has nothing to replay
+    assert any(sorted(bool(any(p["wanted"])) for p in parts) == [False, True] for parts in generations), [
+        [p["wanted"] for p in parts] for parts in generations
+    ]
+    # the first generation ran on the initial weights (a fresh adapter adds zero): q equals an unsharded replay
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for part in generations[0]:
+        q = replay_relevance(model, part["context_ids"], part["completion_ids"], 1.0)
+        for i, ks in enumerate(part["wanted"]):
+            for row, k in enumerate(ks):
+                length = len(part["completion_ids"][i])
+                torch.testing.assert_close(part["relevance"][i, k, :length], q[i][row], atol=1e-6, rtol=0)
