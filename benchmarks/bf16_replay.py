@@ -112,17 +112,17 @@ def recorded_batch(model_name: str, task: str, prompts: int, generations: int, t
         processing_class=tokenizer,
     )
     calls = []
-    original = trainer_module.replay_relevance_and_votes
+    original = trainer_module.replay_relevance
 
     def recording(model, contexts, completions, temperature, **kwargs):
         calls.append((contexts, completions, temperature))
         return original(model, contexts, completions, temperature, **kwargs)
 
-    trainer_module.replay_relevance_and_votes = recording
+    trainer_module.replay_relevance = recording
     try:
         records = [trainer.sample_credit([dataset[i]], generations) for i in range(prompts)]
     finally:
-        trainer_module.replay_relevance_and_votes = original
+        trainer_module.replay_relevance = original
     return trainer, records, calls
 
 

@@ -35,7 +35,6 @@ SEEDS = {"dev": tuple(range(4)), "eval": tuple(range(100, 116))}
 OPTION_ARMS = {
     "null": (("relevance_null_correction", True),),
     "strength": (("reward_strength", True), ("reward_strength_floor", 0.25)),
-    "direction": (("directional_relevance", True),),
     "preserve": (("preserve_reward_totals", True),),
 }
 ARMS = ("gdpo", "mrtpo", "shuffled", "oracle", *OPTION_ARMS, "mrtpo+")

@@ -11,7 +11,7 @@ first step. The first step (start-up) is dropped from the means. Writes
     python benchmarks/replay_overhead.py --methods gdpo mrtpo mrtpo+strength   # with per-reward strength (resting)
 
 A method ``mrtpo+<option>`` is MRTPO with a calibrated-credit option on: ``strength`` (``reward_strength``),
-``null``, ``direction``, ``preserve``.
+``null``, ``preserve``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ RESULTS = Path(__file__).parent / "results"
 OPTIONS = {
     "strength": "reward_strength",
     "null": "relevance_null_correction",
-    "direction": "directional_relevance",
     "preserve": "preserve_reward_totals",
 }
 

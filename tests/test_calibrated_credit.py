@@ -1,6 +1,6 @@
-"""Calibrated credit (docs/method.md, "Calibrated credit"): null correction, direction, per-reward strength and
-preserved totals, against float64 loop references, hand-worked examples and invariants; the replay's votes against
-plain forwards; the trainer's wiring (per-reward beta, resting rewards, checkpointed state)."""
+"""Calibrated credit (docs/method.md, "Calibrated credit"): null correction, per-reward strength and preserved
+totals, against float64 loop references, hand-worked examples and invariants; the trainer's wiring (per-reward beta,
+resting rewards, checkpointed state)."""
 
 import math
 
@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from tests.helpers import RecordingTrainer, make_args
 from trl_mrtpo.credit import (
-    directed_relevance,
     group_advantages,
     null_corrected_relevance,
     preserved_token_advantages,
@@ -22,7 +21,6 @@ from trl_mrtpo.credit import (
 )
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.replay import replay_relevance, replay_relevance_and_votes
 
 
 def reference_preserved(adv, weights, mask, c, rho):
@@ -152,19 +150,6 @@ def test_identical_profiles_are_all_background():
     assert (null_corrected_relevance(same, torch.ones(2, 3, dtype=torch.bool)) == 0).all()
 
 
-def test_direction_by_hand():
-    q = torch.tensor([[[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]])
-    votes = torch.tensor([[[1.0, -1.0, 0.5, 0.0]] * 3])
-    advantages = torch.tensor([[0.7, -0.7, 0.0]])
-    out = directed_relevance(q, votes, advantages)
-    torch.testing.assert_close(out[0, 0], torch.tensor([0.4, 0.0, 0.2, 0.0]))  # a reward: where the vote agrees
-    torch.testing.assert_close(out[0, 1], torch.tensor([0.0, 0.3, 0.0, 0.0]))  # a penalty: where it disagrees
-    torch.testing.assert_close(out[0, 2], q[0, 2])  # no credit to place: untouched
-    # what is left is normalised to mean 1 by step 5; a profile left without mass keeps uniform weights
-    w = token_weights(directed_relevance(q, -votes.abs() - 1, advantages), torch.ones(1, 1, 4), 0.5)
-    assert (w[0, 0] == 1).all()
-
-
 def test_specificity_and_strength_by_hand():
     q = torch.tensor(
         [
@@ -218,24 +203,6 @@ def test_per_reward_beta_is_each_rewards_own_beta():
     torch.testing.assert_close(per_reward.advantages, only_first.advantages)
 
 
-def test_votes_match_plain_forwards(tiny_model, batch):
-    contexts, completions = batch
-    q_alone = replay_relevance(tiny_model, contexts, completions, 0.7, min_shared_prefix=4)
-    q, votes = replay_relevance_and_votes(tiny_model, contexts, completions, 0.7, min_shared_prefix=4)
-    for j, (ctx, completion) in enumerate(zip(contexts, completions)):
-        torch.testing.assert_close(q[j], q_alone[j])
-        with torch.no_grad():
-            logprobs = []
-            for c in ctx:
-                logits = tiny_model(torch.tensor([c + completion])).logits[
-                    0, len(c) - 1 : len(c) - 1 + len(completion)
-                ]
-                lp = torch.log_softmax(logits.double() / 0.7, -1)
-                logprobs.append(lp.gather(-1, torch.tensor(completion)[:, None])[:, 0])
-        expected = torch.stack([logprobs[0] - lp for lp in logprobs[1:]])
-        torch.testing.assert_close(votes[j].double(), expected, rtol=1e-4, atol=2e-5)
-
-
 def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_tokenizer, tmp_path):
     """reward_strength: readings are taken, beta per reward is logged, a reward whose strength is 0 is not replayed
     after warm-up (except on probe steps), and the running specificity is checkpointed."""
@@ -269,7 +236,7 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
 
 
 @pytest.mark.parametrize(
-    "option", ["relevance_null_correction", "directional_relevance", "reward_strength", "preserve_reward_totals"]
+    "option", ["relevance_null_correction", "reward_strength", "preserve_reward_totals"]
 )
 def test_trainer_runs_each_option(tiny_model, tiny_tokenizer, tmp_path, option):
     trainer = RecordingTrainer(

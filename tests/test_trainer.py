@@ -157,7 +157,7 @@ def test_replay_only_varying_skips_constant_rewards(tiny_model, tiny_tokenizer, 
     import trl_mrtpo.trainer
 
     forwards = []
-    monkeypatch.setattr(trl_mrtpo.trainer, "replay_relevance_and_votes", lambda *a, **k: forwards.append(a))
+    monkeypatch.setattr(trl_mrtpo.trainer, "replay_relevance", lambda *a, **k: forwards.append(a))
 
     def constant(completions, **_):
         return [1.0] * len(completions)

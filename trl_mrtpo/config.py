@@ -101,10 +101,6 @@ class MRTPOConfig(GRPOConfig):
         relevance_null_correction (`bool`, *optional*, defaults to `False`):
             Subtract from each reward's q the pointwise minimum of the other replayed rewards' q of the same
             response (the background every removal shares), floored at 0. No extra forward.
-        directional_relevance (`bool`, *optional*, defaults to `False`):
-            Keep a reward's q only where the information's vote on the sampled token, `log p(y_t | P_all) -
-            log p(y_t | P_not_k)`, has the sign of the reward's advantage (a reward lands where the information
-            agrees with what was sampled, a penalty where it disagrees). One extra lm_head pass per context.
         reward_strength (`bool`, *optional*, defaults to `False`):
             Per-reward strength: reward k's beta is `credit_beta * g_k`, `g_k` from a running estimate of how much
             its q stands out from the other rewards' (train batches only, saved in checkpoints, logged as
@@ -228,10 +224,6 @@ class MRTPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "Subtract the other replayed rewards' pointwise minimum q from each reward's q."},
     )
-    directional_relevance: bool = field(
-        default=False,
-        metadata={"help": "Keep q only where the information's vote on the sampled token has the advantage's sign."},
-    )
     reward_strength: bool = field(
         default=False,
         metadata={"help": "Per-reward beta from a running estimate of how much each reward's q stands out."},
@@ -332,7 +324,7 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")
         if not 0.0 < self.reward_strength_floor <= 0.5:
             raise ValueError(f"reward_strength_floor must be in (0, 0.5], got {self.reward_strength_floor}.")
-        per_reward_options = ("relevance_null_correction", "directional_relevance", "reward_strength")
+        per_reward_options = ("relevance_null_correction", "reward_strength")
         chosen = [name for name in per_reward_options if getattr(self, name)]
         if chosen and self.credit_assignment not in ("mrtpo", "shuffled"):
             raise ValueError(

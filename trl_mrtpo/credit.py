@@ -329,25 +329,6 @@ def null_corrected_relevance(relevance: torch.Tensor, replayed: torch.Tensor) ->
     return corrected
 
 
-def directed_relevance(relevance: torch.Tensor, votes: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """Direction-aware q (docs/method.md, "Calibrated credit"): ``q_{k,t}`` is kept only where the information's
-    vote on the sampled token agrees with the sign of the reward's advantage, 0 elsewhere.
-
-    ``vote_{k,t} = log p(y_t | P_all) - log p(y_t | P_not_k)`` is positive where the information makes the sampled
-    token more likely: a reward (``A_k > 0``) lands where the information agrees with what was sampled, a penalty
-    (``A_k < 0``) where it disagrees. Profiles with a zero advantage are unchanged (they carry no credit). Step 5
-    normalises what is left to mean 1; a profile left without mass keeps uniform credit.
-
-    Args:
-        relevance: ``[B, K, C]`` q profiles.
-        votes: ``[B, K, C]`` log-probability differences of the sampled tokens.
-        advantages: ``[B, K]`` per-reward advantages.
-    """
-    direction = torch.sign(advantages)[..., None].to(votes)
-    agrees = (direction * votes > 0) | (direction == 0)
-    return torch.where(agrees, relevance, torch.zeros_like(relevance))
-
-
 def relevance_specificity(relevance: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
     """``[K]`` how much each reward's q stands out from the control in this batch: the mean, over its replayed
     responses with another replayed reward, of ``1 - cos(q_k, control)``, the control being the mean profile of the

@@ -300,32 +300,10 @@ def replay_relevance(
     Returns:
         per response j, ``[m_j, L_j]`` fp32 q (``[0, L_j]`` when nothing is replayed).
     """
-    return replay_relevance_and_votes(
-        model, contexts, completions, temperature, batch_size, chunk_size, min_shared_prefix, backend, votes=False
-    )[0]
-
-
-@torch.no_grad()
-def replay_relevance_and_votes(
-    model: nn.Module,
-    contexts: Sequence[Sequence[Sequence[int]]],
-    completions: Sequence[Sequence[int]],
-    temperature: float,
-    batch_size: int = REPLAY_BATCH_SIZE,
-    chunk_size: int | None = None,
-    min_shared_prefix: int | None = MIN_SHARED_PREFIX,
-    backend: str = "auto",
-    votes: bool = True,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`replay_relevance`, and with ``votes`` the information's vote on each sampled token from the same
-    hidden states (no further decoder forward, one lm_head pass per context): per response j, ``[m_j, L_j]``
-    ``log p(y_t | P_all) - log p(y_t | P_removed_i)``, positive where the removed information made the sampled token
-    more likely (``[0, L_j]`` when not asked for or not replayed)."""
     hidden, owners = replayed_hidden_states(
         model, contexts, completions, batch_size, min_shared_prefix, min_contexts=2
     )
     results = [torch.zeros(0, len(c)) for c in completions]
-    voted = [torch.zeros(0, len(c)) for c in completions]
     by_count: dict[int, list[tuple[int, int]]] = {}
     for j, count, first in owners:
         by_count.setdefault(count, []).append((j, first))
@@ -337,13 +315,7 @@ def replay_relevance_and_votes(
             lengths = [len(completions[j]) for j, _ in members]
             for (j, _), part in zip(members, q.split(lengths, dim=1)):
                 results[j] = part
-            if votes:
-                tokens = torch.tensor([t for j, _ in members for t in completions[j]], device=states[0].device)
-                logprobs = [sampled_logprobs(h, tokens, weight, bias, temperature) for h in states]
-                difference = logprobs[0][None, :] - torch.stack(logprobs[1:])
-                for (j, _), part in zip(members, difference.split(lengths, dim=1)):
-                    voted[j] = part
-    return results, voted
+    return results
 
 
 @torch.no_grad()

@@ -29,7 +29,6 @@ from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from .credit import (
     TokenCredit,
     cort_weights,
-    directed_relevance,
     failure_suffix_mask,
     group_advantages,
     null_corrected_relevance,
@@ -51,7 +50,7 @@ from .process_rewards import (
     failure_boundary,
     token_positions,
 )
-from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance_and_votes
+from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
 from .utils import completion_text, function_name, local_copy_hub_id, reward_columns
 from .validation import (
     STATE_VERSION,
@@ -718,9 +717,9 @@ class MRTPOTrainer(GRPOTrainer):
         strength = reward_strength(self._specificity, self.args.reward_strength_floor)
         return set((strength == 0).nonzero(as_tuple=True)[0].tolist())
 
-    def _calibrate(self, relevance, votes, replayed, batch: ScoredBatch) -> torch.Tensor:
+    def _calibrate(self, relevance, replayed) -> torch.Tensor:
         """The calibrated-credit options on the replayed q (docs/method.md, "Calibrated credit"): the specificity
-        reading of ``reward_strength`` (train batches only), then null correction and direction."""
+        reading of ``reward_strength`` (train batches only), then null correction."""
         args = self.args
         if args.reward_strength and self.model.training:
             reading = relevance_specificity(relevance, replayed).double().cpu()
@@ -729,9 +728,6 @@ class MRTPOTrainer(GRPOTrainer):
             self._specificity = torch.where(torch.isnan(reading), self._specificity, updated)
         if args.relevance_null_correction:
             relevance = null_corrected_relevance(relevance, replayed)
-        if args.directional_relevance:
-            scaled = batch.group_advantages * batch.reward_weights.to(batch.group_advantages)
-            relevance = directed_relevance(relevance, votes, scaled)
         return relevance
 
     @cached_property
@@ -812,20 +808,18 @@ class MRTPOTrainer(GRPOTrainer):
         wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
         mask = batch.mask
         relevance = torch.zeros(*batch.varying.shape, mask.shape[1], device=mask.device)
-        votes = torch.zeros_like(relevance)
         replayed = torch.zeros_like(batch.varying)
         # every process enters (a collective under sharding), even one with nothing to replay
         with whole_policy(self) as policy:
             if not any(wanted):
                 return relevance, replayed
-            q, voted = replay_relevance_and_votes(
+            q = replay_relevance(
                 policy,
                 context_ids,
                 completion_ids,
                 self._replay_temperature,
                 backend=self.args.divergence_backend,
                 chunk_size=self.args.replay_chunk_size,
-                votes=self.args.directional_relevance,
                 **self._replay_options(),
             )
         for i, ids in enumerate(completion_ids):
@@ -834,10 +828,8 @@ class MRTPOTrainer(GRPOTrainer):
                 continue
             for row, k in enumerate(wanted[i]):
                 relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
-                if self.args.directional_relevance:
-                    votes[i, k, :length] = voted[i][row].to(mask.device)
                 replayed[i, k] = True
-        relevance = self._calibrate(relevance, votes, replayed, batch)
+        relevance = self._calibrate(relevance, replayed)
         if self._credit_mode.shuffled:
             relevance = shuffle_relevance(relevance, mask, self._shuffle_generator)
         return relevance, replayed
