@@ -235,9 +235,7 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
     torch.testing.assert_close(state["reward_specificity"], trainer._specificity, equal_nan=True)
 
 
-@pytest.mark.parametrize(
-    "option", ["relevance_null_correction", "reward_strength", "preserve_reward_totals"]
-)
+@pytest.mark.parametrize("option", ["relevance_null_correction", "reward_strength", "preserve_reward_totals"])
 def test_trainer_runs_each_option(tiny_model, tiny_tokenizer, tmp_path, option):
     trainer = RecordingTrainer(
         model=tiny_model,
