@@ -8,9 +8,10 @@ from trl_mrtpo.credit import token_advantages, token_weights
 from trl_mrtpo.diagnostics import CreditRecord
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.research import ResearchConfig, ResearchTrainer, needs_research
 
 
-class RecordingTrainer(MRTPOTrainer):
+class Recording:
     """Keeps what the loss receives and what the replay produced."""
 
     def __init__(self, *args, **kwargs):
@@ -30,7 +31,22 @@ class RecordingTrainer(MRTPOTrainer):
         return relevance, replayed
 
 
-def make_args(tmp_path, **overrides):
+class RecordingTrainer(Recording, MRTPOTrainer):
+    pass
+
+
+class ResearchRecordingTrainer(Recording, ResearchTrainer):
+    pass
+
+
+def recording_trainer(**kwargs) -> Recording:
+    """A recording MRTPOTrainer, or a recording ResearchTrainer for a ResearchConfig."""
+    research = isinstance(kwargs["args"], ResearchConfig)
+    return (ResearchRecordingTrainer if research else RecordingTrainer)(**kwargs)
+
+
+def make_args(tmp_path, research: bool | None = None, **overrides):
+    """The tiny runs' configuration; a ResearchConfig when ``research`` (default: when ``overrides`` need one)."""
     values = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -47,13 +63,14 @@ def make_args(tmp_path, **overrides):
         seed=0,
     )
     values.update(overrides)
-    return MRTPOConfig(**values)
+    research = needs_research(overrides) if research is None else research
+    return (ResearchConfig if research else MRTPOConfig)(**values)
 
 
 def train(
     tiny_model, tiny_tokenizer, tmp_path, rewards=BASIC.rewards, blocks=BASIC.info_blocks, dataset=None, **overrides
 ):
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=rewards,
         info_blocks=blocks,

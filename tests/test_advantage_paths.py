@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from tests.helpers import RecordingTrainer, graded_length, graded_length_too, make_args
+from tests.helpers import ResearchRecordingTrainer, graded_length, graded_length_too, make_args
 from tests.reference import reference_saw, reference_token_advantages
 from trl_mrtpo.credit import warmup_beta
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 
 
-class CreditTrainer(RecordingTrainer):
+class CreditTrainer(ResearchRecordingTrainer):
     """Keeps every generation's credit record (rewards, q, replayed pairs, advantages)."""
 
     def __init__(self, *args, **kwargs):
@@ -46,7 +46,7 @@ def run(
         model=tiny_model,
         reward_funcs=rewards,
         info_blocks=blocks,
-        args=make_args(tmp_path, **values),
+        args=make_args(tmp_path, research=True, **values),
         train_dataset=make_basic_dataset(16),
         processing_class=tiny_tokenizer,
     )
@@ -189,6 +189,7 @@ def test_the_loss_receives_the_advantages_computed_at_generation(tiny_model, tin
         info_blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
         args=make_args(
             tmp_path,
+            research=True,
             max_steps=4,
             per_device_train_batch_size=4,
             num_generations=4,
@@ -229,6 +230,7 @@ def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, 
         info_blocks=[None, lambda **_: "Be long.", *BASIC.info_blocks[:3]],
         args=make_args(
             tmp_path,
+            research=True,
             max_steps=2,
             reward_weighting="concur",
             concur_pass_threshold=0.3,

@@ -21,7 +21,14 @@ from trl_mrtpo.credit import group_advantages, token_advantages
 from trl_mrtpo.info_blocks import build_block, build_contexts, check_spans
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.validation import STATE_VERSION, check_dataset, check_reward_values, read_credit_state
+from trl_mrtpo.research.trainer import RESEARCH_STATE_ENTRIES
+from trl_mrtpo.validation import (
+    CORE_STATE_ENTRIES,
+    STATE_VERSION,
+    check_dataset,
+    check_reward_values,
+    read_credit_state,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -301,6 +308,9 @@ IDENTITY = {
 }
 
 
+STATE_ENTRIES = {**CORE_STATE_ENTRIES, **RESEARCH_STATE_ENTRIES}  # a research run's checkpoint: every entry
+
+
 def _state(**changes):
     state = {
         "version": STATE_VERSION,
@@ -338,13 +348,13 @@ def test_bad_checkpoint_state_names_the_file(tmp_path, content, message):
     else:
         torch.save(content, path)
     with pytest.raises(ValueError, match=f"{path}.*{message}" if "found" not in message else message):
-        read_credit_state(str(path), IDENTITY)
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
 
 
 def test_good_checkpoint_state_loads(tmp_path):
     path = tmp_path / "mrtpo_state_0.pt"
     torch.save(_state(), path)
-    assert read_credit_state(str(path), IDENTITY)["reward_names"] == ["a", "b"]
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_names"] == ["a", "b"]
 
 
 def test_resuming_with_other_rewards_is_refused(tiny_model, tiny_tokenizer, tmp_path):

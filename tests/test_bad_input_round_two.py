@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 
 from tests.helpers import make_args
-from tests.test_bad_input import IDENTITY, _state
+from tests.test_bad_input import IDENTITY, STATE_ENTRIES, _state
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.credit import group_advantages, token_advantages
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
@@ -218,10 +218,10 @@ def test_a_recipe_or_command_line_of_the_wrong_type_is_named(tmp_path, recipe, e
         (dict(reward_specificity=torch.zeros(3)), "reward_specificity"),
         (dict(reward_specificity=torch.zeros(2, dtype=torch.long)), "reward_specificity"),
         (dict(shuffle_generator=torch.zeros(7, dtype=torch.uint8)), "shuffle_generator"),
-        (dict(concur_trust={"1": {"count": 3, "total": 1.0}}), "concur_trust\\['1'\\]"),
+        (dict(concur_trust={"1": {"count": 3, "total": 1.0}}), "concur_trust is \\['1'\\]"),
         (
             dict(concur_trust={"1": {"count": 2.5, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}),
-            "concur_trust\\['1'\\].count",
+            "concur_trust is \\['1'\\].count = 2.5",
         ),
         (dict(collapse_streaks={"a": -1}), "collapse_streaks"),
         (dict(optimizer_hint=1), "optimizer_hint"),
@@ -231,7 +231,7 @@ def test_an_inconsistent_checkpoint_state_names_the_file_and_entry(tmp_path, cha
     path = tmp_path / "mrtpo_state_0.pt"
     torch.save(_state(**changes), path)
     with pytest.raises(ValueError, match=f"{path}: entry {entry}"):
-        read_credit_state(str(path), IDENTITY)
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
 
 
 def test_a_truncated_checkpoint_state_names_the_file(tmp_path):
@@ -239,7 +239,7 @@ def test_a_truncated_checkpoint_state_names_the_file(tmp_path):
     torch.save(_state(), path)
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(ValueError, match=f"{path} cannot be read as MRTPO's checkpoint state"):
-        read_credit_state(str(path), IDENTITY)
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
 
 
 def test_the_round_two_families_leave_good_input_alone(tmp_path):
@@ -249,6 +249,6 @@ def test_the_round_two_families_leave_good_input_alone(tmp_path):
     path = tmp_path / "mrtpo_state_0.pt"
     trust = {"1": {"count": 3, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}
     torch.save(_state(concur_trust=trust, collapse_streaks={"a": 2}), path)
-    assert read_credit_state(str(path), IDENTITY)["concur_trust"] == trust
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["concur_trust"] == trust
     assert math.isfinite(checked_steps([(0, 1, 3e38)], "p", 0, "ab")[0].score)
     Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])

@@ -227,3 +227,40 @@ def test_replay_memory_model_is_within_its_stated_margin_of_a_measured_peak():
     replay = Replay(4, 8, 300, 64, dtype_bytes=4)
     ratio = measured_peak(full, replay, 2) / replay_peak_bytes(shape, replay)["peak"]
     assert 0.85 <= ratio <= 1.3, ratio
+
+
+def test_reward_strength_decision_applies_the_preregistered_rule(tmp_path, monkeypatch):
+    """Hand-made finals: strength +0.05 on the tracked reward but behind GDPO on one reward on 6 of 8 seeds: the
+    rule's second condition fails and paper-MRTPO stays the default; with that reward level, strength wins."""
+    decision = load("reward_strength")
+    names = ("a", "b")
+
+    def write(behind_on_b: bool):
+        committed = tmp_path / "steps.csv"
+        with committed.open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(["task", "method", "seed", "step", "reward", "mean"])
+            for method, shift in (("gdpo", 0.0), ("mrtpo", 0.02)):
+                for seed in decision.SEEDS:
+                    for step in range(1, 13):
+                        for name in names:
+                            writer.writerow(["short", method, seed, step, name, 0.5 + shift])
+        for seed in decision.SEEDS:
+            folder = tmp_path / "runs" / f"seed{seed}"
+            folder.mkdir(parents=True, exist_ok=True)
+            b = 0.5 - 0.02 if behind_on_b and seed < 106 else 0.5 + 0.02
+            steps = [{"a": 0.58, "b": b}] * 12
+            (folder / "result.json").write_text(json.dumps({"rewards": steps}))
+        monkeypatch.setattr(decision, "COMMITTED", committed)
+        monkeypatch.setattr(decision, "RUNS", tmp_path / "runs")
+        monkeypatch.setattr(decision, "OUTPUT", tmp_path / "decision.md")
+
+    write(behind_on_b=True)
+    text = decision.main()
+    assert "| b | 0.500 | +0.020 | 0.008 | 0/8 | -0.010 | 0.289 | 6/8 |" in text  # strength: 6 behind, 2 ahead
+    assert "the most is 6/8 — not met" in text and "paper-MRTPO stays the default" in text
+    write(behind_on_b=False)
+    assert "per-reward strength becomes the default" in decision.main()
+    (tmp_path / "runs" / "seed107" / "result.json").unlink()
+    with pytest.raises(SystemExit, match="seeds \\[107\\] are not finished"):
+        decision.main()

@@ -9,18 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import RecordingTrainer, make_args
-from trl_mrtpo.credit import (
-    group_advantages,
+from tests.helpers import make_args, recording_trainer
+from trl_mrtpo.credit import group_advantages, token_advantages, token_weights
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.research.credit import (
     null_corrected_relevance,
     preserved_token_advantages,
     relevance_specificity,
     reward_strength,
-    token_advantages,
-    token_weights,
+    token_advantages_preserving_totals,
 )
-from trl_mrtpo.kits.basic import KIT as BASIC
-from trl_mrtpo.kits.basic import make_basic_dataset
 
 
 def reference_preserved(adv, weights, mask, c, rho):
@@ -88,7 +87,7 @@ def test_preserved_totals_give_every_response_its_gdpo_total(drawn):
     """The invariant: each response's token advantages sum to GDPO's (beta 0), whatever q, beta and rho."""
     rewards, q, mask, c, beta, rho, G = drawn
     adv, varying = group_advantages(rewards, G)
-    preserved = token_advantages(adv, q, varying, mask, c, beta, rho, preserve_reward_totals=True)
+    preserved = token_advantages_preserving_totals(adv, q, varying, mask, c, beta, rho)
     gdpo = token_advantages(adv, q, varying, mask, c, 0.0, rho)
     torch.testing.assert_close(preserved.advantages.sum(-1), gdpo.advantages.sum(-1), rtol=1e-4, atol=1e-4)
     if beta == 0:  # and at beta 0 it is GDPO token for token
@@ -206,7 +205,7 @@ def test_per_reward_beta_is_each_rewards_own_beta():
 def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_tokenizer, tmp_path):
     """reward_strength: readings are taken, beta per reward is logged, a reward whose strength is 0 is not replayed
     after warm-up (except on probe steps), and the running specificity is checkpointed."""
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
@@ -237,7 +236,7 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
 
 @pytest.mark.parametrize("option", ["relevance_null_correction", "reward_strength", "preserve_reward_totals"])
 def test_trainer_runs_each_option(tiny_model, tiny_tokenizer, tmp_path, option):
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,

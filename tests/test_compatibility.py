@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import RecordingTrainer, graded_length, make_args
+from tests.helpers import graded_length, make_args, recording_trainer
 from tests.test_loss_options import LOSS_TYPES
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
@@ -71,7 +71,7 @@ def _refused_at_sequence_level(loss: str) -> bool:
 )
 def test_trl_option_keeps_token_credit(tiny_model, tiny_tokenizer, tmp_path, option):
     tiny_model.save_pretrained(tmp_path / "policy")  # by path, as a user passes it: TRL loads the reference from it
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=str(tmp_path / "policy"),
         reward_funcs=[graded_length, *BASIC.rewards[1:]],  # a fractional reward: it varies in every group
         info_blocks=BASIC.info_blocks,
@@ -98,7 +98,7 @@ def test_a_reward_model_among_the_rewards(tiny_model, tiny_tokenizer, tmp_path):
 
     torch.manual_seed(0)
     reward_model = LlamaForSequenceClassification(tiny_llama_config(tiny_tokenizer, num_labels=1))
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=[*BASIC.rewards, reward_model],
         reward_processing_classes=[None] * len(BASIC.rewards) + [tiny_tokenizer],

@@ -13,11 +13,11 @@ from trl_mrtpo.credit import (
     cap_redistribution,
     combine,
     group_advantages,
-    shuffle_relevance,
     token_advantages,
     token_weights,
     warmup_beta,
 )
+from trl_mrtpo.research.credit import shuffle_relevance
 
 # ---------------------------------------------------------------- hand-worked example
 # One group of G=2, K=2 rewards: r1 = [1, 0] varies, r2 = [0, 0] is constant. Response 0 has 3 tokens with

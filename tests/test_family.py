@@ -8,13 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
 
+from tests.helpers import ResearchRecordingTrainer
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit import cort_weights, group_advantages, taco_scale, token_advantages, weighted_token_advantages
+from trl_mrtpo.credit import group_advantages, token_advantages, weighted_token_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.ops import sampled_logprobs, self_certainty
-from trl_mrtpo.self_certainty import SelfCertaintyReward
-from trl_mrtpo.weighting import (
+from trl_mrtpo.research.credit import cort_weights, taco_scale
+from trl_mrtpo.research.weighting import (
     ConcurTrust,
     concordance_readings,
     concur_advantages,
@@ -22,8 +23,9 @@ from trl_mrtpo.weighting import (
     pava,
     saw_weights,
 )
+from trl_mrtpo.self_certainty import SelfCertaintyReward
 
-from .test_trainer import RecordingTrainer, assert_token_advantages, make_args, train
+from .test_trainer import assert_token_advantages, make_args, train
 
 
 # ----------------------------------------------------------------------------------------------------------- CoRT
@@ -211,7 +213,7 @@ def test_self_certainty_reward_needs_a_trainer():
 def test_cort_trains_and_matches_plain_forwards(tiny_model, tiny_tokenizer, tmp_path):
     """Two steps with LoRA; the contrast of one response recomputed from two full-logits forwards."""
 
-    class CheckingTrainer(RecordingTrainer):
+    class CheckingTrainer(ResearchRecordingTrainer):
         def _cort_contrast(self, batch):
             contrast, replayed = super()._cort_contrast(batch)
             _, context_ids, completion_ids = self._replay_inputs(batch, joint=True)

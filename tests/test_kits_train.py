@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 
 from tests.conftest import MALFORMED_COMPLETIONS
-from tests.helpers import RecordingTrainer, make_args
+from tests.helpers import make_args, recording_trainer
 from trl_mrtpo.info_blocks import InfoBlock
 from trl_mrtpo.kits import KIT_NAMES, data_loaders, get_kit, resolve
 
@@ -18,7 +18,7 @@ def demo_task(task: str, num_prompts: int, seed: int, cache_dir: str | None = No
 @pytest.mark.parametrize("task", ["sql", "if", "tools", "short"])
 def test_kit_trains_two_steps(tiny_model, tiny_tokenizer, tmp_path, task):
     rewards, blocks, dataset = demo_task(task, num_prompts=8, seed=0, cache_dir=str(tmp_path / "db"))
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=rewards,
         info_blocks=blocks,

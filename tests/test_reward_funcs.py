@@ -10,7 +10,7 @@ from reward_funcs.reference import answer_matches_reference, extract_answer, nor
 from reward_funcs.structured import json_schema_reward, parse_json_reply, satisfies, schema_block
 from reward_funcs.text import format_block, length_reward, regex_format_reward
 from tests.conftest import MALFORMED_COMPLETIONS
-from tests.helpers import RecordingTrainer, make_args
+from tests.helpers import make_args, recording_trainer
 
 SCHEMA = {"type": "object", "required": ["answer"], "properties": {"answer": {"type": "integer"}}}
 
@@ -71,7 +71,7 @@ def test_example_rewards_train_with_their_blocks(tiny_model, tiny_tokenizer, tmp
     from datasets import load_dataset
 
     dataset = load_dataset("json", data_files="reward_funcs/arithmetic.jsonl", split="train")
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=[json_schema_reward, answer_matches_reference, length_reward],
         info_blocks=[schema_block, reference_block, None],

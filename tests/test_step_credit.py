@@ -6,17 +6,13 @@ import math
 import pytest
 import torch
 
-from tests.helpers import RecordingTrainer, graded_length, make_args
+from tests.helpers import graded_length, make_args, recording_trainer
 from tests.reference import reference_parts, reference_token_advantages
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit import (
-    failure_suffix_mask,
-    group_advantages,
-    process_advantages,
-    token_advantages,
-)
+from trl_mrtpo.credit import failure_suffix_mask, group_advantages, process_advantages, token_advantages
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.process_rewards import Step, checked_steps, step_spans, token_positions
+from trl_mrtpo.research.credit import token_advantages_preserving_totals
 from trl_mrtpo.utils import completion_text
 
 EPS = 1e-4
@@ -147,9 +143,9 @@ def test_failure_suffix_on_preserved_totals_keeps_everything_but_the_dropped_pen
     rewards, advantages, varying, mask = gdpo_case()
     q = torch.rand(4, 2, 4, generator=torch.Generator().manual_seed(2))
     suffix = failure_suffix_mask(torch.tensor([[0, 0], [0, 0], [0, 0], [0, 0]]), 4)
-    kwargs = dict(max_second_moment_ratio=2.0, preserve_reward_totals=True)
-    plain = token_advantages(advantages, q, varying, mask, torch.ones(2), 0.5, **kwargs).advantages
-    masked = token_advantages(advantages, q, varying, mask, torch.ones(2), 0.5, failure_suffix=suffix, **kwargs)
+    preserving = token_advantages_preserving_totals
+    plain = preserving(advantages, q, varying, mask, torch.ones(2), 0.5, 2.0).advantages
+    masked = preserving(advantages, q, varying, mask, torch.ones(2), 0.5, 2.0, failure_suffix=suffix)
     # response 2 has no negative credit: identical; every response's first token is before every boundary
     torch.testing.assert_close(masked.advantages[2], plain[2])
     torch.testing.assert_close(masked.advantages[:, 0], plain[:, 0])
@@ -192,8 +188,8 @@ def test_process_credit_with_preserved_totals_rescales_by_uniform_plus_process()
     scores, ends = as_tensors([[(1.0, 1), (0.0, 3)], [(0.0, 2)], [(1.0, 3)], [(0.0, 0), (1.0, 1)]])
     process = 0.5 * process_advantages(scores, ends, 2, 4)
     beta, rho = 0.8, 1.3
-    got = token_advantages(
-        advantages, q, varying, mask, torch.ones(2), beta, rho, preserve_reward_totals=True, process=process
+    got = token_advantages_preserving_totals(
+        advantages, q, varying, mask, torch.ones(2), beta, rho, process=process
     ).advantages
     # float64 loops: per-reward weights, per-reward cap factors, then the sums
     adv, weights, _, _, _ = reference_parts(rewards, q, mask, torch.ones(2), beta, rho, 2)
@@ -227,16 +223,9 @@ def test_process_advantages_join_at_step_six_and_enter_the_std():
     rewards, advantages, varying, mask = gdpo_case()
     scores, ends = as_tensors([[(1.0, 1), (0.0, 3)], [(0.0, 2)], [(1.0, 3)], [(0.0, 0), (1.0, 1)]])
     process = process_advantages(scores, ends, 2, 4)
-    for preserve in (False, True):
-        got = token_advantages(
-            advantages,
-            torch.zeros(4, 2, 4),
-            varying,
-            mask,
-            torch.ones(2),
-            0.0,
-            preserve_reward_totals=preserve,
-            process=0.5 * process,
+    for combine in (token_advantages, token_advantages_preserving_totals):
+        got = combine(
+            advantages, torch.zeros(4, 2, 4), varying, mask, torch.ones(2), 0.0, process=0.5 * process
         ).advantages
         summed = (advantages.double().sum(-1)[:, None] + 0.5 * process) * mask
         expected = summed / summed[mask.bool()].std()
@@ -396,7 +385,7 @@ def halves(prompts, completions, completion_ids, **_):
 
 
 def test_process_rewards_end_to_end_give_outcome_plus_process_credit(tiny_model, tiny_tokenizer, tmp_path):
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=[graded_length],
         args=make_args(tmp_path, credit_assignment="gdpo", max_steps=1, process_reward_weights=[0.5]),
@@ -434,7 +423,7 @@ def original_lengths(completion_ids, eos_id):
 
 
 def test_failure_boundaries_end_to_end_keep_the_loss_denominator(tiny_model, tiny_tokenizer, tmp_path):
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=[graded_length],
         args=make_args(tmp_path, credit_assignment="gdpo", max_steps=1, loss_type="grpo", beta=0.0),

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 
-from tests.helpers import RecordingTrainer, graded_length, graded_length_too, make_args, train
+from tests.helpers import RecordingTrainer, graded_length, graded_length_too, make_args, recording_trainer, train
 from trl_mrtpo import InfoBlock, InfoBlockError, MRTPOTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -31,7 +31,7 @@ def assert_token_advantages(trainer):
     "mode, loss_type", [(m, "dapo") for m in MODES] + [("mrtpo", loss) for loss in LOSS_TYPES if loss != "dapo"]
 )
 def test_two_steps_each_mode_and_loss_with_lora(tiny_model, tiny_tokenizer, tmp_path, mode, loss_type):
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
@@ -134,7 +134,7 @@ def test_appended_blocks_with_plain_prompts(tiny_model, tiny_tokenizer, tmp_path
         seen.append((prompt, row["answer"], score))
         return f"Reference answer: {row['answer']}"
 
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=[has_answer, short],
         info_blocks=[reference_block, lambda **_: "Rule: fewer than 20 characters."],
@@ -193,7 +193,7 @@ def test_reward_none_for_whole_group_is_ignored(tiny_model, tiny_tokenizer, tmp_
 
 
 def test_gradient_accumulation_steps_per_generation_and_eval(tiny_model, tiny_tokenizer, tmp_path):
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
@@ -338,7 +338,7 @@ def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, 
 
     warnings = []
     monkeypatch.setattr(trl_mrtpo.trainer.logger, "warning", lambda message: warnings.append(message))
-    trainer = RecordingTrainer(
+    trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
@@ -440,7 +440,7 @@ def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
     from tests.conftest import build_tiny_model
 
     def run(output_dir, resume=None):
-        trainer = RecordingTrainer(
+        trainer = recording_trainer(
             model=build_tiny_model(tiny_tokenizer),
             reward_funcs=[graded_length, graded_length_too, *BASIC.rewards[:3]],
             info_blocks=[None, lambda **_: "Be long.", *BASIC.info_blocks[:3]],
@@ -493,7 +493,7 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
     train(tiny_model, tiny_tokenizer, tmp_path, disable_tqdm=True)  # progress bars off: silent
     assert "Step 1: sampling" not in capsys.readouterr().out
     # a generation outside training (what `inspect` runs) is not a training step: nothing to announce
-    outside = RecordingTrainer(
+    outside = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,

@@ -65,6 +65,7 @@ def test_mrtpo_through_the_vllm_path_with_importance_correction_and_lora(
         info_blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
         args=make_args(
             tmp_path,
+            research=True,
             max_steps=2,
             per_device_train_batch_size=8,
             num_generations=4,

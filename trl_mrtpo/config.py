@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from trl import GRPOConfig
 
 from .constants import (
-    CONCUR_CEILING_MODES,
-    CONCUR_MIN_READINGS,
     CREDIT_ASSIGNMENTS,
     DIVERGENCE_BACKENDS,
-    MIN_SHARED_PREFIX,
     REPLAY_BATCH_SIZE,
-    REWARD_WEIGHTINGS,
 )
 from .ops import triton_divergence
 from .validation import check_field_types, check_finite_fields
@@ -35,10 +32,8 @@ class MRTPOConfig(GRPOConfig):
             Where each reward's credit lands. `"mrtpo"`: each reward's advantage is redistributed over the tokens
             its info block makes the policy change its mind on. `"gdpo"`: per-reward group normalisation, uniform
             over tokens (the same pipeline with `credit_beta=0`). `"grpo"`: plain `GRPOTrainer` behaviour
-            (`multi_objective_aggregation` as set). `"joint"`: ablation with one replay that removes every block
-            at once, its q shared by all rewards. `"shuffled"`: ablation with the q values permuted within each
-            response. `"cort"`: CoRT, one replay without any info block; the aggregated advantage is reweighted
-            per token by the sampled token's log-likelihood contrast (`cort_*`).
+            (`multi_objective_aggregation` as set). The sibling methods and ablations (`"joint"`, `"shuffled"`,
+            `"cort"`) are in [`trl_mrtpo.research.ResearchConfig`].
         credit_beta (`float`, *optional*, defaults to `0.5`):
             Redistribution strength in [0, 1]: every token keeps at least `1 - credit_beta` of the uniform credit.
         credit_warmup_steps (`int`, *optional*, defaults to `10`):
@@ -54,64 +49,11 @@ class MRTPOConfig(GRPOConfig):
             change the advantage. `False` replays every pair that has an info block (for analysis).
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Completion tokens per divergence chunk of the torch backend; `None` keeps about 2M logits at once.
-        replay_min_shared_prefix (`int` or `None`, *optional*, defaults to `16`):
-            The replay's contexts form a prefix tree (a group's prompt, everything before a removed block, the
-            identical contexts of a group's responses); a shared prefix with at least this many new tokens runs
-            once and its key/value cache is reused. `None` turns prefix reuse off.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
             `"triton"` (fused kernel, CUDA, needs the `kernels` extra), `"torch"` (chunked), or `"auto"`: Triton
             for CUDA models when it is installed, torch otherwise.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
-        > Parameters that control the sibling methods (CoRT, SAW, CONCUR, TACO)
-
-        cort_eta (`float`, *optional*, defaults to `1.0`):
-            CoRT strength eta in [0, 2): token weights before normalisation are `1 + eta * lambda_n * s_t`, with
-            `lambda_n` the `credit_warmup_steps` ramp from 0 to 1.
-        cort_tau (`float`, *optional*, defaults to `1.0`):
-            CoRT sharpness tau of `s_t = sigmoid(tau * (delta_t - b)) - 1/2`.
-        cort_offset (`float`, *optional*, defaults to `0.0`):
-            CoRT offset b (nats of log-likelihood contrast).
-        reward_weighting (`str`, *optional*, defaults to `"static"`):
-            How much each reward counts, stacking with every credit mode: `"static"` (`reward_weights`), `"saw"`
-            (`reward_weights` times `K * CV_k / sum CV` from the batch's coefficients of variation) or `"concur"`
-            (auxiliary advantages projected onto the primary reward's order per group).
-        concur_primary (`str` or `None`, *optional*, defaults to `None`):
-            Name of CONCUR's primary reward; `None`: the first reward function.
-        concur_pass_threshold (`float`, *optional*, defaults to `1.0`):
-            A response passes when its primary reward is at least this; auxiliary rewards of failing responses are
-            gated to 0.
-        concur_ceiling (`float`, *optional*, defaults to `1.0`):
-            Primary reward at which a response is at the ceiling.
-        concur_ceiling_mode (`str`, *optional*, defaults to `"adaptive"`):
-            `"tie"`: responses at the ceiling share one auxiliary advantage (CONCUR-T); `"adaptive"`: tie unless the
-            cumulative concordance readings trust the auxiliary reward (CONCUR-A); `"none"`: never tie.
-        concur_min_readings (`int`, *optional*, defaults to `61`):
-            Readings CONCUR-A needs before it may release the ceiling tie.
-        taco_strength (`float`, *optional*, defaults to `0.0`):
-            TACO-style calibration in [0, 1]: positive token advantages are scaled by
-            `1 - taco_strength * sigmoid(taco_sharpness * (surprisal - taco_threshold))`; negative ones untouched.
-            0 disables it (and its extra forward).
-        taco_threshold (`float`, *optional*, defaults to `4.0`):
-            Surprisal (nats, `-log pi_old` of the sampled token) at which the scaling is half way.
-        taco_sharpness (`float`, *optional*, defaults to `1.0`):
-            Slope of the sigmoid in surprisal.
-        > Parameters that control calibrated credit (our extension of MRTPO; all off by default)
-
-        relevance_null_correction (`bool`, *optional*, defaults to `False`):
-            Subtract from each reward's q the pointwise minimum of the other replayed rewards' q of the same
-            response (the background every removal shares), floored at 0. No extra forward.
-        reward_strength (`bool`, *optional*, defaults to `False`):
-            Per-reward strength: reward k's beta is `credit_beta * g_k`, `g_k` from a running estimate of how much
-            its q stands out from the other rewards' (train batches only, saved in checkpoints, logged as
-            `mrtpo/beta/<reward>`). After warm-up, a reward whose `g_k` is 0 is replayed only every 10th step.
-        reward_strength_floor (`float`, *optional*, defaults to `0.25`):
-            Specificity (`1 - cos` between a reward's q and the mean q of the other replayed rewards) at or below
-            which `g_k` is 0; `g_k` rises linearly to 1 at twice the floor. Chosen on the credit gym's development
-            seeds (`benchmarks/calibrated_credit_choice.json`).
-        preserve_reward_totals (`bool`, *optional*, defaults to `False`):
-            Cap each reward's redistribution on its own and rescale by the std of uniform spreading, so every
-            reward's total credit per response equals what GDPO gives it.
         > Parameters that control process rewards
 
         process_reward_weights (`list[float]` or `None`, *optional*, defaults to `None`):
@@ -127,6 +69,8 @@ class MRTPOConfig(GRPOConfig):
             tokens holding 80 % of its q mass, per step (needs matplotlib).
     """
 
+    credit_assignments: ClassVar[tuple[str, ...]] = CREDIT_ASSIGNMENTS
+
     # transformers 5 renamed gradient_checkpointing; TRL still defaults the old name to True, which warns at every
     # config. Same default under the current name; the old one, when a user sets it, still wins (with the warning).
     gradient_checkpointing: bool | None = field(
@@ -139,8 +83,8 @@ class MRTPOConfig(GRPOConfig):
     credit_assignment: str = field(
         default="mrtpo",
         metadata={
-            "help": "Where each reward's credit lands: 'mrtpo', 'gdpo' (uniform per-reward normalisation), 'grpo' "
-            "(plain GRPOTrainer), 'joint' or 'shuffled' (ablations), 'cort' (CoRT).",
+            "help": "Where each reward's credit lands: 'mrtpo', 'gdpo' (uniform per-reward normalisation) or "
+            "'grpo' (plain GRPOTrainer).",
             "choices": list(CREDIT_ASSIGNMENTS),
         },
     )
@@ -168,12 +112,6 @@ class MRTPOConfig(GRPOConfig):
         default=None,
         metadata={"help": "Completion tokens per divergence chunk (torch backend); None bounds it to ~2M logits."},
     )
-    replay_min_shared_prefix: int | None = field(
-        default=MIN_SHARED_PREFIX,
-        metadata={
-            "help": "Fewest new tokens a shared context prefix needs to run once as a KV cache; None: no reuse."
-        },
-    )
     divergence_backend: str = field(
         default="auto",
         metadata={
@@ -185,57 +123,6 @@ class MRTPOConfig(GRPOConfig):
         default="\n\n", metadata={"help": "Text between the prompt and each appended info block."}
     )
 
-    # Parameters that control the sibling methods (CoRT, SAW, CONCUR, TACO)
-    cort_eta: float = field(default=1.0, metadata={"help": "CoRT strength eta in [0, 2)."})
-    cort_tau: float = field(default=1.0, metadata={"help": "CoRT sigmoid sharpness tau."})
-    cort_offset: float = field(default=0.0, metadata={"help": "CoRT contrast offset b (nats)."})
-    reward_weighting: str = field(
-        default="static",
-        metadata={
-            "help": "Response-level reward weighting: 'static' (reward_weights), 'saw' (batch CV) or 'concur'.",
-            "choices": list(REWARD_WEIGHTINGS),
-        },
-    )
-    concur_primary: str | None = field(
-        default=None, metadata={"help": "CONCUR's primary reward (function name); None: the first."}
-    )
-    concur_pass_threshold: float = field(
-        default=1.0, metadata={"help": "Primary reward at which a response passes (auxiliaries count)."}
-    )
-    concur_ceiling: float = field(default=1.0, metadata={"help": "Primary reward at the ceiling."})
-    concur_ceiling_mode: str = field(
-        default="adaptive",
-        metadata={
-            "help": "Ceiling tie: 'adaptive' (CONCUR-A), 'tie' (CONCUR-T) or 'none'.",
-            "choices": list(CONCUR_CEILING_MODES),
-        },
-    )
-    concur_min_readings: int = field(
-        default=CONCUR_MIN_READINGS,
-        metadata={"help": "Concordance readings CONCUR-A needs before releasing the ceiling tie."},
-    )
-    taco_strength: float = field(
-        default=0.0, metadata={"help": "TACO down-weighting of positive advantages on surprising tokens, in [0, 1]."}
-    )
-    taco_threshold: float = field(default=4.0, metadata={"help": "TACO surprisal midpoint (nats)."})
-    taco_sharpness: float = field(default=1.0, metadata={"help": "TACO sigmoid slope in surprisal."})
-    # Parameters that control calibrated credit
-    relevance_null_correction: bool = field(
-        default=False,
-        metadata={"help": "Subtract the other replayed rewards' pointwise minimum q from each reward's q."},
-    )
-    reward_strength: bool = field(
-        default=False,
-        metadata={"help": "Per-reward beta from a running estimate of how much each reward's q stands out."},
-    )
-    reward_strength_floor: float = field(
-        default=0.25,
-        metadata={"help": "Specificity in (0, 0.5] at or below which a reward's strength is 0 (1 from twice it)."},
-    )
-    preserve_reward_totals: bool = field(
-        default=False,
-        metadata={"help": "Cap each reward on its own and rescale by the uniform std: GDPO's total per reward."},
-    )
     # Parameters that control process rewards
     process_reward_weights: list[float] | None = field(
         default=None,
@@ -263,10 +150,12 @@ class MRTPOConfig(GRPOConfig):
             )
             self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
-        if self.credit_assignment not in CREDIT_ASSIGNMENTS:
+        if self.credit_assignment not in self.credit_assignments:
+            research = " (the sibling methods and ablations are in trl_mrtpo.research.ResearchConfig)"
             raise ValueError(
                 f"credit_assignment={self.credit_assignment!r} is unknown; "
-                f"choose one of {', '.join(CREDIT_ASSIGNMENTS)}."
+                f"choose one of {', '.join(self.credit_assignments)}"
+                f"{research if type(self) is MRTPOConfig else ''}."
             )
         if not 0.0 <= self.credit_beta <= 1.0:
             raise ValueError(f"credit_beta must be in [0, 1], got {self.credit_beta}.")
@@ -276,26 +165,6 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(
                 "max_second_moment_ratio must be >= 1 (1 forbids any redistribution), "
                 f"got {self.max_second_moment_ratio}."
-            )
-        if not 0.0 <= self.cort_eta < 2.0:
-            raise ValueError(f"cort_eta must be in [0, 2) (weights stay positive), got {self.cort_eta}.")
-        if self.reward_weighting not in REWARD_WEIGHTINGS:
-            raise ValueError(
-                f"reward_weighting={self.reward_weighting!r} is unknown; choose one of {', '.join(REWARD_WEIGHTINGS)}."
-            )
-        if self.concur_ceiling_mode not in CONCUR_CEILING_MODES:
-            raise ValueError(
-                f"concur_ceiling_mode must be one of {', '.join(CONCUR_CEILING_MODES)}, "
-                f"got {self.concur_ceiling_mode!r}."
-            )
-        if self.concur_min_readings < 2:
-            raise ValueError(f"concur_min_readings must be >= 2, got {self.concur_min_readings}.")
-        if not 0.0 <= self.taco_strength <= 1.0:
-            raise ValueError(f"taco_strength must be in [0, 1], got {self.taco_strength}.")
-        if self.credit_assignment == "grpo" and (self.reward_weighting != "static" or self.taco_strength > 0):
-            raise ValueError(
-                "reward_weighting and taco_strength act on MRTPO's per-reward and token advantages; "
-                "credit_assignment='grpo' is plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
             )
         if self.credit_assignment != "grpo":
             # MRTPO's pipeline normalises each reward per group itself (method step 1) and rescales by the
@@ -312,8 +181,6 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.collapse_warning_steps < 0:
             raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
-        if self.replay_min_shared_prefix is not None and self.replay_min_shared_prefix < 1:
-            raise ValueError(f"replay_min_shared_prefix must be >= 1 or None, got {self.replay_min_shared_prefix}.")
         if self.divergence_backend not in DIVERGENCE_BACKENDS:
             raise ValueError(
                 f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {self.divergence_backend!r}."
@@ -322,48 +189,3 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError("divergence_backend='triton' needs Triton: pip install 'trl-mrtpo[kernels]'.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")
-        if not 0.0 < self.reward_strength_floor <= 0.5:
-            raise ValueError(f"reward_strength_floor must be in (0, 0.5], got {self.reward_strength_floor}.")
-        per_reward_options = ("relevance_null_correction", "reward_strength")
-        chosen = [name for name in per_reward_options if getattr(self, name)]
-        if chosen and self.credit_assignment not in ("mrtpo", "shuffled"):
-            raise ValueError(
-                f"{', '.join(chosen)} act on each reward's own q profile, which only credit_assignment='mrtpo' (or "
-                f"its 'shuffled' ablation) computes; got credit_assignment={self.credit_assignment!r}."
-            )
-        self._check_scopes()
-
-    def _check_scopes(self) -> None:
-        """Refuse an option set away from its default in a configuration where it does nothing (it would be ignored
-        silently: a user would believe it acts)."""
-        mode = self.credit_assignment
-        groups = [
-            (
-                ("preserve_reward_totals",),
-                mode in ("mrtpo", "joint", "shuffled"),
-                "credit_assignment 'mrtpo', 'joint' or 'shuffled'",
-            ),
-            (("cort_eta", "cort_tau", "cort_offset"), mode == "cort", "credit_assignment='cort'"),
-            (("taco_threshold", "taco_sharpness"), self.taco_strength > 0, "taco_strength > 0"),
-            (("reward_strength_floor",), self.reward_strength, "reward_strength=True"),
-            (
-                (
-                    "concur_primary",
-                    "concur_pass_threshold",
-                    "concur_ceiling",
-                    "concur_ceiling_mode",
-                    "concur_min_readings",
-                ),
-                self.reward_weighting == "concur",
-                "reward_weighting='concur'",
-            ),
-        ]
-        for names, acts, condition in groups:
-            set_here = [name for name in names if getattr(self, name) != self.__dataclass_fields__[name].default]
-            if set_here and not acts:
-                name, value = set_here[0], getattr(self, set_here[0])
-                raise ValueError(
-                    f"{name}={value!r} has no effect unless {condition} (credit_assignment={mode!r}, "
-                    f"reward_weighting={self.reward_weighting!r}, taco_strength={self.taco_strength}, "
-                    f"reward_strength={self.reward_strength}); remove it or set what it needs."
-                )

@@ -38,8 +38,8 @@ def settings_lines(args: MRTPOConfig) -> list[str]:
     steps = f"max_steps: {args.max_steps}" if args.max_steps > 0 else f"num_train_epochs: {args.num_train_epochs}"
     lines.append(steps)
     grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
-    for field in dataclasses.fields(MRTPOConfig):
-        if field.name in grpo_fields or field.name in ("credit_assignment", "reward_weighting", *ALWAYS_SHOWN):
+    for field in dataclasses.fields(args):  # a research configuration's options too
+        if field.name in grpo_fields or field.name in ("credit_assignment", *ALWAYS_SHOWN):
             continue
         default = field.default if field.default is not dataclasses.MISSING else None
         value = getattr(args, field.name)
@@ -91,7 +91,6 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         paper_title=trainer._paper["title"],
         trainer_citation=trainer._paper["citation"],
         credit_assignment=trainer.args.credit_assignment,
-        reward_weighting=trainer.args.reward_weighting,
         settings=settings_lines(trainer.args),
         rewards=rewards,
         recipe=trainer.recipe,

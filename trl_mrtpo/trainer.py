@@ -6,13 +6,12 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -25,21 +24,14 @@ from trl import GRPOTrainer
 from ._trl import gathered_for_probe, get_config_model_id, sharding_engine, tokenize_prompts, whole_policy
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
-from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
+from .constants import MIN_SHARED_PREFIX
 from .credit import (
     TokenCredit,
-    cort_weights,
     failure_suffix_mask,
     group_advantages,
-    null_corrected_relevance,
     process_advantages,
-    relevance_specificity,
-    reward_strength,
-    shuffle_relevance,
-    taco_scale,
     token_advantages,
     warmup_beta,
-    weighted_token_advantages,
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders, check_spans
@@ -50,10 +42,12 @@ from .process_rewards import (
     failure_boundary,
     token_positions,
 )
-from .replay import causal_lm_parts, logit_multiplier, replay_logprobs, replay_relevance
+from .replay import causal_lm_parts, logit_multiplier, replay_relevance
 from .utils import completion_text, function_name, local_copy_hub_id, reward_columns
 from .validation import (
+    CORE_STATE_ENTRIES,
     STATE_VERSION,
+    StateCheck,
     check_dataset,
     check_loss_keeps_token_credit,
     check_sharded_replay,
@@ -62,7 +56,6 @@ from .validation import (
     read_credit_state,
 )
 from .viz import credit_summary, token_strings
-from .weighting import ConcurTrust, concur_advantages, saw_weights
 
 logger = logging.get_logger(__name__)
 
@@ -81,13 +74,7 @@ class CreditMode:
     contrast: bool = False
 
 
-CREDIT_MODES = {
-    "mrtpo": CreditMode("each"),
-    "gdpo": CreditMode(None),
-    "joint": CreditMode("all"),
-    "shuffled": CreditMode("each", shuffled=True),
-    "cort": CreditMode("all", contrast=True),
-}
+CREDIT_MODES = {"mrtpo": CreditMode("each"), "gdpo": CreditMode(None)}
 
 
 @dataclass
@@ -108,7 +95,7 @@ class ScoredBatch:
     prompts: list
     completions: list
     rewards: torch.Tensor  # [B, K]
-    group_advantages: torch.Tensor  # [B, K], after SAW/CONCUR
+    group_advantages: torch.Tensor  # [B, K], after any response-level weighting
     varying: torch.Tensor  # [B, K] bool: the reward varies within the response's group
     reward_weights: torch.Tensor  # [K] or [B, K]
     mask: torch.Tensor  # [B, C] completion (and tool) mask
@@ -153,6 +140,9 @@ class MRTPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "mrtpo"]
+    credit_modes: dict[str, CreditMode] = CREDIT_MODES  # the research room registers its own
+    accepts_research = False  # a ResearchConfig's options are refused, not ignored
+    config_class = MRTPOConfig
     _name = "MRTPO"
     _paper = {
         "title": PAPER_TITLE,
@@ -176,12 +166,20 @@ class MRTPOTrainer(GRPOTrainer):
         data_source: str | None = None,
         **kwargs,
     ):
+        config = self.config_class
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = MRTPOConfig(f"{model_name.split('/')[-1]}-MRTPO")
-        elif not isinstance(args, MRTPOConfig):
+            args = config(f"{model_name.split('/')[-1]}-{self._name}")
+        elif not isinstance(args, config):
             raise TypeError(
-                f"args must be an MRTPOConfig, got {type(args).__name__}; MRTPOConfig accepts every GRPOConfig field."
+                f"args must be a {config.__name__}, got {type(args).__name__}; {config.__name__} accepts every "
+                f"{config.__mro__[1].__name__} field."
+            )
+        research = getattr(args, "research_settings", list)()
+        if research and not self.accepts_research:
+            raise ValueError(
+                f"{', '.join(research)} belong to the research room: train with "
+                "trl_mrtpo.research.ResearchTrainer (MRTPOTrainer would ignore them)."
             )
         check_dataset(train_dataset, "train")
         check_dataset(eval_dataset, "eval")
@@ -231,7 +229,8 @@ class MRTPOTrainer(GRPOTrainer):
             func if isinstance(func, torch.nn.Module) else checked_reward(func, name)
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
-        removal = CREDIT_MODES[args.credit_assignment].removal if args.credit_assignment in CREDIT_MODES else None
+        modes = self.credit_modes
+        removal = modes[args.credit_assignment].removal if args.credit_assignment in modes else None
         self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
             if self.tools or self.environment_factories is not None:
@@ -243,15 +242,15 @@ class MRTPOTrainer(GRPOTrainer):
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
         # what gives tokens different advantages, and what runs extra forwards of the policy, named for the errors
         replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
-        taco = ["taco_strength"] if args.taco_strength > 0 else []
+        extra = self._extra_policy_forwards()
         named = [*zip(self.reward_func_names, self.reward_funcs)]
         named += [(type(f).__name__, f) for f in self.process_rewards]
         runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
-        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *taco])
-        check_sharded_replay(sharding_engine(self), [*replay, *taco], runs_policy, args.ds3_gather_for_generation)
+        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *extra])
+        check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
-        if self._replays or args.taco_strength > 0:
+        if self._replays or extra:
             policy = self.accelerator.unwrap_model(self.model)
             with gathered_for_probe(policy):
                 self._replay_temperature = self.temperature / logit_multiplier(policy)
@@ -266,18 +265,11 @@ class MRTPOTrainer(GRPOTrainer):
         self.recipe = recipe  # the recipe file a run came from, for the model card
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
         self._name_base_model()
-        self._shuffle_generator = torch.Generator().manual_seed(args.seed)
-        self._concur_trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward (train batches only)
-        # running specificity of each reward's q (reward_strength; NaN until its first reading)
-        self._specificity = torch.full((len(self.reward_funcs),), float("nan"), dtype=torch.float64)
-        self._concur_primary = 0
-        if args.concur_primary is not None:
-            if args.concur_primary not in self.reward_func_names:
-                raise ValueError(
-                    f"concur_primary={args.concur_primary!r} is not a reward function; "
-                    f"they are {', '.join(self.reward_func_names)}."
-                )
-            self._concur_primary = self.reward_func_names.index(args.concur_primary)
+
+    def _extra_policy_forwards(self) -> list[str]:
+        """Options beyond the replay that run forwards of the policy and make the credit per token, named for the
+        start-up checks (none in the core)."""
+        return []
 
     def _name_base_model(self) -> None:
         """An adapter of a local copy of a Hub model (the embedded model's cached folder) records the Hub id, not the
@@ -326,31 +318,27 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _state_identity(self) -> dict:
         """What a checkpointed MRTPO state was written for; a resume under another setup is refused."""
-        return {
-            "reward_names": list(self.reward_func_names),
-            "credit_assignment": self.args.credit_assignment,
-            "reward_weighting": self.args.reward_weighting,
-            "concur_primary": self._concur_primary,
-        }
+        return {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
+
+    def _credit_state(self) -> tuple[dict, dict[str, StateCheck]]:
+        """The state a resumed run needs to continue exactly, and how each entry is checked on reading."""
+        streaks = dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}
+        return {"collapse_streaks": streaks}, CORE_STATE_ENTRIES
+
+    def _restore_credit_state(self, state: dict) -> None:
+        if self._collapse_monitor is not None:
+            self._collapse_monitor.streaks = dict(state["collapse_streaks"])
 
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoint MRTPO's own state beside TRL's, as TRL checkpoints its own extra state (each process its own
-        file): CONCUR-A's trust readings, the ``shuffled`` ablation's generator, the collapse monitor and the
-        per-reward specificity, so that a resumed run continues exactly. Plain tensors, numbers and strings only: it
-        loads with ``weights_only=True``."""
+        file), so that a resumed run continues exactly. Plain tensors, numbers and strings only: it loads with
+        ``weights_only=True``."""
         super()._save_checkpoint(model, trial)
         if self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
             return
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        state = {
-            "version": STATE_VERSION,
-            **self._state_identity(),
-            "concur_trust": {k: asdict(trust) for k, trust in self._concur_trust.items()},
-            "shuffle_generator": self._shuffle_generator.get_state(),
-            "collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {},
-            "reward_specificity": self._specificity.clone(),
-        }
-        torch.save(state, self._credit_state_path(folder))
+        state, _ = self._credit_state()
+        torch.save({"version": STATE_VERSION, **self._state_identity(), **state}, self._credit_state_path(folder))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
@@ -360,17 +348,12 @@ class MRTPOTrainer(GRPOTrainer):
         path = self._credit_state_path(checkpoint)
         if not os.path.isfile(path):
             logger.warning(
-                f"{path} is missing: MRTPO's CONCUR trust, shuffle generator and collapse monitor start afresh, so "
-                "the resumed run will not continue exactly as an uninterrupted one."
+                f"{path} is missing: MRTPO's own state (collapse monitor, and any research option's) starts afresh, "
+                "so the resumed run will not continue exactly as an uninterrupted one."
             )
             return
-        state = read_credit_state(path, self._state_identity())
-        self._concur_trust = {k: ConcurTrust(**trust) for k, trust in state["concur_trust"].items()}
-        self._shuffle_generator.set_state(state["shuffle_generator"])
-        if self._collapse_monitor is not None:
-            self._collapse_monitor.streaks = dict(state["collapse_streaks"])
-        if "reward_specificity" in state:
-            self._specificity = state["reward_specificity"].clone().double()
+        _, entries = self._credit_state()
+        self._restore_credit_state(read_credit_state(path, self._state_identity(), entries))
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -401,20 +384,7 @@ class MRTPOTrainer(GRPOTrainer):
             "process": self._process_credit(batch, mode),
             "failure_suffix": self._failure_suffix(batch),
         }
-        if self._credit_mode.contrast:
-            credit, relevance, replayed = self._cort_credit(batch, beta, step_credit)
-        else:
-            credit, relevance, replayed = self._relevance_credit(batch, beta, step_credit)
-        if self.args.taco_strength > 0:
-            with self._replay_clock():
-                surprisal = self._surprisal(output)
-            credit.advantages = taco_scale(
-                credit.advantages,
-                surprisal,
-                self.args.taco_strength,
-                self.args.taco_threshold,
-                self.args.taco_sharpness,
-            )
+        credit, relevance, replayed = self._token_credit(batch, beta, step_credit)
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
         self.last_credit = CreditRecord(
@@ -466,7 +436,7 @@ class MRTPOTrainer(GRPOTrainer):
 
     @property
     def _credit_mode(self) -> CreditMode:
-        return CREDIT_MODES[self.args.credit_assignment]
+        return self.credit_modes[self.args.credit_assignment]
 
     def _beta(self) -> float:
         """Step 9: the warmed-up beta of this step; for CoRT, its ramp lambda_n from 0 to 1; 0 for GDPO."""
@@ -476,28 +446,12 @@ class MRTPOTrainer(GRPOTrainer):
         return warmup_beta(target, self.state.global_step, self.args.credit_warmup_steps)
 
     def _weighted_batch(self, scored: Scored, output: dict, mode: str) -> ScoredBatch:
-        """Steps 1-2 and the response-level weighting (static, SAW or CONCUR) on the whole gathered batch, so that
-        every process decides alike; then this process's slice."""
+        """Steps 1-2 and the response-level weighting on the whole gathered batch, so that every process decides
+        alike; then this process's slice."""
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rewards = scored.rewards
         group_adv, varying = group_advantages(rewards, num_generations)
-        reward_weights = self.reward_weights.to(group_adv)
-        if self.args.reward_weighting == "saw":
-            reward_weights = reward_weights * saw_weights(rewards).to(group_adv)
-        elif self.args.reward_weighting == "concur":
-            # Evaluation reads CONCUR-A's trust but never adds to it.
-            trust = self._concur_trust if mode == "train" else copy.deepcopy(self._concur_trust)
-            group_adv = concur_advantages(
-                rewards,
-                group_adv,
-                num_generations,
-                self._concur_primary,
-                self.args.concur_pass_threshold,
-                self.args.concur_ceiling,
-                self.args.concur_ceiling_mode,
-                trust,
-                self.args.concur_min_readings,
-            )
+        group_adv, reward_weights = self._response_weighting(rewards, group_adv, num_generations, mode)
         rank, size = self.accelerator.process_index, len(scored.prompts)
         local = slice(rank * size, (rank + 1) * size)
         mask = output["completion_mask"]
@@ -515,53 +469,39 @@ class MRTPOTrainer(GRPOTrainer):
             output=output,
         )
 
-    def _relevance_credit(
+    def _response_weighting(
+        self, rewards: torch.Tensor, group_adv: torch.Tensor, num_generations: int, mode: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """How much each reward counts (docs/method.md, step 2): TRL's ``reward_weights``; the research room's
+        response-level weightings replace this."""
+        return group_adv, self.reward_weights.to(group_adv)
+
+    def _token_credit(
         self, batch: ScoredBatch, beta: float, step_credit: dict
     ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
-        """Steps 3-8 for ``mrtpo``, ``joint``, ``shuffled`` and ``gdpo``: q from the replay (none at beta 0, where
-        the weights are uniform whatever q is), then the token advantages (with ``step_credit``: the process
-        advantages and failure suffixes)."""
+        """Steps 3-8: q from the replay (none at beta 0, where the weights are uniform whatever q is), then the
+        token advantages (with ``step_credit``: the process advantages and failure suffixes)."""
         relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
         if self._replays and beta > 0:
             with self._replay_clock():
                 relevance, replayed = self._replay(batch)
-        betas = beta
-        if self.args.reward_strength:
-            betas = beta * reward_strength(self._specificity, self.args.reward_strength_floor).float()
-        credit = token_advantages(
+        credit = self._advantages(batch, relevance, replayed, beta, step_credit)
+        return credit, relevance, replayed
+
+    def _advantages(self, batch: ScoredBatch, relevance, replayed, beta: float, step_credit: dict) -> TokenCredit:
+        """Steps 5-8 (:func:`~trl_mrtpo.credit.token_advantages`)."""
+        return token_advantages(
             batch.group_advantages,
             relevance,
             replayed,
             batch.mask,
             batch.reward_weights,
-            betas.to(batch.mask.device) if isinstance(betas, torch.Tensor) else betas,
+            beta,
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
-            preserve_reward_totals=self.args.preserve_reward_totals,
             **step_credit,
         )
-        return credit, relevance, replayed
-
-    def _cort_credit(
-        self, batch: ScoredBatch, beta: float, step_credit: dict
-    ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
-        """CoRT: one weight profile per response from its log-likelihood contrast, applied to every reward."""
-        relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
-        weights = torch.ones_like(relevance)
-        replayed = torch.zeros_like(batch.varying)
-        if self._replays and beta > 0:
-            with self._replay_clock():
-                contrast, cort_replayed = self._cort_contrast(batch)
-            profile = cort_weights(
-                contrast, batch.mask, self.args.cort_eta * beta, self.args.cort_tau, self.args.cort_offset
-            )
-            weights = torch.where(cort_replayed[:, None, None], profile[:, None, :], weights)
-            replayed = cort_replayed[:, None] & batch.varying
-        credit = weighted_token_advantages(
-            batch.group_advantages, weights, batch.mask, batch.reward_weights, None, self._reduce_sum(), **step_credit
-        )
-        return credit, relevance, replayed
 
     @cached_property
     def _text_tokenizer(self):
@@ -708,27 +648,8 @@ class MRTPOTrainer(GRPOTrainer):
         return wanted, context_ids, completion_ids
 
     def _resting_rewards(self) -> set[int]:
-        """Rewards not replayed this step (``reward_strength``): after warm-up, those whose strength is 0, except on
-        every ``STRENGTH_PROBE_INTERVAL``-th step, when their reading is refreshed."""
-        step = self.state.global_step
-        probing = step < self.args.credit_warmup_steps or step % STRENGTH_PROBE_INTERVAL == 0
-        if not self.args.reward_strength or probing:
-            return set()
-        strength = reward_strength(self._specificity, self.args.reward_strength_floor)
-        return set((strength == 0).nonzero(as_tuple=True)[0].tolist())
-
-    def _calibrate(self, relevance, replayed) -> torch.Tensor:
-        """The calibrated-credit options on the replayed q (docs/method.md, "Calibrated credit"): the specificity
-        reading of ``reward_strength`` (train batches only), then null correction."""
-        args = self.args
-        if args.reward_strength and self.model.training:
-            reading = relevance_specificity(relevance, replayed).double().cpu()
-            momentum = torch.where(torch.isnan(self._specificity), 0.0, STRENGTH_MOMENTUM).double()
-            updated = momentum * torch.nan_to_num(self._specificity) + (1 - momentum) * reading
-            self._specificity = torch.where(torch.isnan(reading), self._specificity, updated)
-        if args.relevance_null_correction:
-            relevance = null_corrected_relevance(relevance, replayed)
-        return relevance
+        """Rewards not replayed this step (none in the core; the research room's per-reward strength rests some)."""
+        return set()
 
     @cached_property
     def _assistant_header(self) -> str | None:
@@ -800,10 +721,10 @@ class MRTPOTrainer(GRPOTrainer):
                 )
 
     def _replay_options(self) -> dict:
-        return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": self.args.replay_min_shared_prefix}
+        return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": MIN_SHARED_PREFIX}
 
     def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 3-4: replay the local batch and place q per (response, reward); ``shuffled`` permutes it."""
+        """Steps 3-4: replay the local batch and place q per (response, reward)."""
         joint = self._credit_mode.removal == "all"
         wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
         mask = batch.mask
@@ -829,56 +750,15 @@ class MRTPOTrainer(GRPOTrainer):
             for row, k in enumerate(wanted[i]):
                 relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
                 replayed[i, k] = True
-        relevance = self._calibrate(relevance, replayed)
-        if self._credit_mode.shuffled:
-            relevance = shuffle_relevance(relevance, mask, self._shuffle_generator)
-        return relevance, replayed
+        return self._placed_relevance(relevance, replayed, batch), replayed
 
-    def _cort_contrast(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """CoRT's ``[B, C]`` contrast ``log pi(y_t | P_all) - log pi(y_t | every block removed)`` and which responses
-        were replayed (those with a varying reward that has a block)."""
-        _, context_ids, completion_ids = self._replay_inputs(batch, joint=True)
-        mask = batch.mask
-        contrast = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        replayed = torch.zeros(mask.shape[0], dtype=torch.bool, device=mask.device)
-        with whole_policy(self) as policy:
-            logprobs = replay_logprobs(
-                policy, context_ids, completion_ids, self._replay_temperature, **self._replay_options()
-            )
-        for i, lp in enumerate(logprobs):
-            if lp.shape[0] == 2:
-                contrast[i, : lp.shape[1]] = (lp[0] - lp[1]).to(mask.device)
-                replayed[i] = True
-        return contrast, replayed
-
-    def _surprisal(self, output):
-        """``[B, C]`` ``-log pi_old(y_t)`` of the sampled tokens at the sampling temperature (TACO's risk proxy):
-        TRL's old log-probabilities when it computed them, else one no-grad forward of the prompt + completion."""
-        mask = output["completion_mask"]
-        if output.get("old_per_token_logps") is not None:
-            return -output["old_per_token_logps"].float() * mask
-        prompt_ids = [ids[m.bool()].tolist() for ids, m in zip(output["prompt_ids"], output["prompt_mask"])]
-        with whole_policy(self) as policy:
-            logprobs = replay_logprobs(
-                policy,
-                [[p] for p in prompt_ids],
-                completion_token_lists(output),
-                self._replay_temperature,
-                **self._replay_options(),
-            )
-        surprisal = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        for i, lp in enumerate(logprobs):
-            if lp.shape[0]:
-                surprisal[i, : lp.shape[1]] = -lp[0].to(mask.device)
-        return surprisal
+    def _placed_relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: ScoredBatch) -> torch.Tensor:
+        """q as step 5 reads it (as replayed in the core; the research room's options and ablations act here)."""
+        return relevance
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
         metrics = self._metrics[mode]
         metrics["mrtpo/beta"].append(beta)
-        if self.args.reward_strength:
-            strength = reward_strength(self._specificity, self.args.reward_strength_floor)
-            for name, g in zip(self.reward_func_names, strength.tolist()):
-                metrics[f"mrtpo/beta/{name}"].append(beta * g)
         metrics["mrtpo/replayed_fraction"].append(replayed.float().mean().item())
         metrics["mrtpo/cap_factor"].append(credit.cap_factor)
         metrics["mrtpo/replay_seconds"].append(replay_seconds)

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from .weighting import ConcurTrust
-
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -254,23 +252,38 @@ def check_dataset(dataset: Any, split: str) -> None:
         _check_prompt(prompt, f"the prompt of row {i} of the {split} dataset")
 
 
-STATE_VERSION = 1  # of the mrtpo_state_<rank>.pt files in checkpoints
+STATE_VERSION = 2  # of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own)
+
+# An entry's check: None when the value is what the trainer writes, else what was found instead (for the message).
+StateCheck = Callable[[Any, int], "str | None"]
 
 
-def read_credit_state(path: str, identity: dict) -> dict:
-    """MRTPO's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only) and
-    checked against the run resuming from it: a damaged or foreign file, or one written for other rewards, credit
-    mode or weighting, stops with a message naming the file and what differs."""
+def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
+    """The collapse monitor's streaks: reward name -> a count of steps."""
+    if isinstance(streaks, dict) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
+    ):
+        return None
+    return str(streaks)
+
+
+CORE_STATE_ENTRIES: dict[str, StateCheck] = {"collapse_streaks": collapse_streaks_problem}
+
+
+def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck]) -> dict:
+    """The trainer's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only)
+    and checked against the run resuming from it: a damaged or foreign file, one written for other rewards or
+    credit settings, or an entry that is missing, unknown or not what ``entries`` expects, stops with a message
+    naming the file and what differs."""
     try:
         state = torch.load(path, weights_only=True)
     except Exception as error:
         raise ValueError(
             f"{path} cannot be read as MRTPO's checkpoint state ({type(error).__name__}: {error}). It is damaged, "
-            "from another program, or from a trl-mrtpo release before 0.2; delete it to resume with a fresh MRTPO "
-            "state (CONCUR trust, shuffle generator, collapse monitor)."
+            "from another program, or from an older trl-mrtpo release; delete it to resume with a fresh MRTPO "
+            "state."
         ) from error
-    required = ("concur_trust", "shuffle_generator", "collapse_streaks")
-    if not isinstance(state, dict) or any(key not in state for key in required):
+    if not isinstance(state, dict) or any(key not in state for key in entries):
         found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
     if state.get("version") != STATE_VERSION:
@@ -285,21 +298,10 @@ def read_credit_state(path: str, identity: dict) -> dict:
     ]
     if differences:
         raise ValueError(
-            f"{path} was written by a run with another setup ({'; '.join(differences)}); its CONCUR trust and "
-            "per-reward state would be applied to the wrong rewards. Resume with the same rewards and credit "
-            "settings, or start a new run."
+            f"{path} was written by a run with another setup ({'; '.join(differences)}); its per-reward state "
+            "would be applied to the wrong rewards. Resume with the same rewards and credit settings, or start a "
+            "new run."
         )
-    _check_state_contents(state, path, len(identity["reward_names"]), set(identity))
-    return state
-
-
-_STATE_ENTRIES = {"version", "concur_trust", "shuffle_generator", "collapse_streaks", "reward_specificity"}
-
-
-def _check_state_contents(state: dict, path: str, num_rewards: int, identity_keys: set[str]) -> None:
-    """Every entry of a checkpointed MRTPO state has the type and shape this release writes; an unknown entry, a
-    trust record with other fields, a generator state of another size or a specificity of another length is
-    refused naming the file and the entry (it would otherwise crash on resume or resume with wrong state)."""
 
     def refuse(entry: str, found: Any) -> None:
         raise ValueError(
@@ -307,42 +309,12 @@ def _check_state_contents(state: dict, path: str, num_rewards: int, identity_key
             "with a fresh MRTPO state."
         )
 
-    unknown = set(state) - _STATE_ENTRIES - identity_keys
+    unknown = set(state) - {"version", *entries, *identity}
     if unknown:
         refuse(", ".join(sorted(map(str, unknown))), "unknown")
-    trust = state["concur_trust"]
-    if not isinstance(trust, dict):
-        refuse("concur_trust", type(trust).__name__)
-    trust_fields = typing.get_type_hints(ConcurTrust)  # what a trust record holds: the dataclass's own fields
-    for key, record in trust.items():
-        if not isinstance(record, dict) or set(record) != set(trust_fields):
-            refuse(f"concur_trust[{key!r}]", record)
-        for field, kind in trust_fields.items():
-            value = record[field]
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
-                refuse(f"concur_trust[{key!r}].{field}", repr(value))
-            if kind is int and value != int(value):
-                refuse(f"concur_trust[{key!r}].{field}", repr(value))
-    generator = state["shuffle_generator"]
-    expected = torch.Generator().get_state()
-    if (
-        not isinstance(generator, torch.Tensor)
-        or generator.dtype != expected.dtype
-        or generator.shape != expected.shape
-    ):
-        refuse("shuffle_generator", getattr(generator, "shape", type(generator).__name__))
-    streaks = state["collapse_streaks"]
-    if not isinstance(streaks, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
-    ):
-        refuse("collapse_streaks", streaks)
-    specificity = state.get("reward_specificity")
-    if specificity is not None and (
-        not isinstance(specificity, torch.Tensor)
-        or not specificity.is_floating_point()
-        or tuple(specificity.shape) != (num_rewards,)
-    ):
-        refuse(
-            "reward_specificity",
-            f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})",
-        )
+    num_rewards = len(identity["reward_names"])
+    for entry, check in entries.items():
+        problem = check(state[entry], num_rewards)
+        if problem is not None:
+            refuse(entry, problem)
+    return state

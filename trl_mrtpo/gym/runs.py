@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from ..credit import relevance_specificity
 from ..info_blocks import build_contexts
 from ..replay import replay_relevance
+from ..research.credit import relevance_specificity
 from .task import (
     KINDS,
     GymSpec,
@@ -49,7 +49,7 @@ class RunSettings:
     ``method`` is a credit mode, ``"oracle"`` (MRTPO's steps 5-8 with q set to the ground-truth relevant positions
     instead of the replay's: the upper bound of what any relevance profile can give) or ``"opsd"`` (TRL's
     self-distillation, the constraint sentences restated as the live teacher's privileged context,
-    :mod:`trl_mrtpo.opsd`). ``options`` are further ``MRTPOConfig`` fields as ``(name, value)`` pairs (the credit
+    :mod:`trl_mrtpo.opsd`). ``options`` are further ``ResearchConfig`` fields as ``(name, value)`` pairs (the credit
     options under test). ``process`` adds a process reward: ``"oracle"``
     (:func:`~trl_mrtpo.gym.task.oracle_process_reward`) or ``"shepherd"`` (Math-Shepherd soft labels from the
     policy, ``shepherd_rollouts`` continuations per step). ``failure_masking`` drops each failing constraint's
@@ -111,10 +111,10 @@ def _process_rewards(spec: GymSpec, settings: RunSettings) -> list:
 
 
 def _gym_trainer_class():
-    from ..trainer import MRTPOTrainer
+    from ..research import ResearchTrainer
     from ..utils import completion_text
 
-    class GymTrainer(MRTPOTrainer):
+    class GymTrainer(ResearchTrainer):
         """Records every generation's rewards with the constraints they were scored against; with ``oracle``, q is
         the ground truth (:func:`oracle_relevance`) on the pairs the replay would have replayed."""
 
@@ -185,10 +185,10 @@ def train_run(
     """
     from transformers import set_seed
 
-    from ..config import MRTPOConfig
+    from ..research import ResearchConfig
 
     model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
-    config = MRTPOConfig(
+    config = ResearchConfig(
         output_dir=str(output_dir),
         credit_assignment={"oracle": "mrtpo", "opsd": "gdpo"}.get(settings.method, settings.method),
         credit_beta=settings.credit_beta,

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..constants import CREDIT_ASSIGNMENTS
+from ..constants import CREDIT_ASSIGNMENTS, RESEARCH_CREDIT_ASSIGNMENTS
 from ..kits import KIT_NAMES
 from .evaluation import BENCHMARKS
 
@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     gym.add_argument("--sweeps", action="store_true", help="also run the gdpo vs mrtpo sweeps (K, placement, ...)")
     gym.add_argument("--seeds", type=int, default=None, help="number of seeds (default 8; --quick: 2)")
     gym.add_argument("--sweep-seeds", type=int, default=4, help="seeds per sweep point (default 4)")
-    gym.add_argument("--methods", nargs="+", default=None, choices=CREDIT_ASSIGNMENTS, help="default: all six modes")
+    methods = (*CREDIT_ASSIGNMENTS, *RESEARCH_CREDIT_ASSIGNMENTS)
+    gym.add_argument("--methods", nargs="+", default=None, choices=methods, help="default: all six modes")
     gym.add_argument("--jobs", type=int, default=2, help="parallel runs, one core each (default 2)")
     gym.add_argument("--work-dir", default="gym_runs", help="finished runs and cached supervised policies (resumable)")
     gym.add_argument(

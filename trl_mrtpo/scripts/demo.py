@@ -10,7 +10,9 @@ from ..config import MRTPOConfig
 def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
     """The MRTPOConfig of the CPU runs on the embedded model (demo, benchmarks): LoRA-sized learning rate, fp32
     (bf16 autocast on CPU runs the matmuls several times slower), per-step logging, no checkpoints, no reporting.
-    Keyword arguments override any field."""
+    Keyword arguments override any field; a research room's field or mode makes it a ResearchConfig."""
+    from ..research import ResearchConfig, needs_research
+
     settings = {
         "output_dir": output_dir,
         "per_device_train_batch_size": 4,
@@ -25,7 +27,7 @@ def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
         "bf16": False,
         **overrides,
     }
-    return MRTPOConfig(**settings)
+    return (ResearchConfig if needs_research(overrides) else MRTPOConfig)(**settings)
 
 
 def embedded_lora_config():
@@ -38,12 +40,13 @@ def embedded_lora_config():
 def embedded_lora_trainer(
     reward_funcs: list, info_blocks: list, args: MRTPOConfig, train_dataset, model: str | None = None, **kwargs
 ):
-    """An MRTPOTrainer of the CPU runs: the embedded SmolLM2-135M-Instruct (or the ``model`` folder) with
-    :func:`embedded_lora_config`'s adapter. ``kwargs`` go to the trainer."""
+    """An MRTPOTrainer of the CPU runs (a ResearchTrainer for a ResearchConfig): the embedded SmolLM2-135M-Instruct
+    (or the ``model`` folder) with :func:`embedded_lora_config`'s adapter. ``kwargs`` go to the trainer."""
+    from ..research import ResearchConfig, ResearchTrainer
     from ..trainer import MRTPOTrainer
     from .embedded import embedded_model_path
 
-    return MRTPOTrainer(
+    return (ResearchTrainer if isinstance(args, ResearchConfig) else MRTPOTrainer)(
         model=model or embedded_model_path(),
         reward_funcs=reward_funcs,
         info_blocks=info_blocks,

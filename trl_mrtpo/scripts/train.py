@@ -51,9 +51,10 @@ class MRTPOScriptArguments(ScriptArguments):
             Process rewards (step-level scores) by dotted import path: each a function, or a class, instantiated
             without arguments.
         trainer (`str`, *optional*, defaults to `"mrtpo"`):
-            `mrtpo`: `MRTPOTrainer` (every credit mode). `opsd`: the comparison arm, TRL's experimental
-            `SDFTTrainer` with the info blocks as the live teacher's privileged context (`trl_mrtpo.opsd`); the
-            rewards are logged, not trained on, and the MRTPO fields are ignored.
+            `mrtpo`: `MRTPOTrainer`. `research`: `trl_mrtpo.research.ResearchTrainer`, for the sibling methods,
+            ablations and calibrated-credit options (`ResearchConfig`'s fields). `opsd`: the comparison arm, TRL's
+            experimental `SDFTTrainer` with the info blocks as the live teacher's privileged context
+            (`trl_mrtpo.opsd`); the rewards are logged, not trained on, and the MRTPO fields are ignored.
     """
 
     task: str | None = field(default=None, metadata={"help": f"Task kit: {', '.join(KIT_NAMES)}."})
@@ -83,7 +84,10 @@ class MRTPOScriptArguments(ScriptArguments):
     )
     trainer: str = field(
         default="mrtpo",
-        metadata={"help": "mrtpo, or opsd: self-distillation with the info blocks as privileged context."},
+        metadata={
+            "help": "mrtpo; research (sibling methods, ablations, options); or opsd: self-distillation with the info "
+            "blocks as privileged context."
+        },
     )
 
     def __post_init__(self):
@@ -96,9 +100,10 @@ class MRTPOScriptArguments(ScriptArguments):
 def make_parser():
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
 
-    from ..config import MRTPOConfig
+    from ..research import ResearchConfig
 
-    return TrlParser((MRTPOScriptArguments, MRTPOConfig, ModelConfig, DatasetMixtureConfig), prog="trl-mrtpo train")
+    # ResearchConfig holds every MRTPOConfig field and the research room's; `trainer` says which trainer reads them.
+    return TrlParser((MRTPOScriptArguments, ResearchConfig, ModelConfig, DatasetMixtureConfig), prog="trl-mrtpo train")
 
 
 def load_datasets(script_args: MRTPOScriptArguments, training_args, dataset_args=None) -> tuple:
@@ -157,11 +162,18 @@ def build_trainer(
     quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
     from trl import get_peft_config, get_quantization_config
 
+    from ..research import ResearchTrainer
     from ..trainer import MRTPOTrainer
     from .embedded import embedded_model_path
 
-    if script_args.trainer not in ("mrtpo", "opsd"):
-        raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo' or 'opsd'.")
+    if script_args.trainer not in ("mrtpo", "research", "opsd"):
+        raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo', 'research' or 'opsd'.")
+    research = getattr(training_args, "research_settings", list)()
+    if script_args.trainer == "mrtpo" and research:
+        raise ValueError(
+            f"{', '.join(research)} belong to the research room: add `trainer: research` to the recipe (or pass "
+            "--trainer research)."
+        )
     kit = get_kit(script_args.task) if script_args.task else None
     rewards = list(kit.rewards) if kit else []
     blocks = list(kit.info_blocks) if kit else []
@@ -197,7 +209,8 @@ def build_trainer(
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
     if script_args.trainer == "opsd":
         return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
-    trainer = MRTPOTrainer(
+    trainer_class = ResearchTrainer if script_args.trainer == "research" else MRTPOTrainer
+    trainer = trainer_class(
         model=model,
         reward_funcs=rewards,
         info_blocks=blocks,
