@@ -37,7 +37,7 @@ def test_sampled_token_logprobs_match_log_softmax():
 
 def test_the_core_imports_no_application():
     """Importing the trainer and its configuration loads nothing of ``trl_mrtpo.scripts`` (commands, the embedded
-    demo model, evaluation): the core stands alone."""
+    demo model, evaluation) nor of the research room: the core stands alone."""
     import subprocess
     import sys
 
@@ -46,7 +46,8 @@ def test_the_core_imports_no_application():
         "from trl_mrtpo import MRTPOConfig, MRTPOTrainer\n"
         "from trl_mrtpo.kits import get_kit\n"
         "import trl_mrtpo.model_card, trl_mrtpo.opsd, trl_mrtpo.step_labels\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith('trl_mrtpo.scripts'))\n"
+        "rooms = ('trl_mrtpo.scripts', 'trl_mrtpo.research')\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(rooms))\n"
         "assert not loaded, loaded\n"
         "from trl_mrtpo.scripts.inspection import inspect_credit\n"
     )
