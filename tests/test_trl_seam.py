@@ -16,8 +16,52 @@ def test_installed_trl_has_every_name_we_use():
     assert not missing, f"the installed TRL lacks {missing}: update trl_mrtpo/_trl.py for this TRL version"
 
 
+def test_every_hook_is_called_and_every_attribute_is_set_by_trl(tiny_model, tiny_tokenizer, tmp_path):
+    """By behaviour, not by reading TRL's source: two steps with a checkpoint, then a resume; every GRPOTrainer
+    method MRTPO overrides or calls is reached, and every attribute it reads is set on the trainer. A TRL release
+    that stops calling one (a renamed hook MRTPO's override would silently miss) fails here."""
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    called = set()
+
+    def counting(name):
+        method = getattr(MRTPOTrainer, name)
+
+        def wrapper(self, *args, **kwargs):
+            called.add(name)
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    Counting = type("Counting", (MRTPOTrainer,), {name: counting(name) for name in _trl.GRPO_TRAINER_NAMES})
+
+    def trainer(max_steps):
+        return Counting(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, log_completions=True),
+            train_dataset=make_basic_dataset(12),
+            processing_class=tiny_tokenizer,
+        )
+
+    first = trainer(2)
+    assert all(hasattr(first, name) for name in _trl.GRPO_TRAINER_ATTRIBUTES)
+    first.train()
+    trainer(3).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert called == set(_trl.GRPO_TRAINER_NAMES), set(_trl.GRPO_TRAINER_NAMES) - called
+    logged = first.state.log_history[0]
+    assert "mrtpo/replay_share" in logged  # written through the seam's log_metric
+
+
 def test_only_the_seam_reaches_trl_private_helpers():
-    private = re.compile(r"from trl\.(kernels|trainer\.utils)|\._tokenize_prompts\(|ChunkedLogProbFunction\.apply")
+    private = re.compile(
+        r"from trl\.(kernels|trainer\.utils)|\._tokenize_prompts\(|ChunkedLogProbFunction\.apply"
+        r"|\._metrics\[|\._logs\["
+    )
     offenders = [
         str(path.relative_to(PACKAGE))
         for path in PACKAGE.rglob("*.py")

@@ -57,8 +57,11 @@ __all__ = [
     "get_config_model_id",
     "get_trackio_space_url",
     "gathered_for_probe",
+    "log_completion_column",
+    "log_metric",
     "maybe_gather_lm_head_ctx",
     "missing_names",
+    "replace_logged_advantages",
     "sampled_token_logprobs",
     "sharding_engine",
     "tokenize_prompts",
@@ -69,6 +72,25 @@ __all__ = [
 def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
     """Prompt token ids exactly as GRPOTrainer tokenises prompts for generation (chat template, special tokens)."""
     return trainer._tokenize_prompts(prompts)[0]
+
+
+def log_metric(trainer, mode: str, name: str, value: float) -> None:
+    """Adds ``value`` to TRL's metric ``name`` (``"train"`` or ``"eval"``), averaged and logged at TRL's next log
+    (``GRPOTrainer._metrics``, as TRL logs its own)."""
+    trainer._metrics[mode][name].append(value)
+
+
+def log_completion_column(trainer, name: str, values: list) -> None:
+    """One more column of TRL's completions table (``GRPOTrainer._logs["extra"]``), one value per completion."""
+    trainer._logs["extra"][name].extend(values)
+
+
+def replace_logged_advantages(trainer, values: list[float]) -> None:
+    """Overwrites the last ``len(values)`` advantages TRL logged with its completions (``GRPOTrainer._logs``, a deque
+    as long as one generation batch) by what the loss will see."""
+    logged = trainer._logs["advantages"]
+    for i in range(1, min(len(logged), len(values)) + 1):
+        logged[-i] = values[-i]
 
 
 def sharding_engine(trainer) -> str | None:
@@ -161,8 +183,6 @@ def missing_names() -> list[str]:
     from trl import GRPOTrainer
 
     missing = [f"GRPOTrainer.{name}" for name in GRPO_TRAINER_NAMES if not hasattr(GRPOTrainer, name)]
-    init = inspect.getsource(GRPOTrainer.__init__)
-    missing += [f"GRPOTrainer().{name}" for name in GRPO_TRAINER_ATTRIBUTES if f"self.{name} =" not in init]
     from trl.experimental.sdft import SDFTTrainer
 
     missing += [f"SDFTTrainer.{name}" for name in SDFT_TRAINER_NAMES if not hasattr(SDFTTrainer, name)]

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ._trl import log_metric
 from .info_blocks import build_block, check_builders
 from .utils import function_name, reward_columns
 from .validation import checked_reward
@@ -156,9 +157,9 @@ def opsd_trainer_class():
             for k, name in enumerate(self.reward_func_names):
                 scored = table[:, k][~torch.isnan(table[:, k])]
                 if scored.numel():
-                    self._metrics[mode][f"rewards/{name}/mean"].append(scored.mean().item())
+                    log_metric(self, mode, f"rewards/{name}/mean", scored.mean().item())
             # TRL's "reward": the rewards summed per response (a None counts as 0), averaged over the batch
-            self._metrics[mode]["reward"].append(table.nansum(1).mean().item())
+            log_metric(self, mode, "reward", table.nansum(1).mean().item())
             return batch
 
         def score_rollouts(self, inputs: list[dict[str, Any]], batch) -> torch.Tensor:

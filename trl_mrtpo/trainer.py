@@ -21,7 +21,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ._trl import gathered_for_probe, get_config_model_id, sharding_engine, tokenize_prompts, whole_policy
+from ._trl import (
+    gathered_for_probe,
+    get_config_model_id,
+    log_completion_column,
+    log_metric,
+    replace_logged_advantages,
+    sharding_engine,
+    tokenize_prompts,
+    whole_policy,
+)
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .constants import MIN_SHARED_PREFIX
@@ -545,7 +554,7 @@ class MRTPOTrainer(GRPOTrainer):
                 scores[j, : len(values)] = torch.tensor(values, dtype=torch.float64)
                 ends[j, : len(positions)] = torch.tensor(positions, dtype=torch.long)
                 if values:
-                    self._metrics[mode][f"mrtpo/process/{name}"].append(sum(values) / len(values))
+                    log_metric(self, mode, f"mrtpo/process/{name}", sum(values) / len(values))
             advantages = process_advantages(scores, ends, num_generations, mask.shape[1])
             total += weight * advantages[rank * len(texts) : (rank + 1) * len(texts)].to(mask.device)
         return total
@@ -757,12 +766,11 @@ class MRTPOTrainer(GRPOTrainer):
         return relevance
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
-        metrics = self._metrics[mode]
-        metrics["mrtpo/beta"].append(beta)
-        metrics["mrtpo/replayed_fraction"].append(replayed.float().mean().item())
-        metrics["mrtpo/cap_factor"].append(credit.cap_factor)
-        metrics["mrtpo/replay_seconds"].append(replay_seconds)
-        metrics["mrtpo/replay_share"].append(replay_seconds / total_seconds if total_seconds > 0 else 0.0)
+        log_metric(self, mode, "mrtpo/beta", beta)
+        log_metric(self, mode, "mrtpo/replayed_fraction", replayed.float().mean().item())
+        log_metric(self, mode, "mrtpo/cap_factor", credit.cap_factor)
+        log_metric(self, mode, "mrtpo/replay_seconds", replay_seconds)
+        log_metric(self, mode, "mrtpo/replay_share", replay_seconds / total_seconds if total_seconds > 0 else 0.0)
         lengths = mask.sum(-1).long()
         q_means = {}
         # CoRT replays without computing q (its weights come from a log-likelihood contrast): no q statistics.
@@ -773,11 +781,11 @@ class MRTPOTrainer(GRPOTrainer):
                 continue
             profiles = [relevance[i, k, : lengths[i]] for i in rows]
             q_means[name] = torch.cat(profiles).mean().item()
-            metrics[f"mrtpo/q_mean/{name}"].append(q_means[name])
+            log_metric(self, mode, f"mrtpo/q_mean/{name}", q_means[name])
             shares = [mass_share(p) for p in profiles]
             shares = [s for s in shares if s == s]  # drop all-zero profiles (NaN)
             if shares:
-                metrics[f"mrtpo/q_mass80_token_share/{name}"].append(sum(shares) / len(shares))
+                log_metric(self, mode, f"mrtpo/q_mass80_token_share/{name}", sum(shares) / len(shares))
 
         if mode == "train" and self._collapse_monitor is not None:
             for name in self._collapse_monitor.update(q_means):
@@ -800,14 +808,11 @@ class MRTPOTrainer(GRPOTrainer):
                 ]
                 advantages = credit.advantages[j, :length].tolist()
                 summaries.append(credit_summary(tokens, advantages, profiles, self.reward_func_names))
-            self._logs["extra"]["mrtpo_credit"].extend(gather_object(summaries))
+            log_completion_column(self, "mrtpo_credit", gather_object(summaries))
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
         per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        gathered = self.accelerator.gather(per_response).tolist()
-        logged = self._logs["advantages"]  # a deque as long as one generation batch
-        for i in range(1, min(len(logged), len(gathered)) + 1):
-            logged[-i] = gathered[-i]
+        replace_logged_advantages(self, self.accelerator.gather(per_response).tolist())
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """The model card (``README.md`` in ``output_dir``): TRL's, with the real base model, the data, and the

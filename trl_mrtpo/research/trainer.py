@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._trl import log_metric
 from ..constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from ..credit import TokenCredit, weighted_token_advantages
 from ..replay import replay_logprobs
@@ -285,4 +286,4 @@ class ResearchTrainer(MRTPOTrainer):
         if self.args.reward_strength:
             strength = reward_strength(self._specificity, self.args.reward_strength_floor)
             for name, g in zip(self.reward_func_names, strength.tolist()):
-                self._metrics[mode][f"mrtpo/beta/{name}"].append(beta * g)
+                log_metric(self, mode, f"mrtpo/beta/{name}", beta * g)
