@@ -28,9 +28,9 @@ def for_cpu(code: str, model_path: str, prm_path: str = "") -> str:
     )
     for name, value in (("num_generations", 2), ("per_device_train_batch_size", 2), ("max_steps", 1)):
         code, count = re.subn(rf"{name}=\d+", f"{name}={value}", code)
-    return code.replace(
-        "MRTPOConfig(", 'MRTPOConfig(use_cpu=True, bf16=False, max_completion_length=8, report_to="none", '
-    ).replace("max_new_tokens=32", "max_new_tokens=4")
+    cpu = 'use_cpu=True, bf16=False, max_completion_length=8, report_to="none", '
+    code = re.sub(r"\b(MRTPOConfig|ResearchConfig)\(", rf"\1({cpu}", code)
+    return code.replace("max_new_tokens=32", "max_new_tokens=4")
 
 
 def test_readme_has_the_lora_quickstart_and_the_load_back_example():
