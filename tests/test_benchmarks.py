@@ -36,8 +36,15 @@ def test_steps_to_threshold_and_tracked_reward():
 
 @pytest.mark.slow
 def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
+    """The benchmark's plumbing (every task and both code paths, the files, resume) on a small random model with the
+    embedded model's tokenizer: its figures come from the embedded model itself, not from this run."""
+    from trl_mrtpo.scripts.embedded import embedded_model_path
+
+    shape = dict(num_hidden_layers=2, intermediate_size=64, hidden_size=72)
+    model = load("gpu_check").random_smollm2(tmp_path / "model", embedded_model_path(), **shape)
     work, out = tmp_path / "runs", tmp_path / "results"
     argv = ["--quick", "--threads", "1", "--work-dir", str(work), "--output-dir", str(out), "--seeds", "0"]
+    argv += ["--model", model]
     # mrtpo and opsd: the two code paths of a run (gdpo is mrtpo's pipeline at beta 0, tested elsewhere)
     summary = convergence.main(argv + ["--methods", "mrtpo", "opsd"])
     assert [(s["task"], s["method"]) for s in summary] == [
