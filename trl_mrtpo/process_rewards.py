@@ -17,8 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import torch
+from accelerate.utils import gather_object
+
+from .credit import failure_suffix_mask, process_advantages
 from .info_blocks import Prompt, call_builder
-from .validation import within_float32
+from .utils import completion_text
+from .validation import own_copies, within_float32
 
 NO_BOUNDARY = -1
 
@@ -187,3 +192,91 @@ def failure_boundary(
             f"The {where} returned offset {offset}, outside the completion's {len(completion)} characters."
         )
     return offset
+
+
+def process_credit(
+    funcs: Sequence[Callable],
+    names: Sequence[str],
+    weights: Sequence[float],
+    prompts: list,
+    completions: list,
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+    mask: torch.Tensor,
+    tokenizer,
+    num_generations: int,
+    rank: int,
+    trainer_state: Any = None,
+) -> tuple[torch.Tensor, list[tuple[str, float]]]:
+    """``[B, C]`` float64 the weighted sum of the process rewards' token advantages of this process's ``B``
+    responses (docs/method.md, "Process rewards"), and ``(name, mean step score)`` per scored response for the logs.
+
+    Each function scores the steps of every completion (character spans, checked by :func:`checked_steps`); step
+    ends land on tokens by :func:`token_positions`. Step scores are gathered over processes: a group's
+    normalisation (:func:`~trl_mrtpo.credit.process_advantages`) sees all its responses.
+    """
+    texts = [completion_text(c) for c in completions]
+    total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    means = []
+    for func, name, weight in zip(funcs, names, weights):
+        results = func(
+            **own_copies(dict(prompts=prompts, completions=completions)),
+            completion_ids=completion_ids,
+            trainer_state=trainer_state,
+            **columns,
+        )
+        if not isinstance(results, (list, tuple)) or len(results) != len(texts):
+            raise ValueError(
+                f"process reward '{name}' must return one list of steps (or None) per completion: "
+                f"{len(texts)} expected, got {len(results) if isinstance(results, (list, tuple)) else results!r}."
+            )
+        local = []
+        for i, (result, text) in enumerate(zip(results, texts)):
+            steps = checked_steps(result, name, rank * len(texts) + i, text)
+            where = f"process reward '{name}' on sample {rank * len(texts) + i}"
+            ends = token_positions(tokenizer, completion_ids[i], text, [step.end for step in steps], where)
+            local.append(([step.score for step in steps], ends))
+        gathered = gather_object(local)
+        width = max(1, max(len(scores) for scores, _ in gathered))
+        scores = torch.full((len(gathered), width), float("nan"), dtype=torch.float64)
+        ends = torch.zeros((len(gathered), width), dtype=torch.long)
+        for j, (values, positions) in enumerate(gathered):
+            scores[j, : len(values)] = torch.tensor(values, dtype=torch.float64)
+            ends[j, : len(positions)] = torch.tensor(positions, dtype=torch.long)
+            if values:
+                means.append((name, sum(values) / len(values)))
+        advantages = process_advantages(scores, ends, num_generations, mask.shape[1])
+        total += weight * advantages[rank * len(texts) : (rank + 1) * len(texts)].to(mask.device)
+    return total, means
+
+
+def failure_suffix(
+    builders: Sequence[Callable | None],
+    reward_names: Sequence[str],
+    credit: torch.Tensor,
+    rewards: torch.Tensor,
+    prompts: list,
+    completions: list,
+    rows: list[dict],
+    completion_ids: list[list[int]],
+    tokenizer,
+    num_positions: int,
+) -> torch.Tensor:
+    """``[B, K, C]`` bool, the positions after each failing pair's error boundary (docs/method.md, "Failure-suffix
+    masking"). Only pairs with negative ``credit`` (``[B, K]``, ``c_k A_k``) ask their builder; a boundary lands on
+    its token by :func:`token_positions`, one pass per response."""
+    boundaries = torch.full(credit.shape, NO_BOUNDARY, dtype=torch.long)
+    for i, completion in enumerate(completions):
+        text = completion_text(completion)
+        offsets = {}  # reward -> where its error ends
+        for k, (builder, name) in enumerate(zip(builders, reward_names)):
+            if builder is not None and credit[i, k] < 0:
+                offset = failure_boundary(builder, name, i, prompts[i], text, rows[i], rewards[i, k].item())
+                if offset is not None:
+                    offsets[k] = offset
+        names = ", ".join(f"'{reward_names[k]}'" for k in offsets)
+        where = f"failure boundary builder of {names} on sample {i}"
+        positions = token_positions(tokenizer, completion_ids[i], text, list(offsets.values()), where)
+        for k, position in zip(offsets, positions):
+            boundaries[i, k] = position
+    return failure_suffix_mask(boundaries, num_positions)

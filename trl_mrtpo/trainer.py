@@ -6,14 +6,12 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -36,23 +34,16 @@ from .config import MRTPOConfig
 from .constants import MIN_SHARED_PREFIX
 from .credit import (
     TokenCredit,
-    failure_suffix_mask,
     group_advantages,
-    process_advantages,
     token_advantages,
     warmup_beta,
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
+from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders, check_spans
-from .process_rewards import (
-    NO_BOUNDARY,
-    check_process_rewards,
-    checked_steps,
-    failure_boundary,
-    token_positions,
-)
+from .process_rewards import check_process_rewards, failure_suffix, process_credit
 from .replay import causal_lm_parts, logit_multiplier, replay_relevance
-from .utils import completion_text, function_name, local_copy_hub_id, reward_columns
+from .utils import completion_text, function_name, reward_columns
 from .validation import (
     CORE_STATE_ENTRIES,
     STATE_VERSION,
@@ -61,7 +52,6 @@ from .validation import (
     check_loss_keeps_token_credit,
     check_sharded_replay,
     checked_reward,
-    own_copies,
     read_credit_state,
 )
 from .viz import credit_summary, token_strings
@@ -273,54 +263,20 @@ class MRTPOTrainer(GRPOTrainer):
             self.add_callback(CreditPlotCallback(self.reward_func_names))
         self.recipe = recipe  # the recipe file a run came from, for the model card
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
-        self._name_base_model()
+        self._local_copies = name_hub_ids(self.accelerator.unwrap_model(self.model))
 
     def _extra_policy_forwards(self) -> list[str]:
         """Options beyond the replay that run forwards of the policy and make the credit per token, named for the
         start-up checks (none in the core)."""
         return []
 
-    def _name_base_model(self) -> None:
-        """An adapter of a local copy of a Hub model (the embedded model's cached folder) records the Hub id, not the
-        local folder it was loaded from, so that whoever downloads the adapter can load it."""
-        from peft import PeftModel
-
-        model = self.accelerator.unwrap_model(self.model)
-        self._local_copy_adapters = []  # (adapter config, the local folder it was loaded from, the Hub id)
-        if isinstance(model, PeftModel):
-            for config in model.peft_config.values():
-                hub_id = local_copy_hub_id(config.base_model_name_or_path)
-                if hub_id is not None:
-                    self._local_copy_adapters.append((config, config.base_model_name_or_path, hub_id))
-                    config.base_model_name_or_path = hub_id
-
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """Saves as transformers does. An adapter of a local copy names its base by Hub id, which PEFT would look up
-        on the Hub at every save (to learn whether the vocabulary changed), warning twice on a machine without
-        access: during the save it names the local folder PEFT can read, and the written config gets the id back."""
-        if not self._local_copy_adapters:
+        """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id
+        (:mod:`trl_mrtpo.hub_ids`)."""
+        if not self._local_copies:
             return super()._save(output_dir, state_dict)
-        for config, local, _ in self._local_copy_adapters:
-            config.base_model_name_or_path = local
-        try:
+        with saving_with_hub_ids(self._local_copies, output_dir or self.args.output_dir):
             super()._save(output_dir, state_dict)
-        finally:
-            for config, _, hub_id in self._local_copy_adapters:
-                config.base_model_name_or_path = hub_id
-        folder = Path(output_dir or self.args.output_dir)
-        hub_ids = {local: hub_id for _, local, hub_id in self._local_copy_adapters}
-        for path in [folder / "adapter_config.json", *folder.glob("*/adapter_config.json")]:
-            if path.is_file():
-                written = json.loads(path.read_text())
-                if written.get("base_model_name_or_path") in hub_ids:
-                    written["base_model_name_or_path"] = hub_ids[written["base_model_name_or_path"]]
-                    path.write_text(json.dumps(written, indent=2, sort_keys=True))
-        card = folder / "README.md"  # PEFT's card, written during the save, names the base it was given
-        if card.is_file():
-            text = card.read_text()
-            for local, hub_id in hub_ids.items():
-                text = text.replace(f"base_model: {local}\n", f"base_model: {hub_id}\n")
-            card.write_text(text)
 
     def _credit_state_path(self, checkpoint: str) -> str:
         return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
@@ -518,71 +474,46 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _process_credit(self, batch: ScoredBatch, mode: str) -> torch.Tensor | None:
         """``[B, C]`` the weighted sum of the process rewards' token advantages (docs/method.md, "Process rewards"),
-        or None without process rewards. Step scores are gathered over processes: a group's normalisation sees all
-        its responses."""
+        or None without process rewards; each process reward's mean step score is logged."""
         if not self.process_rewards:
             return None
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        texts = [completion_text(c) for c in batch.completions]
-        ids = completion_token_lists(batch.output)
-        columns = reward_columns(batch.inputs)
-        rank, mask = self.accelerator.process_index, batch.mask
-        total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
-        for func, name, weight in zip(self.process_rewards, self.process_reward_names, self.process_reward_weights):
-            results = func(
-                **own_copies(dict(prompts=batch.prompts, completions=batch.completions)),
-                completion_ids=ids,
-                trainer_state=self.state,
-                **columns,
-            )
-            if not isinstance(results, (list, tuple)) or len(results) != len(texts):
-                raise ValueError(
-                    f"process reward '{name}' must return one list of steps (or None) per completion: "
-                    f"{len(texts)} expected, got {len(results) if isinstance(results, (list, tuple)) else results!r}."
-                )
-            local = []
-            for i, (result, text) in enumerate(zip(results, texts)):
-                steps = checked_steps(result, name, rank * len(texts) + i, text)
-                where = f"process reward '{name}' on sample {rank * len(texts) + i}"
-                ends = token_positions(self._text_tokenizer, ids[i], text, [step.end for step in steps], where)
-                local.append(([step.score for step in steps], ends))
-            gathered = gather_object(local)
-            width = max(1, max(len(scores) for scores, _ in gathered))
-            scores = torch.full((len(gathered), width), float("nan"), dtype=torch.float64)
-            ends = torch.zeros((len(gathered), width), dtype=torch.long)
-            for j, (values, positions) in enumerate(gathered):
-                scores[j, : len(values)] = torch.tensor(values, dtype=torch.float64)
-                ends[j, : len(positions)] = torch.tensor(positions, dtype=torch.long)
-                if values:
-                    log_metric(self, mode, f"mrtpo/process/{name}", sum(values) / len(values))
-            advantages = process_advantages(scores, ends, num_generations, mask.shape[1])
-            total += weight * advantages[rank * len(texts) : (rank + 1) * len(texts)].to(mask.device)
+        total, means = process_credit(
+            self.process_rewards,
+            self.process_reward_names,
+            self.process_reward_weights,
+            batch.prompts,
+            batch.completions,
+            completion_token_lists(batch.output),
+            reward_columns(batch.inputs),
+            batch.mask,
+            self._text_tokenizer,
+            num_generations,
+            self.accelerator.process_index,
+            trainer_state=self.state,
+        )
+        for name, value in means:
+            log_metric(self, mode, f"mrtpo/process/{name}", value)
         return total
 
     def _failure_suffix(self, batch: ScoredBatch) -> torch.Tensor | None:
         """``[B, K, C]`` the positions after each failing pair's error boundary (docs/method.md, "Failure-suffix
-        masking"), or None when no reward has a boundary builder. Only pairs with negative credit are asked."""
+        masking"), or None when no reward has a boundary builder."""
         if not any(self.failure_boundary_builders):
             return None
         credit = batch.group_advantages * batch.reward_weights.to(batch.group_advantages)
-        boundaries = torch.full(credit.shape, NO_BOUNDARY, dtype=torch.long)
-        ids = completion_token_lists(batch.output)
-        for i, completion in enumerate(batch.completions):
-            text = completion_text(completion)
-            offsets = {}  # reward -> where its error ends; mapped to tokens in one pass per response
-            for k, (builder, name) in enumerate(zip(self.failure_boundary_builders, self.reward_func_names)):
-                if builder is not None and credit[i, k] < 0:
-                    offset = failure_boundary(
-                        builder, name, i, batch.prompts[i], text, batch.inputs[i], batch.rewards[i, k].item()
-                    )
-                    if offset is not None:
-                        offsets[k] = offset
-            names = ", ".join(f"'{self.reward_func_names[k]}'" for k in offsets)
-            where = f"failure boundary builder of {names} on sample {i}"
-            positions = token_positions(self._text_tokenizer, ids[i], text, list(offsets.values()), where)
-            for k, position in zip(offsets, positions):
-                boundaries[i, k] = position
-        return failure_suffix_mask(boundaries, batch.mask.shape[1]).to(batch.mask.device)
+        return failure_suffix(
+            self.failure_boundary_builders,
+            self.reward_func_names,
+            credit,
+            batch.rewards,
+            batch.prompts,
+            batch.completions,
+            batch.inputs,
+            completion_token_lists(batch.output),
+            self._text_tokenizer,
+            batch.mask.shape[1],
+        ).to(batch.mask.device)
 
     def _reduce_sum(self):
         """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
