@@ -260,3 +260,81 @@ def check_builders(
                 f"{argument} entry for reward '{name}' is a {type(builder).__name__}, not a callable or None."
             )
     return list(builders)
+
+
+def assistant_header(processing_class) -> str | None:
+    """What the chat template adds for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant``), or None."""
+    if not getattr(processing_class, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        closed = processing_class.apply_chat_template(messages, tokenize=False)
+        opened = processing_class.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception:  # a template that cannot render a bare user turn: nothing to compare with
+        return None
+    header = opened[len(closed) :].strip() if opened.startswith(closed) else ""
+    return header or None
+
+
+def check_appendable(
+    prompts: Sequence[Prompt], blocks: Sequence[Sequence[InfoBlock | None]], names: Sequence[str], header: str | None
+) -> None:
+    """A string prompt that already holds the assistant ``header`` cannot take appended blocks: they would land
+    in the assistant's turn, not the user's."""
+    if header is None:
+        return
+    for i, (prompt, sample_blocks) in enumerate(zip(prompts, blocks)):
+        if not isinstance(prompt, str) or header not in prompt:
+            continue
+        for name, block in zip(names, sample_blocks):
+            if block is not None and block.placement == "appended":
+                raise InfoBlockError(
+                    f"The info block builder of reward '{name}' on sample {i} returned an appended block, but "
+                    f"the sample's prompt is a string that already contains the chat template's assistant "
+                    f"header {header!r}: the block would be appended after it, in the assistant's turn. Pass "
+                    "conversational prompts (a list of messages), or make the block in_prompt."
+                )
+
+
+def check_blocks(
+    prompts: Sequence[Prompt],
+    blocks: Sequence[Sequence[InfoBlock | None]],
+    names: Sequence[str],
+    special_tokens: Sequence[str],
+) -> None:
+    """Refuse blocks that would forge a chat turn (a special token of the template), and in-prompt spans of one
+    sample that overlap or nest (removing one would cut into the other)."""
+    for i, sample_blocks in enumerate(blocks):
+        for name, block in zip(names, sample_blocks):
+            found = next((t for t in special_tokens if block is not None and t in block.text), None)
+            if found is not None:
+                raise InfoBlockError(
+                    f"The info block of reward '{name}' on sample {i} contains the special token {found!r}: in "
+                    "the replay context it would forge a turn or an end of text. Info blocks must be plain text."
+                )
+        check_spans(prompts[i], sample_blocks, names, i)
+
+
+def check_context_length(
+    context_ids: Sequence[Sequence[Sequence[int]]],
+    completion_ids: Sequence[Sequence[int]],
+    blocks: Sequence[Sequence[InfoBlock | None]],
+    prompt_lengths: Sequence[int],
+    names: Sequence[str],
+    limit: int | None,
+) -> None:
+    """Info blocks that carry a replay context past the model's ``limit`` positions (where its prompt and
+    completion fit) would give meaningless q and slow replays: refused, naming the sample and the longest block."""
+    if not limit:
+        return
+    for i, (contexts, completion) in enumerate(zip(context_ids, completion_ids)):
+        if not contexts or prompt_lengths[i] + len(completion) > limit:
+            continue  # nothing replayed, or already beyond the positions without any block: not the blocks' doing
+        if len(contexts[0]) + len(completion) > limit:
+            lengths = {name: len(b.text) for name, b in zip(names, blocks[i]) if b is not None}
+            longest = max(lengths, key=lengths.get)
+            raise InfoBlockError(
+                f"Sample {i}: its info blocks make the replay context {len(contexts[0])} tokens (the prompt alone "
+                f"is {prompt_lengths[i]}), plus {len(completion)} completion tokens, beyond the model's {limit} "
+                f"positions. The longest block is reward '{longest}''s ({lengths[longest]} characters): shorten it."
+            )

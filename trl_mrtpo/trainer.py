@@ -40,7 +40,16 @@ from .credit import (
 )
 from .diagnostics import CollapseMonitor, CreditRecord, mass_share
 from .hub_ids import name_hub_ids, saving_with_hub_ids
-from .info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders, check_spans
+from .info_blocks import (
+    InfoBlock,
+    assistant_header,
+    build_block,
+    build_contexts,
+    check_appendable,
+    check_blocks,
+    check_builders,
+    check_context_length,
+)
 from .process_rewards import check_process_rewards, failure_suffix, process_credit
 from .replay import causal_lm_parts, logit_multiplier, replay_relevance
 from .utils import completion_text, function_name, reward_columns
@@ -548,8 +557,8 @@ class MRTPOTrainer(GRPOTrainer):
             ]
             for i in range(num_samples)
         ]
-        self._check_appendable(prompts, blocks)
-        self._check_blocks(prompts, blocks)
+        check_appendable(prompts, blocks, self.reward_func_names, self._assistant_header)
+        check_blocks(prompts, blocks, self.reward_func_names, self._special_tokens)
         wanted = [
             [
                 k
@@ -584,7 +593,8 @@ class MRTPOTrainer(GRPOTrainer):
             cursor += count
         completion_ids = completion_token_lists(batch.output)
         prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
-        self._check_context_length(context_ids, completion_ids, blocks, prompt_lengths)
+        limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        check_context_length(context_ids, completion_ids, blocks, prompt_lengths, self.reward_func_names, limit)
         return wanted, context_ids, completion_ids
 
     def _resting_rewards(self) -> set[int]:
@@ -593,72 +603,12 @@ class MRTPOTrainer(GRPOTrainer):
 
     @cached_property
     def _assistant_header(self) -> str | None:
-        """What the chat template adds for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant``), or None."""
-        if not getattr(self.processing_class, "chat_template", None):
-            return None
-        messages = [{"role": "user", "content": "x"}]
-        try:
-            closed = self.processing_class.apply_chat_template(messages, tokenize=False)
-            opened = self.processing_class.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception:  # a template that cannot render a bare user turn: nothing to compare with
-            return None
-        header = opened[len(closed) :].strip() if opened.startswith(closed) else ""
-        return header or None
-
-    def _check_appendable(self, prompts, blocks) -> None:
-        """A string prompt that already holds the assistant header cannot take appended blocks: they would land
-        in the assistant's turn, not the user's."""
-        header = self._assistant_header
-        if header is None:
-            return
-        for i, (prompt, sample_blocks) in enumerate(zip(prompts, blocks)):
-            if not isinstance(prompt, str) or header not in prompt:
-                continue
-            for name, block in zip(self.reward_func_names, sample_blocks):
-                if block is not None and block.placement == "appended":
-                    raise InfoBlockError(
-                        f"The info block builder of reward '{name}' on sample {i} returned an appended block, but "
-                        f"the sample's prompt is a string that already contains the chat template's assistant "
-                        f"header {header!r}: the block would be appended after it, in the assistant's turn. Pass "
-                        "conversational prompts (a list of messages), or make the block in_prompt."
-                    )
+        return assistant_header(self.processing_class)
 
     @cached_property
     def _special_tokens(self) -> list[str]:
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         return [token for token in getattr(tokenizer, "all_special_tokens", []) if token]
-
-    def _check_blocks(self, prompts, blocks) -> None:
-        """Refuse blocks that would forge a chat turn (a special token of the template), and in-prompt spans of one
-        sample that overlap or nest (removing one would cut into the other)."""
-        for i, sample_blocks in enumerate(blocks):
-            for name, block in zip(self.reward_func_names, sample_blocks):
-                found = next((t for t in self._special_tokens if block is not None and t in block.text), None)
-                if found is not None:
-                    raise InfoBlockError(
-                        f"The info block of reward '{name}' on sample {i} contains the special token {found!r}: in "
-                        "the replay context it would forge a turn or an end of text. Info blocks must be plain text."
-                    )
-            check_spans(prompts[i], sample_blocks, self.reward_func_names, i)
-
-    def _check_context_length(self, context_ids, completion_ids, blocks, prompt_lengths) -> None:
-        """Info blocks that carry a replay context past the model's positions (where its prompt and completion fit)
-        would give meaningless q and slow replays: refused, naming the sample and the longest block."""
-        limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
-        if not limit:
-            return
-        for i, (contexts, completion) in enumerate(zip(context_ids, completion_ids)):
-            if not contexts or prompt_lengths[i] + len(completion) > limit:
-                continue  # nothing replayed, or already beyond the positions without any block: not the blocks' doing
-            if len(contexts[0]) + len(completion) > limit:
-                lengths = {name: len(b.text) for name, b in zip(self.reward_func_names, blocks[i]) if b is not None}
-                longest = max(lengths, key=lengths.get)
-                raise InfoBlockError(
-                    f"Sample {i}: its info blocks make the replay context {len(contexts[0])} tokens (the prompt alone "
-                    f"is {prompt_lengths[i]}), plus {len(completion)} completion tokens, beyond the model's {limit} "
-                    f"positions. The longest block is reward '{longest}''s ({lengths[longest]} characters): shorten "
-                    "it."
-                )
 
     def _replay_options(self) -> dict:
         return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": MIN_SHARED_PREFIX}
