@@ -8,6 +8,7 @@ Every function takes tensors and returns tensors; shapes as in :mod:`trl_mrtpo.c
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -198,13 +199,12 @@ def token_advantages_preserving_totals(
     reward_weights: torch.Tensor,
     beta: float | torch.Tensor,
     max_second_moment_ratio: float | None = 2.0,
-    reduce_sum: ReduceSum | None = None,
-    process: torch.Tensor | None = None,
-    failure_suffix: torch.Tensor | None = None,
+    *steps_6_to_8: Any,
+    **options: Any,
 ) -> TokenCredit:
     """:func:`~trl_mrtpo.credit.token_advantages` with every reward's GDPO total kept: step 5's weights, then
-    :func:`preserved_token_advantages` for steps 6-8 (same arguments)."""
+    :func:`preserved_token_advantages` for steps 6-8 (the cap ratio, ``reduce_sum``, ``process`` and
+    ``failure_suffix`` as there)."""
     weights = replayed_token_weights(relevance, replayed, mask, beta)
-    return preserved_token_advantages(
-        advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum, process, failure_suffix
-    )
+    rho = max_second_moment_ratio
+    return preserved_token_advantages(advantages, weights, mask, reward_weights, rho, *steps_6_to_8, **options)
