@@ -10,7 +10,6 @@ import torch
 
 from tests.helpers import graded_length, make_args, recording_trainer
 from tests.test_loss_options import LOSS_TYPES
-from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.validation import check_loss_keeps_token_credit
@@ -111,31 +110,3 @@ def test_a_reward_model_among_the_rewards(tiny_model, tiny_tokenizer, tmp_path):
     model_rewards = trainer.last_credit.rewards[:, -1]
     assert torch.isfinite(model_rewards).all() and model_rewards.std() > 0  # scored, varied, normalised per group
     assert torch.isfinite(trainer.batches[0]["advantages"]).all()
-
-
-def test_tool_rollouts_are_refused_with_a_replaying_mode(tiny_model, tiny_tokenizer, tmp_path):
-    def get_weather(city: str) -> str:
-        """Weather of a city.
-
-        Args:
-            city: the city.
-        """
-        return "sunny"
-
-    import copy
-
-    from trl.chat_template_utils import add_response_schema, qwen3_chat_template
-
-    tokenizer = copy.deepcopy(tiny_tokenizer)
-    tokenizer.chat_template = qwen3_chat_template  # a template that renders tool calls, with TRL's parser for it
-    add_response_schema(tokenizer)
-    with pytest.raises(ValueError, match="does not support tool-calling rollouts"):
-        MRTPOTrainer(
-            model=tiny_model,
-            reward_funcs=BASIC.rewards,
-            info_blocks=BASIC.info_blocks,
-            tools=[get_weather],
-            args=make_args(tmp_path, credit_assignment="mrtpo"),
-            train_dataset=make_basic_dataset(4),
-            processing_class=tokenizer,
-        )

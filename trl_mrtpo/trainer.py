@@ -241,9 +241,11 @@ class MRTPOTrainer(GRPOTrainer):
         removal = modes[args.credit_assignment].removal if args.credit_assignment in modes else None
         self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
-            if self.tools or self.environment_factories is not None:
+            if self.environment_factories is not None:
                 raise ValueError(
-                    "MRTPO replay does not support tool-calling rollouts (tools / environment_factory) yet."
+                    "MRTPO replay supports tool rollouts with `tools`; with `environment_factory` it is not tested "
+                    "yet, so it is refused. Pass the environment's functions as `tools`, or use "
+                    "credit_assignment='gdpo'."
                 )
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
@@ -640,6 +642,8 @@ class MRTPOTrainer(GRPOTrainer):
             for row, k in enumerate(wanted[i]):
                 relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
                 replayed[i, k] = True
+        # tool results are context, not the model's decisions: no q there (the mask is 0 on them)
+        relevance = relevance * mask[:, None, :].to(relevance.dtype)
         return self._placed_relevance(relevance, replayed, batch), replayed
 
     def _placed_relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: ScoredBatch) -> torch.Tensor:
