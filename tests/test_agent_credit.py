@@ -1,15 +1,20 @@
 """Token credit on tool-calling rollouts made by TRL's own tool loop: a scripted policy emits a tool call (or answers
-at once), TRL parses it with the chat template's response schema, runs the tool and masks its result; MRTPO replays
-the whole trajectory and places each reward's credit on the model's tokens only."""
+at once), TRL parses it with the chat template's response schema, runs the tool (a function, or an environment's
+method) and masks its result; MRTPO replays the whole trajectory and places each reward's credit on the model's
+tokens only."""
 
 import copy
 
+import pytest
 import torch
+from datasets import Dataset
 
 from tests.helpers import RecordingTrainer, make_args
 from tests.reference import reference_token_advantages
 
 TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+ANSWERS = ["The code is 42.", "I do not know.", "It is 42, I think.", "No idea."]
+QUESTION = [{"role": "user", "content": "What is the code of Paris?"}]
 
 
 def lookup(city: str) -> str:
@@ -21,12 +26,30 @@ def lookup(city: str) -> str:
     return f"The code of {city} is 42."
 
 
+class Atlas:
+    """An environment whose one tool is ``lookup``."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def lookup(self, city: str) -> str:
+        """Look up the code of a city.
+
+        Args:
+            city: the city's name.
+        """
+        return f"The code of {city} is 42."
+
+
 def answered(completions, **_):
     return [float("42" in completion[-1]["content"]) for completion in completions]
 
 
 def used_tool(completions, **_):
     return [float(any(message.get("tool_calls") for message in completion)) for completion in completions]
+
+
+BLOCKS = [lambda **_: "The code of Paris is 42.", lambda **_: "Call the lookup tool first."]
 
 
 def tool_tokenizer(tiny_tokenizer):
@@ -37,22 +60,18 @@ def tool_tokenizer(tiny_tokenizer):
     return add_response_schema(tokenizer)
 
 
-def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
+def scripted_trainer(tokenizer, tmp_path, dataset, **tool_source):
+    """A recording MRTPOTrainer whose policy is scripted: row i calls ``lookup`` when i is even, and after a tool
+    result answers with a text that varies by row; everything else (parsing, the tool call, masks) is TRL's."""
     from tests.conftest import build_tiny_model
 
-    tokenizer = tool_tokenizer(tiny_tokenizer)
-    model = build_tiny_model(tokenizer)
-    answers = ["The code is 42.", "I do not know.", "It is 42, I think.", "No idea."]
-
     def scripted_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """Row i calls the tool when i is even; after a tool result, an answer that varies by row."""
         completions = []
         for i, ids in enumerate(prompt_ids):
-            text = tokenizer.decode(ids)
-            if "<tool_response>" in text:
-                reply = answers[i % len(answers)] + "<|im_end|>\n"
+            if "<tool_response>" in tokenizer.decode(ids):
+                reply = ANSWERS[i % len(ANSWERS)] + "<|im_end|>\n"
             else:
-                reply = TOOL_CALL if i % 2 == 0 else answers[(i + 1) % len(answers)] + "<|im_end|>\n"
+                reply = TOOL_CALL if i % 2 == 0 else ANSWERS[(i + 1) % len(ANSWERS)] + "<|im_end|>\n"
             completions.append(tokenizer(reply, add_special_tokens=False)["input_ids"])
         return completions, None
 
@@ -64,28 +83,27 @@ def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
             self.credits = [*getattr(self, "credits", []), self.last_credit]
             return output
 
-    from datasets import Dataset
-
-    trainer = Scripted(
-        model=model,
+    return Scripted(
+        model=build_tiny_model(tokenizer),
         reward_funcs=[answered, used_tool],
-        info_blocks=[lambda **_: "The code of Paris is 42.", lambda **_: "Call the lookup tool first."],
-        tools=[lookup],
+        info_blocks=BLOCKS,
         args=make_args(tmp_path, max_steps=2, max_completion_length=320, per_device_train_batch_size=4),
-        train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "What is the code of Paris?"}]}] * 8),
+        train_dataset=dataset,
         processing_class=tokenizer,
+        **tool_source,
     )
-    trainer.train()
+
+
+def check_credit_on_model_tokens(trainer) -> None:
+    """Tool results masked by TRL carry no q and no advantage; the advantages equal the float64 reference computed
+    on each row's model tokens gathered into a prefix (the tool results take no part in any mean, cap or std)."""
     for batch, replay in zip(trainer.batches, trainer.replays):
-        tool_mask = batch["tool_mask"]
-        assert (tool_mask == 0).any()  # TRL ran the tool and masked its result
-        mask = batch["completion_mask"] * tool_mask
+        assert (batch["tool_mask"] == 0).any()  # TRL ran the tool and masked its result
+        mask = batch["completion_mask"] * batch["tool_mask"]
         relevance = replay["relevance"]
         assert replay["replayed"].any()
-        assert (relevance[(mask == 0)[:, None, :].expand_as(relevance)] == 0).all()  # no q on tool results
+        assert (relevance[(mask == 0)[:, None, :].expand_as(relevance)] == 0).all()
         assert (batch["advantages"][mask == 0] == 0).all()
-    # The float64 reference on the model's tokens alone (each row's unmasked positions gathered into a prefix), put
-    # back at their positions: the tool results take no part in any mean, cap or std.
     for credit in trainer.credits:
         positions = [row.nonzero().flatten() for row in credit.mask]
         n, k, width = credit.relevance.shape
@@ -110,34 +128,21 @@ def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
         torch.testing.assert_close(credit.advantages.double(), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_environment_factory_is_refused_with_a_replaying_mode(tiny_tokenizer, tmp_path):
-    import pytest
-
-    from tests.conftest import build_tiny_model
-    from trl_mrtpo import MRTPOTrainer
-    from trl_mrtpo.kits.basic import KIT as BASIC
-    from trl_mrtpo.kits.basic import make_basic_dataset
-
-    class Lookup:
-        def reset(self, **kwargs):
-            return None
-
-        def lookup(self, city: str) -> str:
-            """Look up the code of a city.
-
-            Args:
-                city: the city's name.
-            """
-            return "42"
-
+def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
     tokenizer = tool_tokenizer(tiny_tokenizer)
-    with pytest.raises(ValueError, match="with `environment_factory` it is not tested yet"):
-        MRTPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=BASIC.rewards,
-            info_blocks=BASIC.info_blocks,
-            environment_factory=Lookup,
-            args=make_args(tmp_path),
-            train_dataset=make_basic_dataset(4),
-            processing_class=tokenizer,
-        )
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
+    trainer.train()
+    check_credit_on_model_tokens(trainer)
+
+
+@pytest.mark.parametrize("several", [False, True], ids=["one environment", "a dict of environments"])
+def test_mrtpo_credit_with_an_environment_factory(tiny_tokenizer, tmp_path, several):
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    if several:  # each example names its environment; both expose the same tool here
+        factory = {"atlas": Atlas, "gazetteer": type("Gazetteer", (Atlas,), {})}
+        rows = [{"prompt": QUESTION, "environment": name} for name in ("atlas", "gazetteer")] * 4
+    else:
+        factory, rows = Atlas, [{"prompt": QUESTION}] * 8
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list(rows), environment_factory=factory)
+    trainer.train()
+    check_credit_on_model_tokens(trainer)

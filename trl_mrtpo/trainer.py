@@ -241,12 +241,6 @@ class MRTPOTrainer(GRPOTrainer):
         removal = modes[args.credit_assignment].removal if args.credit_assignment in modes else None
         self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
-            if self.environment_factories is not None:
-                raise ValueError(
-                    "MRTPO replay supports tool rollouts with `tools`; with `environment_factory` it is not tested "
-                    "yet, so it is refused. Pass the environment's functions as `tools`, or use "
-                    "credit_assignment='gdpo'."
-                )
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
@@ -587,7 +581,8 @@ class MRTPOTrainer(GRPOTrainer):
             for i in range(num_samples)
         ]
         flat = [p for c in contexts if c is not None for p in (c[0], *c[1])]
-        flat_ids = tokenize_prompts(self, flat) if flat else []
+        owners = [i for i, c in enumerate(contexts) if c is not None for _ in range(1 + len(c[1]))]
+        flat_ids = tokenize_prompts(self, flat, owners) if flat else []
         context_ids, cursor = [], 0
         for removed in removals:
             count = 1 + len(removed) if removed else 0
