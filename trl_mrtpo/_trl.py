@@ -72,9 +72,10 @@ __all__ = [
 def tokenize_prompts(trainer, prompts: list, owners: list[int] | None = None) -> list[list[int]]:
     """Prompt token ids exactly as GRPOTrainer tokenises prompts for generation (chat template, special tokens).
 
-    ``owners``: for each prompt, the local example it belongs to (None: one prompt per example, in order). With ``environment_factory`` TRL renders each
-    prompt with its own environment's tool schema, read from ``_batch_environments`` (one name per local example,
-    set for the batch being generated, TRL 1.16); the replay's contexts take their example's.
+    ``owners``: for each prompt, the local example it belongs to (None: one prompt per example, in order). With
+    ``environment_factory`` TRL renders each prompt with its own environment's tool schema, read from
+    ``_batch_environments`` (one name per local example, set for the batch being generated, TRL 1.16); the replay's
+    contexts take their example's.
     """
     environments = getattr(trainer, "_batch_environments", None)
     if trainer.environment_factories is None or environments is None or owners is None:
