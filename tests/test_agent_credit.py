@@ -146,3 +146,44 @@ def test_mrtpo_credit_with_an_environment_factory(tiny_tokenizer, tmp_path, seve
     trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list(rows), environment_factory=factory)
     trainer.train()
     check_credit_on_model_tokens(trainer)
+
+
+def test_mrtpo_credit_with_a_rollout_func_and_its_env_mask(tiny_tokenizer, tmp_path):
+    """A custom rollout returns the ids and an ``env_mask`` (0 on what the environment wrote): MRTPO reads it as
+    TRL does, so the environment's tokens carry no q and no advantage."""
+    from tests.conftest import build_tiny_model
+
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+
+    def rollout(prompts, trainer):
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        prompt_ids = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for p in prompts
+        ]
+        completion_ids, env_mask = [], []
+        for i in range(len(prompts)):
+            own, observed, answer = encode("Let me look."), encode(" [atlas: Paris is 42] "), encode(ANSWERS[i % 4])
+            completion_ids.append(own + observed + answer + encode("<|im_end|>\n"))
+            env_mask.append(
+                [1] * len(own) + [0] * len(observed) + [1] * (len(completion_ids[-1]) - len(own) - len(observed))
+            )
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_mask}
+
+    class Recorded(RecordingTrainer):
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            self.credits = [*getattr(self, "credits", []), self.last_credit]
+            return output
+
+    trainer = Recorded(
+        model=build_tiny_model(tokenizer),
+        reward_funcs=[answered, used_tool],
+        info_blocks=BLOCKS,
+        rollout_func=rollout,
+        args=make_args(tmp_path, max_steps=2, max_completion_length=320, per_device_train_batch_size=4),
+        train_dataset=Dataset.from_list([{"prompt": QUESTION}] * 8),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    check_credit_on_model_tokens(trainer)
