@@ -187,3 +187,32 @@ def test_mrtpo_credit_with_a_rollout_func_and_its_env_mask(tiny_tokenizer, tmp_p
     )
     trainer.train()
     check_credit_on_model_tokens(trainer)
+
+
+@pytest.mark.slow
+def test_tool_rollouts_on_two_processes(tmp_path):
+    """DDP over two CPU processes: each rank's token advantages on its tool rollouts equal one process's on the
+    merged batch, and stay 0 on tool results."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import check_merged_advantages
+    from tests.test_ddp import DISTRIBUTED_VARIABLES
+
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", "recipes/accelerate/cpu_ddp.yaml",
+        "--main_process_port", "0",
+        "tests/agent_worker.py", str(tmp_path),
+    ]  # fmt: skip
+    inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    assert result.returncode == 0, result.stderr[-8000:]
+    for generation in (0, 1):
+        parts = [torch.load(tmp_path / f"rank{rank}_generation{generation}.pt") for rank in (0, 1)]
+        for part in parts:
+            assert (part["tool_mask"] == 0).any()
+            assert (part["advantages"][part["mask"] == 0] == 0).all()
+        check_merged_advantages(parts)

@@ -1,0 +1,47 @@
+"""Run by tests/test_agent_credit.py under `accelerate launch` (DDP, two CPU processes): 2 MRTPO steps on tool
+rollouts made by TRL's own tool loop, each rank saving what it computed."""
+
+import faulthandler
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from tests.conftest import build_tiny_tokenizer
+from tests.test_agent_credit import QUESTION, lookup, scripted_trainer, tool_tokenizer
+
+WAIT_LIMIT_SECONDS = 180  # the test waits 400 s; alone a launch takes ~30 s
+
+
+def main(report_dir: str) -> None:
+    faulthandler.dump_traceback_later(WAIT_LIMIT_SECONDS, exit=True)  # a hang fails fast with each rank's stack
+    faulthandler.register(signal.SIGTERM, chain=True)
+    tokenizer = tool_tokenizer(build_tiny_tokenizer())
+    trainer = scripted_trainer(
+        tokenizer, Path(report_dir, "out"), Dataset.from_list([{"prompt": QUESTION}] * 16), tools=[lookup]
+    )
+    trainer.train()
+    rank = trainer.accelerator.process_index
+    for g, (credit, batch) in enumerate(zip(trainer.credits, trainer.batches)):
+        record = {
+            "group_advantages": credit.group_advantages,
+            "relevance": credit.relevance,
+            "replayed": credit.replayed,
+            "mask": credit.mask,
+            "advantages": credit.advantages,
+            "beta": credit.beta,
+            "reward_weights": trainer.reward_weights,
+            "rho": trainer.args.max_second_moment_ratio,
+            "tool_mask": batch["tool_mask"],
+        }
+        torch.save(record, Path(report_dir, f"rank{rank}_generation{g}.pt"))
+    trainer.accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
