@@ -216,3 +216,31 @@ def test_tool_rollouts_on_two_processes(tmp_path):
             assert (part["tool_mask"] == 0).any()
             assert (part["advantages"][part["mask"] == 0] == 0).all()
         check_merged_advantages(parts)
+
+
+def test_the_replay_of_trajectories_computes_the_closed_form_minimum(tiny_tokenizer, tmp_path, monkeypatch):
+    """On the tool loop's trajectories (tool results inside the completions) the prefix-tree replay computes each
+    distinct context prefix once, then the last context token and the completion of every sequence."""
+    from tests.test_replay import decoder_tokens
+
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
+    recorded = []
+    replay_inputs = trainer._replay_inputs
+
+    def recording(batch, joint):
+        wanted, context_ids, completion_ids = replay_inputs(batch, joint)
+        recorded.append((context_ids, completion_ids, batch.mask))
+        return wanted, context_ids, completion_ids
+
+    trainer._replay_inputs = recording
+    trainer.train()
+    context_ids, completion_ids, mask = recorded[0]
+    kept = [i for i, contexts in enumerate(context_ids) if len(contexts) >= 2]
+    contexts, completions = [context_ids[i] for i in kept], [completion_ids[i] for i in kept]
+    assert any((mask[i, : len(completion_ids[i])] == 0).any() for i in kept)  # tool results among them
+    sequences = [(c, completion) for ctx, completion in zip(contexts, completions) for c in ctx]
+    distinct = {tuple(c[:n]) for c, _ in sequences for n in range(1, len(c))}
+    minimum = len(distinct) + sum(1 + len(completion) for _, completion in sequences)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert decoder_tokens(model, contexts, completions, 1, monkeypatch) == minimum
