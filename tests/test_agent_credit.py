@@ -244,3 +244,59 @@ def test_the_replay_of_trajectories_computes_the_closed_form_minimum(tiny_tokeni
     minimum = len(distinct) + sum(1 + len(completion) for _, completion in sequences)
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert decoder_tokens(model, contexts, completions, 1, monkeypatch) == minimum
+
+
+def test_the_trajectory_view_by_hand():
+    from trl_mrtpo.trajectories import trajectory
+
+    call = {"type": "function", "function": {"name": "lookup", "arguments": {"city": "Oz"}}}
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [call, call]},
+        {"role": "tool", "name": "lookup", "content": "{'error': 'Oz is not a city'}"},
+        {"role": "tool", "name": "lookup", "content": "{'error': __import__('os')}"},  # never evaluated
+        {"role": "assistant", "content": "Sorry."},
+    ]
+    view = trajectory(messages, [1, 1, 1, 0, 0, 0, 1, 1])
+    assert [t.tokens for t in view.turns] == [(0, 3), (6, 8)] and view.results == ((3, 6),)
+    first, second = view.turns[0].calls
+    assert (first.name, first.arguments, first.error) == ("lookup", {"city": "Oz"}, "Oz is not a city")
+    assert second.error is None and second.result == "{'error': __import__('os')}"
+    assert view.failed == [first] and view.turns[1].text == "Sorry." and view.turns[1].calls == ()
+    assert trajectory("plain text", [1, 1]) is None
+    assert trajectory([{"role": "assistant", "content": "hi"}], [1]) is None
+
+
+def test_builders_see_the_tool_calls_their_results_and_errors(tiny_tokenizer, tmp_path):
+    """A builder that takes ``trajectory`` reads the calls TRL ran (arguments, result, error) and the token ranges
+    of the turns; a builder with the four plain fields keeps working beside it."""
+
+    def failing_lookup(city: str) -> str:
+        """Look up the code of a city.
+
+        Args:
+            city: the city's name.
+        """
+        raise KeyError(city)
+
+    failing_lookup.__name__ = "lookup"
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    trainer = scripted_trainer(
+        tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[failing_lookup]
+    )
+    seen = []
+
+    def feedback(*, prompt, completion, row, score, trajectory):
+        seen.append(trajectory)
+        if trajectory is None or not trajectory.failed:
+            return "Answer with the code."
+        return f"The call {trajectory.failed[0].name} failed with: {trajectory.failed[0].error}"
+
+    trainer.info_block_builders = [feedback, BLOCKS[1]]
+    trainer.train()
+    views = [view for view in seen if view is not None]
+    assert views and len(views) < len(seen)  # odd rows answer without a tool: no view
+    for view in views:
+        (call,) = view.calls
+        assert (call.name, call.arguments, call.error) == ("lookup", {"city": "Paris"}, "'Paris'")
+        assert len(view.turns) == 2 and view.turns[0].tokens[1] == view.results[0][0]
+    assert all(replay["replayed"].any() for replay in trainer.replays)

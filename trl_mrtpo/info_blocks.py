@@ -17,6 +17,7 @@ an *appended* block; return ``InfoBlock(text, placement="in_prompt")`` for a spa
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -54,6 +55,15 @@ def _prompt_preview(prompt: Prompt) -> str:
     return repr(text[:80] + ("..." if len(text) > 80 else ""))
 
 
+def accepts_trajectory(builder: Callable[..., Any]) -> bool:
+    """Whether a builder takes ``trajectory`` (by that name, or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(builder).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable without a signature: given the four fields only
+        return False
+    return any(p.name == "trajectory" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def call_builder(
     builder: Callable[..., Any],
     where: str,
@@ -62,12 +72,17 @@ def call_builder(
     completion: str,
     row: dict[str, Any],
     score: float,
+    trajectory: Any = None,
 ) -> Any:
     """Call a per-sample builder (an info block's, a failure boundary's) with copies of the prompt and the row, so
     that a builder that edits what it is given cannot change the sample for the next builder or the replay; an
-    exception it raises becomes ``error``, naming ``where``."""
+    exception it raises becomes ``error``, naming ``where``. A builder that takes ``trajectory`` also gets the tool
+    rollout's structured view (:class:`~trl_mrtpo.trajectories.Trajectory`, None for a plain completion)."""
+    extra = {"trajectory": trajectory} if accepts_trajectory(builder) else {}
     try:
-        return builder(prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score)
+        return builder(
+            prompt=copy.deepcopy(prompt), completion=completion, row=copy.deepcopy(row), score=score, **extra
+        )
     except Exception as raised:
         raise error(f"The {where} raised {type(raised).__name__}: {raised}") from raised
 
@@ -80,10 +95,11 @@ def build_block(
     completion: str,
     row: dict[str, Any],
     score: float,
+    trajectory: Any = None,
 ) -> InfoBlock | None:
     """Call one builder for one sample and validate what it returns (empty text counts as no block)."""
     where = f"info block builder of reward '{reward_name}' on sample {sample_index} (prompt {_prompt_preview(prompt)})"
-    result = call_builder(builder, where, InfoBlockError, prompt, completion, row, score)
+    result = call_builder(builder, where, InfoBlockError, prompt, completion, row, score, trajectory)
     if result is None:
         return None
     if isinstance(result, str):

@@ -52,6 +52,7 @@ from .info_blocks import (
 )
 from .process_rewards import check_process_rewards, failure_suffix, process_credit
 from .replay import causal_lm_parts, logit_multiplier, replay_relevance
+from .trajectories import trajectory
 from .utils import completion_text, function_name, reward_columns
 from .validation import (
     CORE_STATE_ENTRIES,
@@ -536,6 +537,11 @@ class MRTPOTrainer(GRPOTrainer):
         num_samples, num_rewards = batch.varying.shape
         prompts, rewards = batch.prompts, batch.rewards
         resting = self._resting_rewards() if not joint else set()
+        views = [None] * num_samples  # the structured view of each tool rollout, for builders that take it
+        if "tool_mask" in batch.output:
+            lengths = batch.output["completion_mask"].sum(-1).tolist()
+            tool_mask = batch.output["tool_mask"].tolist()
+            views = [trajectory(c, m[:n]) for c, m, n in zip(batch.completions, tool_mask, lengths)]
         blocks = [
             [
                 build_block(
@@ -546,6 +552,7 @@ class MRTPOTrainer(GRPOTrainer):
                     completion_text(batch.completions[i]),
                     batch.inputs[i],
                     rewards[i, k].item(),
+                    views[i],
                 )
                 if builder is not None
                 else None

@@ -1,0 +1,92 @@
+"""A structured view of a tool rollout for info-block builders: the model's turns, each with its tool calls, their
+arguments, results and errors, and the token range of every turn and tool result (docs/method.md, "Tool
+rollouts"). Built from what TRL's tool loop leaves: the completion's messages and its ``tool_mask``."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: ``error`` is the message when the call failed (TRL records ``{"error": ...}`` as its
+    result), else None."""
+
+    name: str
+    arguments: dict
+    result: str
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn: its text, the calls it made, and ``tokens``, the ``[start, end)`` range of its tokens in the
+    completion ids."""
+
+    text: str
+    calls: tuple[ToolCall, ...]
+    tokens: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The model's turns in order, and the token ranges of the tool results between them."""
+
+    turns: tuple[Turn, ...]
+    results: tuple[tuple[int, int], ...]
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [call for turn in self.turns for call in turn.calls]
+
+    @property
+    def failed(self) -> list[ToolCall]:
+        return [call for call in self.calls if call.error is not None]
+
+
+def _error(content: Any) -> str | None:
+    """The error of a tool message's content, parsed defensively (the tool's own text is never evaluated as code)."""
+    if not isinstance(content, str) or not content.startswith("{'error'"):
+        return None
+    try:
+        value = ast.literal_eval(content)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return str(value["error"]) if isinstance(value, dict) and set(value) == {"error"} else None
+
+
+def _runs(mask: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The ``[start, end)`` runs of 1 (the model's tokens) and of 0 (tool results) in ``mask``."""
+    ones, zeros, start = [], [], 0
+    for t in range(1, len(mask) + 1):
+        if t == len(mask) or mask[t] != mask[start]:
+            (ones if mask[start] else zeros).append((start, t))
+            start = t
+    return ones, zeros
+
+
+def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
+    """The structured view of one completion (TRL's list of messages) over its ``tool_mask`` (unpadded), or None for a
+    completion that is not a tool rollout (a string, or no tool message)."""
+    if not isinstance(messages, list) or not any(isinstance(m, dict) and m.get("role") == "tool" for m in messages):
+        return None
+    model_runs, result_runs = _runs(list(tool_mask))
+    turns, pending = [], []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "assistant":
+            calls = [c.get("function", c) for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+            pending = [{"name": str(c.get("name")), "arguments": dict(c.get("arguments") or {})} for c in calls]
+            span = model_runs[len(turns)] if len(turns) < len(model_runs) else (len(tool_mask), len(tool_mask))
+            turns.append({"text": str(message.get("content") or ""), "calls": [], "tokens": span, "pending": pending})
+        elif message.get("role") == "tool" and turns and turns[-1]["pending"]:
+            call = turns[-1]["pending"].pop(0)
+            content = message.get("content")
+            turns[-1]["calls"].append(ToolCall(call["name"], call["arguments"], str(content), _error(content)))
+    return Trajectory(
+        turns=tuple(Turn(t["text"], tuple(t["calls"]), t["tokens"]) for t in turns), results=tuple(result_runs)
+    )
