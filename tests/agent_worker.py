@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from tests.conftest import build_tiny_tokenizer
+from tests.helpers import merge_record
 from tests.test_agent_credit import QUESTION, lookup, scripted_trainer, tool_tokenizer
 
 WAIT_LIMIT_SECONDS = 180  # the test waits 400 s; alone a launch takes ~30 s
@@ -25,17 +26,7 @@ def main(report_dir: str) -> None:
     trainer.train()
     rank = trainer.accelerator.process_index
     for g, (credit, batch) in enumerate(zip(trainer.credits, trainer.batches)):
-        record = {
-            "group_advantages": credit.group_advantages,
-            "relevance": credit.relevance,
-            "replayed": credit.replayed,
-            "mask": credit.mask,
-            "advantages": credit.advantages,
-            "beta": credit.beta,
-            "reward_weights": trainer.reward_weights,
-            "rho": trainer.args.max_second_moment_ratio,
-            "tool_mask": batch["tool_mask"],
-        }
+        record = {**merge_record(trainer, credit), "tool_mask": batch["tool_mask"]}
         torch.save(record, Path(report_dir, f"rank{rank}_generation{g}.pt"))
     trainer.accelerator.end_training()
     if torch.distributed.is_initialized():

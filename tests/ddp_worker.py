@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers import merge_record
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.scripts.train import main as train_main
 from trl_mrtpo.scripts.train import make_parser
@@ -29,19 +30,7 @@ def main(report_dir: str, argv: list[str]) -> None:
         shapes.append([list(output["advantages"].shape), bool(torch.isfinite(output["advantages"]).all())])
         credit = trainer.last_credit  # this rank's slice: what a single process recomputes on the merged batch
         rank = trainer.accelerator.process_index
-        torch.save(
-            {
-                "group_advantages": credit.group_advantages,
-                "relevance": credit.relevance,
-                "replayed": credit.replayed,
-                "mask": credit.mask,
-                "advantages": credit.advantages,
-                "beta": credit.beta,
-                "reward_weights": trainer.reward_weights,
-                "rho": trainer.args.max_second_moment_ratio,
-            },
-            Path(report_dir, f"rank{rank}_generation{len(shapes) - 1}.pt"),
-        )
+        torch.save(merge_record(trainer, credit), Path(report_dir, f"rank{rank}_generation{len(shapes) - 1}.pt"))
         return output
 
     MRTPOTrainer._generate_and_score_completions = recording

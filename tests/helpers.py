@@ -141,6 +141,20 @@ def build_prm(tokenizer, folder, seed=0):
     return str(folder)
 
 
+def merge_record(trainer, credit: CreditRecord) -> dict:
+    """What one process saves of a generation's credit for :func:`check_merged_advantages`."""
+    return {
+        "group_advantages": credit.group_advantages,
+        "relevance": credit.relevance,
+        "replayed": credit.replayed,
+        "mask": credit.mask,
+        "advantages": credit.advantages,
+        "beta": credit.beta,
+        "reward_weights": trainer.reward_weights,
+        "rho": trainer.args.max_second_moment_ratio,
+    }
+
+
 def check_merged_advantages(parts: list[dict]) -> None:
     """Each process's token advantages (``parts``: what each rank recorded for one generation, in rank order) equal
     one process's on the merged batch: the cap and the means see the whole batch on every rank."""

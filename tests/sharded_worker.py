@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 
+from tests.helpers import merge_record
 from trl_mrtpo import MRTPOConfig, MRTPOTrainer
 from trl_mrtpo._trl import sharding_engine
 
@@ -104,18 +105,7 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         output = original(inputs)
         credit = trainer.last_credit
         layer = trainer.accelerator.unwrap_model(trainer.model).get_decoder().layers[0].mlp
-        generations[-1].update(
-            sharded_between_steps=sharded(layer),
-            prompts=credit.prompts,
-            group_advantages=credit.group_advantages,
-            relevance=credit.relevance,
-            replayed=credit.replayed,
-            mask=credit.mask,
-            advantages=credit.advantages,
-            beta=credit.beta,
-            reward_weights=trainer.reward_weights,
-            rho=trainer.args.max_second_moment_ratio,
-        )
+        generations[-1].update(sharded_between_steps=sharded(layer), **merge_record(trainer, credit))
         torch.save(generations[-1], Path(report_dir, f"rank{rank}_generation{len(generations) - 1}.pt"))
         return output
 
