@@ -252,3 +252,17 @@ def test_the_round_two_families_leave_good_input_alone(tmp_path):
     assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["concur_trust"] == trust
     assert math.isfinite(checked_steps([(0, 1, 3e38)], "p", 0, "ab")[0].score)
     Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("credit_beta", 10**400, "credit_beta must be a finite number"),
+        ("max_second_moment_ratio", -(10**400), "max_second_moment_ratio must be a finite number"),
+        ("reward_weights", [1.0, 10**400], "reward_weights\\[1\\] must be a finite number"),
+    ],
+)
+def test_an_integer_too_large_for_any_float_is_named(tmp_path, field, value, message):
+    """An int beyond any float (10**400) in a configuration field: a named ValueError, not a bare OverflowError."""
+    with pytest.raises(ValueError, match=message):
+        make_args(tmp_path, **{field: value})

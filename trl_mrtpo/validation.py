@@ -27,6 +27,14 @@ def within_float32(value: numbers.Real) -> bool:
         return False
 
 
+def _finite(value: numbers.Real) -> bool:
+    """Whether a real number is finite as a float (an int too large for any float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float (10**400)
+        return False
+
+
 def _has_type(value: Any, kind: Any) -> bool:
     """Whether ``value`` fits a field's declared type (``float``, ``int | None``, ``list[float] | None``, ...); a bool
     is not a number, an int is a float; a type this check does not read is left to the field's own validation."""
@@ -64,14 +72,14 @@ def check_finite_fields(config: Any, names: Sequence[str]) -> None:
     (``reward_weights``, ``process_reward_weights``)."""
     for name in names:
         value = getattr(config, name)
-        if isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value}.")
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and not _finite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r:.40}.")
     for name in ("reward_weights", "process_reward_weights"):
         for i, weight in enumerate(getattr(config, name, None) or ()):
-            if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
-                raise ValueError(f"{name}[{i}] must be a finite number, got {weight!r}.")
-            if abs(weight) > FLOAT32_MAX:
-                raise ValueError(f"{name}[{i}]={weight} is beyond float32's range.")
+            if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not _finite(weight):
+                raise ValueError(f"{name}[{i}] must be a finite number, got {weight!r:.40}.")
+            if not within_float32(weight):
+                raise ValueError(f"{name}[{i}]={weight!r:.40} is beyond float32's range.")
 
 
 # Losses whose gradient flows through each token's log-probability, not through the importance ratio: a sequence-level
