@@ -106,7 +106,7 @@ def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str
 def check_sharded_replay(
     engine: str | None, replay: Sequence[str], policy_rewards: Sequence[str], gathers_for_generation: bool = True
 ) -> None:
-    """Refuse what sharding cannot run exactly and without deadlock (docs/scaling.md).
+    """Refuse what sharding cannot run exactly and without deadlock (docs/recipes-eval-sharing.md, "Scaling out").
 
     The replay (``replay``: what needs it) runs on the policy gathered whole, so its forwards are local and processes
     may replay different amounts; that needs ZeRO-3's gather for generation (``ds3_gather_for_generation``) or FSDP2.

@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from .._trl import log_metric
+from .._trl import log_metric, whole_policy
 from ..constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from ..credit import TokenCredit, weighted_token_advantages
 from ..replay import replay_logprobs
-from ..trainer import CREDIT_MODES, CreditMode, MRTPOTrainer, ScoredBatch, completion_token_lists, whole_policy
+from ..trainer import CREDIT_MODES, CreditMode, MRTPOTrainer, ScoredBatch, completion_token_lists
 from ..validation import StateCheck
 from .config import ResearchConfig
 from .credit import (
