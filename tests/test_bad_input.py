@@ -18,17 +18,12 @@ from tests.helpers import make_args, train
 from tests.reference import reference_token_advantages
 from trl_mrtpo import InfoBlock, InfoBlockError
 from trl_mrtpo.credit import group_advantages, token_advantages
+from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, STATE_VERSION, read_credit_state
 from trl_mrtpo.info_blocks import build_block, build_contexts, check_spans
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research.trainer import RESEARCH_STATE_ENTRIES
-from trl_mrtpo.validation import (
-    CORE_STATE_ENTRIES,
-    STATE_VERSION,
-    check_dataset,
-    check_reward_values,
-    read_credit_state,
-)
+from trl_mrtpo.validation import check_dataset, check_reward_values
 
 NAN, INF = float("nan"), float("inf")
 

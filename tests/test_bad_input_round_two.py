@@ -12,12 +12,13 @@ from tests.helpers import make_args
 from tests.test_bad_input import IDENTITY, STATE_ENTRIES, _state
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.credit import group_advantages, token_advantages
+from trl_mrtpo.credit_state import read_credit_state
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.process_rewards import checked_steps
 from trl_mrtpo.step_labels import MathShepherd
-from trl_mrtpo.validation import check_dataset, check_reward_values, checked_reward, read_credit_state
+from trl_mrtpo.validation import check_dataset, check_reward_values, checked_reward
 
 NAN = float("nan")
 

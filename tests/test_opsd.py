@@ -6,6 +6,7 @@ import pytest
 from datasets import Dataset
 
 from tests.helpers import make_args
+from trl_mrtpo import _trl
 from trl_mrtpo.kits import get_kit
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.opsd import opsd_config, opsd_trainer_class, privileged_context, with_privileged_context
@@ -42,11 +43,22 @@ def test_opsd_trains_with_trls_sdft_and_logs_the_rewards(tiny_model, tiny_tokeni
     kit = get_kit("basic")
     args = opsd_config(make_args(tmp_path, max_steps=2, learning_rate=1e-4, temperature=0.9))
     assert args.teacher_model_kind == "live" and args.learning_rate == 1e-4 and args.temperature == 0.9
-    trainer = opsd_trainer_class()(
+    batches = []
+
+    class Recording(opsd_trainer_class()):
+        def sample_rollouts(self, inputs):
+            batch = super().sample_rollouts(inputs)
+            batches.append(batch)
+            return batch
+
+    trainer = Recording(
         tiny_model, kit.rewards, kit.info_blocks, args, make_basic_dataset(8), processing_class=tiny_tokenizer
     )
     assert isinstance(trainer, SDFTTrainer)  # TRL's distillation, not ours
     trainer.train()
+    # the seam to SDFT, by behaviour: TRL calls the hook the arm overrides, sets what it reads, returns what it reads
+    assert batches and all(set(_trl.SDFT_BATCH_KEYS) <= set(batch) for batch in batches)
+    assert all(hasattr(trainer, name) for name in _trl.SDFT_TRAINER_ATTRIBUTES)
     logged = trainer.state.log_history[0]
     names = [f.__name__ for f in kit.rewards]
     assert all(0.0 <= logged[f"rewards/{name}/mean"] <= 1.0 for name in names)

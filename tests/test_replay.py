@@ -194,3 +194,22 @@ def test_trainer_replays_a_granite_model_at_the_scaled_temperature(tmp_path, tin
         processing_class=tiny_tokenizer,
     )
     assert trainer._replay_temperature == pytest.approx(0.8 / multiplier, rel=1e-4)
+
+
+def test_placed_relevance_lays_q_out_per_reward_and_zeroes_masked_positions():
+    """Hand-worked: response 0 replays rewards 0 and 2 (one row each), response 1 nothing, response 2 rewards 1 and
+    2; position 1 of response 0 is a tool result (mask 0). Joint: every wanted reward reads the one shared row."""
+    from trl_mrtpo.replay import placed_relevance
+
+    mask = torch.tensor([[1, 0, 1], [1, 1, 0], [1, 1, 1]])
+    wanted = [[0, 2], [], [1, 2]]
+    q = [torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]), torch.zeros(0, 2), torch.tensor([[0.7, 0.8, 0.9]] * 2)]
+    q[2][1] = torch.tensor([0.3, 0.2, 0.1])
+    relevance, replayed = placed_relevance(q, wanted, mask, num_rewards=3)
+    assert replayed.tolist() == [[True, False, True], [False, False, False], [False, True, True]]
+    torch.testing.assert_close(relevance[0], torch.tensor([[0.1, 0.0, 0.3], [0, 0, 0], [0.4, 0.0, 0.6]]))
+    assert relevance[1].abs().sum() == 0
+    torch.testing.assert_close(relevance[2], torch.tensor([[0, 0, 0], [0.7, 0.8, 0.9], [0.3, 0.2, 0.1]]))
+    joint, _ = placed_relevance(q, wanted, mask, num_rewards=3, joint=True)
+    assert joint[2, 1].tolist() == joint[2, 2].tolist() == pytest.approx([0.7, 0.8, 0.9])
+    assert joint[0, 2].tolist() == pytest.approx([0.1, 0.0, 0.3])

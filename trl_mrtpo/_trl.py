@@ -45,7 +45,8 @@ GRPO_TRAINER_NAMES = {
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table
 # logs, the vision-language and tool-rollout flags the replay refuses, and the eval group size.
 GRPO_TRAINER_ATTRIBUTES = ("_metrics", "_logs", "_is_vlm", "tools", "environment_factories", "num_generations_eval")
-# What the OPSD arm (trl_mrtpo.opsd) overrides or reads on TRL's experimental SDFTTrainer (TRL 1.16).
+# What the OPSD arm (trl_mrtpo.opsd) overrides or reads on TRL's experimental SDFTTrainer (TRL 1.16); that the hook
+# is called, the attribute set and the batch keys present is checked by a run (tests/test_opsd.py).
 SDFT_TRAINER_NAMES = {
     "sample_rollouts": "overridden: scores each rollout with the reward functions, for logging only",
 }
@@ -199,9 +200,6 @@ def missing_names() -> list[str]:
     from trl.experimental.sdft import SDFTTrainer
 
     missing += [f"SDFTTrainer.{name}" for name in SDFT_TRAINER_NAMES if not hasattr(SDFTTrainer, name)]
-    init, rollouts = inspect.getsource(SDFTTrainer.__init__), inspect.getsource(SDFTTrainer.sample_rollouts)
-    missing += [f"SDFTTrainer().{name}" for name in SDFT_TRAINER_ATTRIBUTES if f"self.{name} =" not in init]
-    missing += [f"SDFTTrainer.sample_rollouts()['{key}']" for key in SDFT_BATCH_KEYS if f'"{key}"' not in rollouts]
     forward = inspect.signature(ChunkedLogProbFunction.forward)
     if len(forward.parameters) != 10:  # ctx and the nine arguments above
         missing.append(f"ChunkedLogProbFunction.forward with 9 arguments (found {len(forward.parameters) - 1})")

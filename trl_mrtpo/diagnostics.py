@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .batch import ScoredBatch
+from .credit import TokenCredit
+from .utils import completion_text
+
 
 def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
     """Share of a profile's tokens that hold ``mass`` of its q mass (the smallest such set).
@@ -19,6 +23,26 @@ def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
     cumulative = values.sort(descending=True).values.cumsum(0)
     needed = int(torch.searchsorted(cumulative, mass * total).item()) + 1
     return min(needed, values.numel()) / values.numel()
+
+
+def q_statistics(
+    relevance: torch.Tensor, with_q: torch.Tensor, mask: torch.Tensor, names: list[str]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per reward, over the responses where its q was computed (``with_q`` ``[B, K]``): the mean q over their tokens
+    (``mrtpo/q_mean``), and the mean share of tokens that hold 80% of each profile's q mass
+    (``mrtpo/q_mass80_token_share``, all-zero profiles left out). Rewards with no such response are absent."""
+    lengths = mask.sum(-1).long()
+    means, concentration = {}, {}
+    for k, name in enumerate(names):
+        rows = with_q[:, k].nonzero(as_tuple=True)[0].tolist()
+        if not rows:
+            continue
+        profiles = [relevance[i, k, : lengths[i]] for i in rows]
+        means[name] = torch.cat(profiles).mean().item()
+        shares = [share for share in map(mass_share, profiles) if share == share]  # NaN: an all-zero profile
+        if shares:
+            concentration[name] = sum(shares) / len(shares)
+    return means, concentration
 
 
 class CollapseMonitor:
@@ -43,6 +67,15 @@ class CollapseMonitor:
                 alarms.append(name)
         return alarms
 
+    def warnings(self, mean_relevance: dict[str, float]) -> list[str]:
+        """:meth:`update`, with what to tell the user about each reward that has just collapsed."""
+        return [
+            f"Reward '{name}': its replayed q has stayed below {self.threshold:g} for {self.patience} steps. Its info "
+            "block no longer changes the policy's predictions, so its credit is uniform (plain GDPO). Check that the "
+            "block carries the information its verifier uses."
+            for name in self.update(mean_relevance)
+        ]
+
 
 @dataclass
 class CreditRecord:
@@ -59,3 +92,19 @@ class CreditRecord:
     weights: torch.Tensor  # [B, K, C] w
     advantages: torch.Tensor  # [B, C] final token advantages
     beta: float
+
+    @classmethod
+    def of(cls, batch: ScoredBatch, credit: TokenCredit, relevance, replayed, beta: float) -> CreditRecord:
+        return cls(
+            prompts=batch.prompts,
+            completions=[completion_text(c) for c in batch.completions],
+            completion_ids=batch.output["completion_ids"],
+            mask=batch.mask,
+            rewards=batch.rewards,
+            group_advantages=batch.group_advantages,
+            relevance=relevance,
+            replayed=replayed,
+            weights=credit.weights,
+            advantages=credit.advantages,
+            beta=beta,
+        )

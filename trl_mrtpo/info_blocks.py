@@ -354,3 +354,63 @@ def check_context_length(
                 f"is {prompt_lengths[i]}), plus {len(completion)} completion tokens, beyond the model's {limit} "
                 f"positions. The longest block is reward '{longest}''s ({lengths[longest]} characters): shorten it."
             )
+
+
+def replay_contexts(
+    builders: Sequence[Callable[..., Any] | None],
+    names: Sequence[str],
+    prompts: Sequence[Prompt],
+    completions: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    rewards: Any,
+    varying: Any,
+    views: Sequence[Any],
+    *,
+    joint: bool,
+    only_varying: bool,
+    resting: set[int],
+    separator: str,
+    header: str | None,
+    special_tokens: Sequence[str],
+) -> tuple[list[list[int]], list[list[InfoBlock | None]], list[list[Prompt]]]:
+    """Step 2 for a batch: each sample's info blocks, the rewards whose pair is replayed and the contexts.
+
+    ``rewards`` and ``varying`` are ``[B, K]`` tensors (NaN: the reward does not apply). A pair is replayed when its
+    reward has a block, applies to the sample, varies within its group (or ``only_varying`` is off) and is not
+    ``resting``. Returns ``(wanted, blocks, contexts)``: per sample the replayed rewards, the blocks, and the
+    contexts ``[P_all, P_removed...]`` (one removal per wanted reward, or one of every block when ``joint``; empty
+    when nothing is replayed).
+    """
+    blocks = [
+        [
+            build_block(builder, name, i, prompts[i], completions[i], rows[i], rewards[i, k].item(), views[i])
+            if builder is not None
+            else None
+            for k, (builder, name) in enumerate(zip(builders, names))
+        ]
+        for i in range(len(prompts))
+    ]
+    check_appendable(prompts, blocks, names, header)
+    check_blocks(prompts, blocks, names, special_tokens)
+    resting = set() if joint else resting
+    wanted = [
+        [
+            k
+            for k in range(len(names))
+            # a reward that is None for this sample gives it no advantage: nothing to place
+            if blocks[i][k] is not None
+            and rewards[i, k] == rewards[i, k]
+            and (bool(varying[i, k]) or not only_varying)
+            and k not in resting
+        ]
+        for i in range(len(prompts))
+    ]
+    contexts = []
+    for i, sample_wanted in enumerate(wanted):
+        if not sample_wanted:  # only samples with a replayed pair get contexts (and are tokenized)
+            contexts.append([])
+            continue
+        removals = [[k for k, b in enumerate(blocks[i]) if b is not None]] if joint else [[k] for k in sample_wanted]
+        full, removed = build_contexts(prompts[i], blocks[i], removals, separator)
+        contexts.append([full, *removed])
+    return wanted, blocks, contexts

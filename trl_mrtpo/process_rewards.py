@@ -15,14 +15,16 @@ response's last unrecovered error ends (exclusive), or None.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from accelerate.utils import gather_object
 
+from .batch import ScoredBatch, completion_token_lists
 from .credit import failure_suffix_mask, process_advantages
 from .info_blocks import Prompt, call_builder
-from .utils import completion_text
+from .utils import completion_text, reward_columns
 from .validation import own_copies, within_float32
 
 NO_BOUNDARY = -1
@@ -280,3 +282,55 @@ def failure_suffix(
         for k, position in zip(offsets, positions):
             boundaries[i, k] = position
     return failure_suffix_mask(boundaries, num_positions)
+
+
+@dataclass
+class StepCredit:
+    """A run's step-level credit rules: its process rewards (with their names and weights) and each reward's failure
+    boundary builder (or None)."""
+
+    process_rewards: list[Callable]
+    process_names: list[str]
+    process_weights: list[float]
+    failure_builders: list[Callable | None]
+    reward_names: list[str]
+
+    def __call__(
+        self, batch: ScoredBatch, tokenizer, num_generations: int, rank: int, trainer_state: Any = None
+    ) -> tuple[dict[str, torch.Tensor | None], list[tuple[str, float]]]:
+        """The local batch's ``process`` (``[B, C]``, :func:`process_credit`) and ``failure_suffix`` (``[B, K, C]``,
+        :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.token_advantages` (None where a rule is not in use), and
+        each process reward's mean step score per scored response, for the logs."""
+        completion_ids = completion_token_lists(batch.output)
+        process, means = None, []
+        if self.process_rewards:
+            process, means = process_credit(
+                self.process_rewards,
+                self.process_names,
+                self.process_weights,
+                batch.prompts,
+                batch.completions,
+                completion_ids,
+                reward_columns(batch.inputs),
+                batch.mask,
+                tokenizer,
+                num_generations,
+                rank,
+                trainer_state=trainer_state,
+            )
+        suffix = None
+        if any(self.failure_builders):
+            credit = batch.group_advantages * batch.reward_weights.to(batch.group_advantages)
+            suffix = failure_suffix(
+                self.failure_builders,
+                self.reward_names,
+                credit,
+                batch.rewards,
+                batch.prompts,
+                batch.completions,
+                batch.inputs,
+                completion_ids,
+                tokenizer,
+                batch.mask.shape[1],
+            ).to(batch.mask.device)
+        return {"process": process, "failure_suffix": suffix}, means

@@ -318,6 +318,26 @@ def replay_relevance(
     return results
 
 
+def placed_relevance(
+    q: Sequence[torch.Tensor],
+    wanted: Sequence[Sequence[int]],
+    mask: torch.Tensor,
+    num_rewards: int,
+    joint: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 4's q laid out per (response, reward): ``[B, K, C]`` relevance and ``[B, K]`` replayed, from
+    :func:`replay_relevance`'s rows (one per reward in ``wanted[j]``, or one shared row when ``joint``). Zero where
+    ``mask`` (``[B, C]``) is 0: tool results are context, not the model's decisions."""
+    relevance = torch.zeros(mask.shape[0], num_rewards, mask.shape[1], device=mask.device)
+    replayed = torch.zeros(mask.shape[0], num_rewards, dtype=torch.bool, device=mask.device)
+    for j, rewards in enumerate(wanted):
+        length = q[j].shape[-1] if j < len(q) else 0
+        for row, k in enumerate(rewards if length else ()):
+            relevance[j, k, :length] = q[j][0 if joint else row].to(mask.device)
+            replayed[j, k] = True
+    return relevance * mask[:, None, :].to(relevance.dtype), replayed
+
+
 @torch.no_grad()
 def replay_logprobs(
     model: nn.Module,

@@ -10,7 +10,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -29,95 +28,42 @@ from ._trl import (
     tokenize_prompts,
     whole_policy,
 )
+from .batch import (
+    CREDIT_MODES,
+    CreditMode,
+    Scored,
+    ScoredBatch,
+    completion_token_lists,
+    credit_mask,
+    local_slice,
+)
 from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .constants import MIN_SHARED_PREFIX
-from .credit import (
-    TokenCredit,
-    group_advantages,
-    token_advantages,
-    warmup_beta,
-)
-from .diagnostics import CollapseMonitor, CreditRecord, mass_share
+from .credit import TokenCredit, group_advantages, token_advantages, warmup_beta
+from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, write_credit_state
+from .diagnostics import CollapseMonitor, CreditRecord, q_statistics
 from .hub_ids import name_hub_ids, saving_with_hub_ids
-from .info_blocks import (
-    InfoBlock,
-    assistant_header,
-    build_block,
-    build_contexts,
-    check_appendable,
-    check_blocks,
-    check_builders,
-    check_context_length,
-)
-from .process_rewards import check_process_rewards, failure_suffix, process_credit
-from .replay import causal_lm_parts, logit_multiplier, replay_relevance
-from .trajectories import trajectory
-from .utils import completion_text, function_name, reward_columns
+from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
+from .process_rewards import StepCredit, check_process_rewards
+from .replay import causal_lm_parts, logit_multiplier, placed_relevance, replay_relevance
+from .trajectories import tool_views
+from .utils import completion_text, function_name
 from .validation import (
-    CORE_STATE_ENTRIES,
-    STATE_VERSION,
-    StateCheck,
     check_dataset,
+    check_finite_rewards,
     check_loss_keeps_token_credit,
     check_sharded_replay,
+    check_step_rules,
     checked_reward,
-    read_credit_state,
+    process_reward_weights,
 )
-from .viz import credit_summary, token_strings
+from .viz import credit_summaries, token_strings
 
 logger = logging.get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class CreditMode:
-    """How a credit assignment mode builds its token weights.
-
-    ``removal``: the replayed contexts: ``"each"`` removes one reward's block per context, ``"all"`` removes every
-    block in one context, None replays nothing. ``shuffled``: q is permuted within each response (ablation).
-    ``contrast``: CoRT's log-likelihood contrast instead of q.
-    """
-
-    removal: str | None
-    shuffled: bool = False
-    contrast: bool = False
-
-
-CREDIT_MODES = {"mrtpo": CreditMode("each"), "gdpo": CreditMode(None)}
-
-
-@dataclass
-class Scored:
-    """What TRL scored for one generation batch (rewards gathered over processes), until MRTPO uses it."""
-
-    inputs: list[dict]
-    prompts: list
-    completions: list
-    rewards: torch.Tensor
-
-
-@dataclass
-class ScoredBatch:
-    """This process's slice of a scored batch, with its response-level advantages and TRL's generation output."""
-
-    inputs: list[dict]
-    prompts: list
-    completions: list
-    rewards: torch.Tensor  # [B, K]
-    group_advantages: torch.Tensor  # [B, K], after any response-level weighting
-    varying: torch.Tensor  # [B, K] bool: the reward varies within the response's group
-    reward_weights: torch.Tensor  # [K] or [B, K]
-    mask: torch.Tensor  # [B, C] completion (and tool) mask
-    output: dict
-
-
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
-
-
-def completion_token_lists(output: dict) -> list[list[int]]:
-    """Each completion's token ids without padding, from TRL's generation output."""
-    lengths = output["completion_mask"].sum(-1).tolist()
-    return [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
 
 
 class MRTPOTrainer(GRPOTrainer):
@@ -202,37 +148,18 @@ class MRTPOTrainer(GRPOTrainer):
             **kwargs,
         )
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
-        self.failure_boundary_builders = check_builders(
-            failure_boundaries, self.reward_func_names, "failure_boundaries"
+        process_rewards = check_process_rewards(process_rewards)
+        self.step_credit = StepCredit(
+            process_rewards,
+            [function_name(func) for func in process_rewards],
+            process_reward_weights(args.process_reward_weights, len(process_rewards)),
+            check_builders(failure_boundaries, self.reward_func_names, "failure_boundaries"),
+            self.reward_func_names,
         )
-        self.process_rewards = check_process_rewards(process_rewards)
-        self.process_reward_names = [function_name(func) for func in self.process_rewards]
-        weights = args.process_reward_weights
-        if weights is not None and len(weights) != len(self.process_rewards):
-            raise ValueError(
-                f"process_reward_weights has {len(weights)} entries but there are {len(self.process_rewards)} "
-                "process rewards; pass one weight per process reward, in the same order."
-            )
-        self.process_reward_weights = list(weights) if weights is not None else [1.0] * len(self.process_rewards)
-        step_rules = [
-            name
-            for name, on in (
-                ("process_rewards", self.process_rewards),
-                ("failure_boundaries", any(self.failure_boundary_builders)),
-            )
-            if on
-        ]
-        if step_rules and args.credit_assignment == "grpo":
-            raise ValueError(
-                f"{' and '.join(step_rules)} act on MRTPO's per-reward token credit; credit_assignment='grpo' is "
-                "plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
-            )
-        for func in self.process_rewards:  # a process reward that samples from the policy binds to it
+        step_rules = check_step_rules(process_rewards, self.step_credit.failure_builders, args.credit_assignment)
+        for func in [*process_rewards, *self.reward_funcs]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
-        for reward_func in self.reward_funcs:  # a reward that reads the policy (e.g. self-certainty) binds to it
-            if callable(getattr(reward_func, "bind", None)):
-                reward_func.bind(self)
         # every value a reward function returns is checked where it returns, naming the function and the sample
         self.reward_funcs = [
             func if isinstance(func, torch.nn.Module) else checked_reward(func, name)
@@ -249,7 +176,7 @@ class MRTPOTrainer(GRPOTrainer):
         replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
         extra = self._extra_policy_forwards()
         named = [*zip(self.reward_func_names, self.reward_funcs)]
-        named += [(type(f).__name__, f) for f in self.process_rewards]
+        named += [(type(f).__name__, f) for f in process_rewards]
         runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
         check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *extra])
         check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
@@ -284,9 +211,6 @@ class MRTPOTrainer(GRPOTrainer):
         with saving_with_hub_ids(self._local_copies, output_dir or self.args.output_dir):
             super()._save(output_dir, state_dict)
 
-    def _credit_state_path(self, checkpoint: str) -> str:
-        return os.path.join(checkpoint, f"mrtpo_state_{self.accelerator.process_index}.pt")
-
     def _state_identity(self) -> dict:
         """What a checkpointed MRTPO state was written for; a resume under another setup is refused."""
         return {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
@@ -301,44 +225,34 @@ class MRTPOTrainer(GRPOTrainer):
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Checkpoint MRTPO's own state beside TRL's, as TRL checkpoints its own extra state (each process its own
-        file), so that a resumed run continues exactly. Plain tensors, numbers and strings only: it loads with
-        ``weights_only=True``."""
+        """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state."""
         super()._save_checkpoint(model, trial)
         if self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
             return
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        state, _ = self._credit_state()
-        torch.save({"version": STATE_VERSION, **self._state_identity(), **state}, self._credit_state_path(folder))
+        write_credit_state(folder, self.accelerator.process_index, self._state_identity(), self._credit_state()[0])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is None:
-            return
-        path = self._credit_state_path(checkpoint)
-        if not os.path.isfile(path):
-            logger.warning(
-                f"{path} is missing: MRTPO's own state (collapse monitor, and any research option's) starts afresh, "
-                "so the resumed run will not continue exactly as an uninterrupted one."
-            )
-            return
-        _, entries = self._credit_state()
-        self._restore_credit_state(read_credit_state(path, self._state_identity(), entries))
+        if checkpoint is not None:
+            entries = self._credit_state()[1]
+            state = load_credit_state(checkpoint, self.accelerator.process_index, self._state_identity(), entries)
+            if state is not None:
+                self._restore_credit_state(state)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        infinite = torch.isinf(rewards).nonzero().tolist()
-        if infinite:  # NaN means "does not apply"; an infinity would silently turn its group's advantages to 0
-            sample, k = infinite[0]
-            raise ValueError(
-                f"reward function '{self.reward_func_names[k]}' returned {rewards[sample, k].item()} for sample "
-                f"{sample} of the generation batch; rewards must be finite (return None where a reward does not "
-                "apply)."
-            )
+        check_finite_rewards(rewards, self.reward_func_names)
         # TRL does not expose per-reward advantages: keep what they are computed from.
         self._scored = Scored(inputs, prompts, completions, rewards)
+        self.record_rewards(inputs, rewards)
         return rewards
+
+    def record_rewards(self, inputs: list[dict], rewards: torch.Tensor) -> None:
+        """Called once per generation batch (training and evaluation) with its rows and ``[N, K]`` rewards, gathered
+        over processes (NaN: the reward does not apply); does nothing. A subclass that records what was scored
+        overrides it (the credit gym does)."""
 
     def _generate_and_score_completions(self, inputs):
         started = time.perf_counter()
@@ -351,26 +265,16 @@ class MRTPOTrainer(GRPOTrainer):
         batch = self._weighted_batch(scored, output, mode)
         beta = self._beta()
         self._replay_seconds = 0.0
-        step_credit = {
-            "process": self._process_credit(batch, mode),
-            "failure_suffix": self._failure_suffix(batch),
-        }
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rank = self.accelerator.process_index
+        step_credit, process_means = self.step_credit(batch, tokenizer, num_generations, rank, self.state)
+        for name, value in process_means:
+            log_metric(self, mode, f"mrtpo/process/{name}", value)
         credit, relevance, replayed = self._token_credit(batch, beta, step_credit)
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
-        self.last_credit = CreditRecord(
-            prompts=batch.prompts,
-            completions=[completion_text(c) for c in batch.completions],
-            completion_ids=output["completion_ids"],
-            mask=batch.mask,
-            rewards=batch.rewards,
-            group_advantages=batch.group_advantages,
-            relevance=relevance,
-            replayed=replayed,
-            weights=credit.weights,
-            advantages=credit.advantages,
-            beta=beta,
-        )
+        self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta)
         total_seconds = time.perf_counter() - started
         self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
         return output
@@ -423,11 +327,7 @@ class MRTPOTrainer(GRPOTrainer):
         rewards = scored.rewards
         group_adv, varying = group_advantages(rewards, num_generations)
         group_adv, reward_weights = self._response_weighting(rewards, group_adv, num_generations, mode)
-        rank, size = self.accelerator.process_index, len(scored.prompts)
-        local = slice(rank * size, (rank + 1) * size)
-        mask = output["completion_mask"]
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
+        local = local_slice(scored, self.accelerator.process_index)
         return ScoredBatch(
             inputs=scored.inputs,
             prompts=scored.prompts,
@@ -436,7 +336,7 @@ class MRTPOTrainer(GRPOTrainer):
             group_advantages=group_adv[local],
             varying=varying[local],
             reward_weights=reward_weights,
-            mask=mask,
+            mask=credit_mask(output),
             output=output,
         )
 
@@ -474,53 +374,6 @@ class MRTPOTrainer(GRPOTrainer):
             **step_credit,
         )
 
-    @cached_property
-    def _text_tokenizer(self):
-        return getattr(self.processing_class, "tokenizer", self.processing_class)
-
-    def _process_credit(self, batch: ScoredBatch, mode: str) -> torch.Tensor | None:
-        """``[B, C]`` the weighted sum of the process rewards' token advantages (docs/method.md, "Process rewards"),
-        or None without process rewards; each process reward's mean step score is logged."""
-        if not self.process_rewards:
-            return None
-        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        total, means = process_credit(
-            self.process_rewards,
-            self.process_reward_names,
-            self.process_reward_weights,
-            batch.prompts,
-            batch.completions,
-            completion_token_lists(batch.output),
-            reward_columns(batch.inputs),
-            batch.mask,
-            self._text_tokenizer,
-            num_generations,
-            self.accelerator.process_index,
-            trainer_state=self.state,
-        )
-        for name, value in means:
-            log_metric(self, mode, f"mrtpo/process/{name}", value)
-        return total
-
-    def _failure_suffix(self, batch: ScoredBatch) -> torch.Tensor | None:
-        """``[B, K, C]`` the positions after each failing pair's error boundary (docs/method.md, "Failure-suffix
-        masking"), or None when no reward has a boundary builder."""
-        if not any(self.failure_boundary_builders):
-            return None
-        credit = batch.group_advantages * batch.reward_weights.to(batch.group_advantages)
-        return failure_suffix(
-            self.failure_boundary_builders,
-            self.reward_func_names,
-            credit,
-            batch.rewards,
-            batch.prompts,
-            batch.completions,
-            batch.inputs,
-            completion_token_lists(batch.output),
-            self._text_tokenizer,
-            batch.mask.shape[1],
-        ).to(batch.mask.device)
-
     def _reduce_sum(self):
         """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
         if self.accelerator.num_processes == 1:
@@ -528,73 +381,29 @@ class MRTPOTrainer(GRPOTrainer):
         return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
 
     def _replay_inputs(self, batch: ScoredBatch, joint: bool):
-        """Info blocks, replayed pairs and token ids of the local batch's replay.
-
-        Returns ``(wanted, context_ids, completion_ids)``: per response, the reward indices whose pair is replayed,
-        the contexts ``[P_all, P_removed...]`` (one removal per wanted reward, or a single removal of every block
-        when ``joint``; empty when nothing is replayed) and the completion token ids.
-        """
-        num_samples, num_rewards = batch.varying.shape
-        prompts, rewards = batch.prompts, batch.rewards
-        resting = self._resting_rewards() if not joint else set()
-        views = [None] * num_samples  # the structured view of each tool rollout, for builders that take it
-        if "tool_mask" in batch.output:
-            lengths = batch.output["completion_mask"].sum(-1).tolist()
-            tool_mask = batch.output["tool_mask"].tolist()
-            views = [trajectory(c, m[:n]) for c, m, n in zip(batch.completions, tool_mask, lengths)]
-        blocks = [
-            [
-                build_block(
-                    builder,
-                    name,
-                    i,
-                    prompts[i],
-                    completion_text(batch.completions[i]),
-                    batch.inputs[i],
-                    rewards[i, k].item(),
-                    views[i],
-                )
-                if builder is not None
-                else None
-                for k, (builder, name) in enumerate(zip(self.info_block_builders, self.reward_func_names))
-            ]
-            for i in range(num_samples)
-        ]
-        check_appendable(prompts, blocks, self.reward_func_names, self._assistant_header)
-        check_blocks(prompts, blocks, self.reward_func_names, self._special_tokens)
-        wanted = [
-            [
-                k
-                for k in range(num_rewards)
-                # a reward that is None for this response gives it no advantage: nothing to place
-                if blocks[i][k] is not None
-                and not torch.isnan(rewards[i, k])
-                and (batch.varying[i, k] or not self.args.replay_only_varying)
-                and k not in resting
-            ]
-            for i in range(num_samples)
-        ]
-        if joint:
-            removals = [
-                [[k for k, b in enumerate(blocks[i]) if b is not None]] if wanted[i] else []
-                for i in range(num_samples)
-            ]
-        else:
-            removals = [[[k] for k in wanted[i]] for i in range(num_samples)]
-
-        # Only responses with a replayed pair are tokenized and replayed; the others keep no contexts.
-        contexts = [
-            build_contexts(prompts[i], blocks[i], removals[i], self.args.info_block_separator) if removals[i] else None
-            for i in range(num_samples)
-        ]
-        flat = [p for c in contexts if c is not None for p in (c[0], *c[1])]
-        owners = [i for i, c in enumerate(contexts) if c is not None for _ in range(1 + len(c[1]))]
-        flat_ids = tokenize_prompts(self, flat, owners) if flat else []
-        context_ids, cursor = [], 0
-        for removed in removals:
-            count = 1 + len(removed) if removed else 0
-            context_ids.append(flat_ids[cursor : cursor + count])
-            cursor += count
+        """Step 2 on the local batch (:func:`~trl_mrtpo.info_blocks.replay_contexts`), tokenised as TRL tokenises
+        prompts. Returns ``(wanted, context_ids, completion_ids)``: per response, the replayed rewards, the contexts'
+        token ids ``[P_all, P_removed...]`` (empty when nothing is replayed) and the completion's token ids."""
+        wanted, blocks, contexts = replay_contexts(
+            self.info_block_builders,
+            self.reward_func_names,
+            batch.prompts,
+            [completion_text(c) for c in batch.completions],
+            batch.inputs,
+            batch.rewards,
+            batch.varying,
+            tool_views(batch.output, batch.completions),
+            joint=joint,
+            only_varying=self.args.replay_only_varying,
+            resting=self._resting_rewards(),
+            separator=self.args.info_block_separator,
+            header=self._assistant_header,
+            special_tokens=self._special_tokens,
+        )
+        flat = [context for sample in contexts for context in sample]
+        owners = [i for i, sample in enumerate(contexts) for _ in sample]
+        flat_ids = iter(tokenize_prompts(self, flat, owners) if flat else [])
+        context_ids = [[next(flat_ids) for _ in sample] for sample in contexts]
         completion_ids = completion_token_lists(batch.output)
         prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
         limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
@@ -621,13 +430,10 @@ class MRTPOTrainer(GRPOTrainer):
         """Steps 3-4: replay the local batch and place q per (response, reward)."""
         joint = self._credit_mode.removal == "all"
         wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
-        mask = batch.mask
-        relevance = torch.zeros(*batch.varying.shape, mask.shape[1], device=mask.device)
-        replayed = torch.zeros_like(batch.varying)
         # every process enters (a collective under sharding), even one with nothing to replay
         with whole_policy(self) as policy:
             if not any(wanted):
-                return relevance, replayed
+                return placed_relevance([], wanted, batch.mask, batch.varying.shape[1])
             q = replay_relevance(
                 policy,
                 context_ids,
@@ -637,15 +443,7 @@ class MRTPOTrainer(GRPOTrainer):
                 chunk_size=self.args.replay_chunk_size,
                 **self._replay_options(),
             )
-        for i, ids in enumerate(completion_ids):
-            length = len(ids)
-            if length == 0:
-                continue
-            for row, k in enumerate(wanted[i]):
-                relevance[i, k, :length] = q[i][0 if joint else row].to(mask.device)
-                replayed[i, k] = True
-        # tool results are context, not the model's decisions: no q there (the mask is 0 on them)
-        relevance = relevance * mask[:, None, :].to(relevance.dtype)
+        relevance, replayed = placed_relevance(q, wanted, batch.mask, batch.varying.shape[1], joint)
         return self._placed_relevance(relevance, replayed, batch), replayed
 
     def _placed_relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: ScoredBatch) -> torch.Tensor:
@@ -658,43 +456,26 @@ class MRTPOTrainer(GRPOTrainer):
         log_metric(self, mode, "mrtpo/cap_factor", credit.cap_factor)
         log_metric(self, mode, "mrtpo/replay_seconds", replay_seconds)
         log_metric(self, mode, "mrtpo/replay_share", replay_seconds / total_seconds if total_seconds > 0 else 0.0)
-        lengths = mask.sum(-1).long()
-        q_means = {}
         # CoRT replays without computing q (its weights come from a log-likelihood contrast): no q statistics.
         with_q = torch.zeros_like(replayed) if self._credit_mode.contrast else replayed
-        for k, name in enumerate(self.reward_func_names):
-            rows = with_q[:, k].nonzero(as_tuple=True)[0].tolist()
-            if not rows:
-                continue
-            profiles = [relevance[i, k, : lengths[i]] for i in rows]
-            q_means[name] = torch.cat(profiles).mean().item()
-            log_metric(self, mode, f"mrtpo/q_mean/{name}", q_means[name])
-            shares = [mass_share(p) for p in profiles]
-            shares = [s for s in shares if s == s]  # drop all-zero profiles (NaN)
-            if shares:
-                log_metric(self, mode, f"mrtpo/q_mass80_token_share/{name}", sum(shares) / len(shares))
+        q_means, concentration = q_statistics(relevance, with_q, mask, self.reward_func_names)
+        for name, value in q_means.items():
+            log_metric(self, mode, f"mrtpo/q_mean/{name}", value)
+        for name, value in concentration.items():
+            log_metric(self, mode, f"mrtpo/q_mass80_token_share/{name}", value)
 
         if mode == "train" and self._collapse_monitor is not None:
-            for name in self._collapse_monitor.update(q_means):
-                logger.warning(
-                    f"Reward '{name}': its replayed q has stayed below {self._collapse_monitor.threshold:g} for "
-                    f"{self._collapse_monitor.patience} steps. Its info block no longer changes the policy's "
-                    "predictions, so its credit is uniform (plain GDPO). Check that the block carries the information "
-                    "its verifier uses."
-                )
+            for warning in self._collapse_monitor.warnings(q_means):
+                logger.warning(warning)
 
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
         # Decoding every token costs time each step, so only when that table is logged.
         if self.log_completions:
-            summaries = []
-            for j in range(mask.shape[0]):
-                length = int(lengths[j])
-                tokens = token_strings(self.processing_class, self.last_credit.completion_ids[j, :length].tolist())
-                profiles = [
-                    relevance[j, k, :length].tolist() if with_q[j, k] else [] for k in range(relevance.shape[1])
-                ]
-                advantages = credit.advantages[j, :length].tolist()
-                summaries.append(credit_summary(tokens, advantages, profiles, self.reward_func_names))
+            tokens = [
+                token_strings(self.processing_class, ids[: int(n)].tolist())
+                for ids, n in zip(self.last_credit.completion_ids, mask.sum(-1))
+            ]
+            summaries = credit_summaries(tokens, credit.advantages, relevance, with_q, self.reward_func_names)
             log_completion_column(self, "mrtpo_credit", gather_object(summaries))
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.

@@ -90,3 +90,13 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
     return Trajectory(
         turns=tuple(Turn(t["text"], tuple(t["calls"]), t["tokens"]) for t in turns), results=tuple(result_runs)
     )
+
+
+def tool_views(output: dict, completions: Sequence[Any]) -> list[Trajectory | None]:
+    """The structured view of each completion of a generation batch (TRL's output), or Nones when the batch has no
+    tool rollouts (no ``tool_mask``)."""
+    if "tool_mask" not in output:
+        return [None] * len(completions)
+    lengths = output["completion_mask"].sum(-1).tolist()
+    masks = output["tool_mask"].tolist()
+    return [trajectory(c, m[:n]) for c, m, n in zip(completions, masks, lengths)]

@@ -103,6 +103,36 @@ def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str
     )
 
 
+def process_reward_weights(weights: Sequence[float] | None, count: int) -> list[float]:
+    """``process_reward_weights`` checked against the ``count`` process rewards (all 1.0 when None)."""
+    if weights is None:
+        return [1.0] * count
+    if len(weights) != count:
+        raise ValueError(
+            f"process_reward_weights has {len(weights)} entries but there are {count} process rewards; pass one "
+            "weight per process reward, in the same order."
+        )
+    return list(weights)
+
+
+def check_step_rules(
+    process_rewards: Sequence[Callable], failure_builders: Sequence[Callable | None], credit_assignment: str
+) -> list[str]:
+    """The step-level credit rules in use (named for later checks), refused under plain GRPO, which has no per-reward
+    token credit for them to act on."""
+    rules = [
+        name
+        for name, on in (("process_rewards", bool(process_rewards)), ("failure_boundaries", any(failure_builders)))
+        if on
+    ]
+    if rules and credit_assignment == "grpo":
+        raise ValueError(
+            f"{' and '.join(rules)} act on MRTPO's per-reward token credit; credit_assignment='grpo' is plain "
+            "GRPOTrainer. Use 'gdpo' for uniform credit with them."
+        )
+    return rules
+
+
 def check_sharded_replay(
     engine: str | None, replay: Sequence[str], policy_rewards: Sequence[str], gathers_for_generation: bool = True
 ) -> None:
@@ -260,69 +290,13 @@ def check_dataset(dataset: Any, split: str) -> None:
         _check_prompt(prompt, f"the prompt of row {i} of the {split} dataset")
 
 
-STATE_VERSION = 2  # of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own)
-
-# An entry's check: None when the value is what the trainer writes, else what was found instead (for the message).
-StateCheck = Callable[[Any, int], "str | None"]
-
-
-def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
-    """The collapse monitor's streaks: reward name -> a count of steps."""
-    if isinstance(streaks, dict) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
-    ):
-        return None
-    return str(streaks)
-
-
-CORE_STATE_ENTRIES: dict[str, StateCheck] = {"collapse_streaks": collapse_streaks_problem}
-
-
-def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck]) -> dict:
-    """The trainer's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only)
-    and checked against the run resuming from it: a damaged or foreign file, one written for other rewards or
-    credit settings, or an entry that is missing, unknown or not what ``entries`` expects, stops with a message
-    naming the file and what differs."""
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as error:
+def check_finite_rewards(rewards: torch.Tensor, names: Sequence[str]) -> None:
+    """``[N, K]`` rewards of a generation batch are finite or NaN ("does not apply"): an infinity would silently turn
+    its group's advantages to 0, so it stops the step naming the reward and the sample."""
+    infinite = torch.isinf(rewards).nonzero().tolist()
+    if infinite:
+        sample, k = infinite[0]
         raise ValueError(
-            f"{path} cannot be read as MRTPO's checkpoint state ({type(error).__name__}: {error}). It is damaged, "
-            "from another program, or from an older trl-mrtpo release; delete it to resume with a fresh MRTPO "
-            "state."
-        ) from error
-    if not isinstance(state, dict) or any(key not in state for key in entries):
-        found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
-    if state.get("version") != STATE_VERSION:
-        raise ValueError(
-            f"{path} has MRTPO state version {state.get('version')}, this release reads version {STATE_VERSION}; "
-            "delete it to resume with a fresh MRTPO state."
+            f"reward function '{names[k]}' returned {rewards[sample, k].item()} for sample {sample} of the "
+            "generation batch; rewards must be finite (return None where a reward does not apply)."
         )
-    differences = [
-        f"{key}: {state.get(key)!r} in the checkpoint, {value!r} now"
-        for key, value in identity.items()
-        if state.get(key) != value
-    ]
-    if differences:
-        raise ValueError(
-            f"{path} was written by a run with another setup ({'; '.join(differences)}); its per-reward state "
-            "would be applied to the wrong rewards. Resume with the same rewards and credit settings, or start a "
-            "new run."
-        )
-
-    def refuse(entry: str, found: Any) -> None:
-        raise ValueError(
-            f"{path}: entry {entry} is {found!s:.80}, not what MRTPO writes; delete the file to resume "
-            "with a fresh MRTPO state."
-        )
-
-    unknown = set(state) - {"version", *entries, *identity}
-    if unknown:
-        refuse(", ".join(sorted(map(str, unknown))), "unknown")
-    num_rewards = len(identity["reward_names"])
-    for entry, check in entries.items():
-        problem = check(state[entry], num_rewards)
-        if problem is not None:
-            refuse(entry, problem)
-    return state

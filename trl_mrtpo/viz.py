@@ -43,6 +43,19 @@ def credit_summary(
     return " | ".join(parts)
 
 
+def credit_summaries(
+    tokens: Sequence[Sequence[str]], advantages, relevance, with_q, names: Sequence[str]
+) -> list[str]:
+    """:func:`credit_summary` of each response of a batch: ``tokens`` per response (unpadded), ``advantages``
+    ``[B, C]``, ``relevance`` ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the pairs whose q profile is shown)."""
+    summaries = []
+    for j, response in enumerate(tokens):
+        length = len(response)
+        profiles = [relevance[j, k, :length].tolist() if with_q[j, k] else [] for k in range(len(names))]
+        summaries.append(credit_summary(response, advantages[j, :length].tolist(), profiles, names))
+    return summaries
+
+
 def _alpha(value: float, scale: float) -> float:
     return 0.0 if scale <= 0 or not math.isfinite(value) else min(1.0, abs(value) / scale)
 

@@ -131,10 +131,8 @@ def _gym_trainer_class():
             relevance = oracle_relevance(texts, batch.inputs, mask.shape[1]).to(mask.device)
             return relevance, batch.varying.clone()
 
-        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        def record_rewards(self, inputs, rewards):
             self.scored_batches.append((rewards.detach().cpu().clone(), [row["constraints"] for row in inputs]))
-            return rewards
 
     return GymTrainer
 

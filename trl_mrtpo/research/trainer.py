@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from .._trl import log_metric, whole_policy
+from ..batch import CREDIT_MODES, CreditMode, ScoredBatch, completion_token_lists
 from ..constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from ..credit import TokenCredit, weighted_token_advantages
+from ..credit_state import StateCheck
 from ..replay import replay_logprobs
-from ..trainer import CREDIT_MODES, CreditMode, MRTPOTrainer, ScoredBatch, completion_token_lists
-from ..validation import StateCheck
+from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
 from .credit import (
     cort_weights,

@@ -1,0 +1,69 @@
+"""What one generation batch carries between MRTPO's steps: the rewards TRL scored, this process's slice with its
+response-level advantages, and how a credit mode replays it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CreditMode:
+    """How a credit assignment mode builds its token weights.
+
+    ``removal``: the replayed contexts: ``"each"`` removes one reward's block per context, ``"all"`` removes every
+    block in one context, None replays nothing. ``shuffled``: q is permuted within each response (ablation).
+    ``contrast``: CoRT's log-likelihood contrast instead of q.
+    """
+
+    removal: str | None
+    shuffled: bool = False
+    contrast: bool = False
+
+
+CREDIT_MODES = {"mrtpo": CreditMode("each"), "gdpo": CreditMode(None)}
+
+
+@dataclass
+class Scored:
+    """What TRL scored for one generation batch (rewards gathered over processes), until MRTPO uses it."""
+
+    inputs: list[dict]
+    prompts: list
+    completions: list
+    rewards: torch.Tensor
+
+
+@dataclass
+class ScoredBatch:
+    """This process's slice of a scored batch, with its response-level advantages and TRL's generation output."""
+
+    inputs: list[dict]
+    prompts: list
+    completions: list
+    rewards: torch.Tensor  # [B, K]
+    group_advantages: torch.Tensor  # [B, K], after any response-level weighting
+    varying: torch.Tensor  # [B, K] bool: the reward varies within the response's group
+    reward_weights: torch.Tensor  # [K] or [B, K]
+    mask: torch.Tensor  # [B, C] completion (and tool) mask
+    output: dict
+
+
+def completion_token_lists(output: dict) -> list[list[int]]:
+    """Each completion's token ids without padding, from TRL's generation output."""
+    lengths = output["completion_mask"].sum(-1).tolist()
+    return [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
+
+
+def local_slice(scored: Scored, process_index: int) -> slice:
+    """This process's rows of a batch gathered over processes (TRL gathers rewards in process order)."""
+    size = len(scored.prompts)
+    return slice(process_index * size, (process_index + 1) * size)
+
+
+def credit_mask(output: dict) -> torch.Tensor:
+    """``[B, C]`` where credit may land: the completion mask, times TRL's tool mask in tool rollouts (tool results are
+    context, not the model's decisions)."""
+    mask = output["completion_mask"]
+    return mask * output["tool_mask"] if "tool_mask" in output else mask

@@ -1,0 +1,105 @@
+"""MRTPO's own checkpointed state (``mrtpo_state_<rank>.pt`` beside TRL's files): written each checkpoint, read
+back and checked on resume, so that a resumed run continues exactly as an uninterrupted one."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+STATE_VERSION = 2  # of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own)
+
+# An entry's check: None when the value is what the trainer writes, else what was found instead (for the message).
+StateCheck = Callable[[Any, int], "str | None"]
+
+
+def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
+    """The collapse monitor's streaks: reward name -> a count of steps."""
+    if isinstance(streaks, dict) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
+    ):
+        return None
+    return str(streaks)
+
+
+CORE_STATE_ENTRIES: dict[str, StateCheck] = {"collapse_streaks": collapse_streaks_problem}
+
+
+def credit_state_path(checkpoint: str, process_index: int) -> str:
+    return os.path.join(checkpoint, f"mrtpo_state_{process_index}.pt")
+
+
+def write_credit_state(checkpoint: str, process_index: int, identity: dict, state: dict) -> None:
+    """Each process its own file; plain tensors, numbers and strings only, so that it loads with
+    ``weights_only=True``."""
+    torch.save({"version": STATE_VERSION, **identity, **state}, credit_state_path(checkpoint, process_index))
+
+
+def load_credit_state(
+    checkpoint: str, process_index: int, identity: dict, entries: dict[str, StateCheck]
+) -> dict | None:
+    """This process's state of ``checkpoint`` (:func:`read_credit_state`), or None with a warning when the file is
+    missing (the state starts afresh)."""
+    path = credit_state_path(checkpoint, process_index)
+    if not os.path.isfile(path):
+        logger.warning(
+            f"{path} is missing: MRTPO's own state (collapse monitor, and any research option's) starts afresh, so "
+            "the resumed run will not continue exactly as an uninterrupted one."
+        )
+        return None
+    return read_credit_state(path, identity, entries)
+
+
+def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck]) -> dict:
+    """The trainer's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only)
+    and checked against the run resuming from it: a damaged or foreign file, one written for other rewards or
+    credit settings, or an entry that is missing, unknown or not what ``entries`` expects, stops with a message
+    naming the file and what differs."""
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as error:
+        raise ValueError(
+            f"{path} cannot be read as MRTPO's checkpoint state ({type(error).__name__}: {error}). It is damaged, "
+            "from another program, or from an older trl-mrtpo release; delete it to resume with a fresh MRTPO "
+            "state."
+        ) from error
+    if not isinstance(state, dict) or any(key not in state for key in entries):
+        found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"{path} has MRTPO state version {state.get('version')}, this release reads version {STATE_VERSION}; "
+            "delete it to resume with a fresh MRTPO state."
+        )
+    differences = [
+        f"{key}: {state.get(key)!r} in the checkpoint, {value!r} now"
+        for key, value in identity.items()
+        if state.get(key) != value
+    ]
+    if differences:
+        raise ValueError(
+            f"{path} was written by a run with another setup ({'; '.join(differences)}); its per-reward state "
+            "would be applied to the wrong rewards. Resume with the same rewards and credit settings, or start a "
+            "new run."
+        )
+
+    def refuse(entry: str, found: Any) -> None:
+        raise ValueError(
+            f"{path}: entry {entry} is {found!s:.80}, not what MRTPO writes; delete the file to resume "
+            "with a fresh MRTPO state."
+        )
+
+    unknown = set(state) - {"version", *entries, *identity}
+    if unknown:
+        refuse(", ".join(sorted(map(str, unknown))), "unknown")
+    num_rewards = len(identity["reward_names"])
+    for entry, check in entries.items():
+        problem = check(state[entry], num_rewards)
+        if problem is not None:
+            refuse(entry, problem)
+    return state
