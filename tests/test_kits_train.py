@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from tests.conftest import MALFORMED_COMPLETIONS
 from tests.helpers import make_args, recording_trainer
 from trl_mrtpo.info_blocks import InfoBlock
-from trl_mrtpo.kits import KIT_NAMES, data_loaders, get_kit, resolve
+from trl_mrtpo.kits import KIT_NAMES, SINGLE_TURN_KITS, data_loaders, get_kit, resolve
 
 
 def demo_task(task: str, num_prompts: int, seed: int, cache_dir: str | None = None):
@@ -44,7 +44,8 @@ def test_sql_kit_blocks_build_real_contexts(tmp_path):
 
 
 def test_unknown_demo_task():
-    assert KIT_NAMES == ("basic", "sql", "if", "tools", "short")
+    assert KIT_NAMES == ("basic", "sql", "if", "tools", "agent", "short")
+    assert SINGLE_TURN_KITS == ("basic", "sql", "if", "tools", "short")  # what the demo and inspect offer
     with pytest.raises(ValueError, match="unknown task 'chess'"):
         demo_task("chess", 8, 0, "/tmp")
 
@@ -60,6 +61,9 @@ def test_every_kit_is_one_consistent_record(task, tmp_path):
         assert resolve(name, "reward") is kit.rewards[names.index(name)]
     dataset = kit.dataset(3, 0, str(tmp_path))
     assert len(dataset) > 0 and "prompt" in dataset.column_names
+    if kit.environment is not None:  # a multi-turn kit: its rewards read trajectories, not spans of one text
+        assert task not in SINGLE_TURN_KITS and len(kit.failure_boundaries) == len(names)
+        return
     assert kit.spans is not None
     spans = kit.spans(dataset[0], "Sure: the end")
     assert set(spans) <= set(names)  # spans are keyed by reward name, never by position

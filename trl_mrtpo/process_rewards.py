@@ -24,6 +24,7 @@ from accelerate.utils import gather_object
 from .batch import ScoredBatch, completion_token_lists
 from .credit import failure_suffix_mask, process_advantages
 from .info_blocks import Prompt, call_builder
+from .trajectories import Trajectory, Turn, tool_views
 from .utils import completion_text, reward_columns
 from .validation import own_copies, within_float32
 
@@ -180,13 +181,23 @@ def failure_boundary(
     completion: str,
     row: dict[str, Any],
     score: float,
-) -> int | None:
-    """Call one failure-boundary builder for one failing pair and validate its answer: None, or an int offset in
-    ``[1, len(completion)]``."""
+    trajectory: Trajectory | None = None,
+) -> int | Turn | None:
+    """Call one failure-boundary builder for one failing pair and validate its answer: None, an int offset in
+    ``[1, len(completion)]``, or, in a tool rollout (``trajectory`` given), one of ``trajectory.turns``: the turn
+    whose last token ends the error."""
     where = f"failure boundary builder of reward '{reward_name}' on sample {sample}"
-    offset = call_builder(builder, where, ValueError, prompt, completion, row, score)
+    offset = call_builder(builder, where, ValueError, prompt, completion, row, score, trajectory)
     if offset is None:
         return None
+    if trajectory is not None:
+        if not isinstance(offset, Turn) or offset not in trajectory.turns:
+            raise ValueError(
+                f"The {where} returned {type(offset).__name__} {offset!s:.60}; in a tool rollout it must return one "
+                "of trajectory.turns (the turn where the error ends) or None: a character offset does not address the "
+                "tokens of a multi-turn completion."
+            )
+        return offset
     if not isinstance(offset, int) or isinstance(offset, bool):
         raise TypeError(f"The {where} returned {type(offset).__name__}; it must return a character offset or None.")
     if not 1 <= offset <= len(completion):
@@ -263,18 +274,23 @@ def failure_suffix(
     completion_ids: list[list[int]],
     tokenizer,
     num_positions: int,
+    views: Sequence[Trajectory | None] | None = None,
 ) -> torch.Tensor:
     """``[B, K, C]`` bool, the positions after each failing pair's error boundary (docs/method.md, "Failure-suffix
     masking"). Only pairs with negative ``credit`` (``[B, K]``, ``c_k A_k``) ask their builder; a boundary lands on
-    its token by :func:`token_positions`, one pass per response."""
+    its token by :func:`token_positions`, one pass per response, or, in a tool rollout (``views``: each response's
+    :class:`~trl_mrtpo.trajectories.Trajectory` or None), on the last token of the turn the builder returned."""
     boundaries = torch.full(credit.shape, NO_BOUNDARY, dtype=torch.long)
+    views = views or [None] * len(completions)
     for i, completion in enumerate(completions):
         text = completion_text(completion)
         offsets = {}  # reward -> where its error ends
         for k, (builder, name) in enumerate(zip(builders, reward_names)):
             if builder is not None and credit[i, k] < 0:
-                offset = failure_boundary(builder, name, i, prompts[i], text, rows[i], rewards[i, k].item())
-                if offset is not None:
+                offset = failure_boundary(builder, name, i, prompts[i], text, rows[i], rewards[i, k].item(), views[i])
+                if isinstance(offset, Turn):
+                    boundaries[i, k] = max(offset.tokens[1] - 1, 0)
+                elif offset is not None:
                     offsets[k] = offset
         names = ", ".join(f"'{reward_names[k]}'" for k in offsets)
         where = f"failure boundary builder of {names} on sample {i}"
@@ -332,5 +348,6 @@ class StepCredit:
                 completion_ids,
                 tokenizer,
                 batch.mask.shape[1],
+                tool_views(batch.output, batch.completions),
             ).to(batch.mask.device)
         return {"process": process, "failure_suffix": suffix}, means

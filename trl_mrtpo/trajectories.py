@@ -12,12 +12,13 @@ from typing import Any
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One call the model made: ``error`` is the message when the call failed (TRL records ``{"error": ...}`` as its
-    result), else None."""
+    """One call the model made: ``result`` is what the tool returned as TRL put it in the conversation, None when the
+    call was never run (the rollout reached the length limit or ``max_tool_calling_iterations`` first); ``error`` is
+    the message when the call failed (TRL records ``{"error": ...}`` as its result), else None."""
 
     name: str
     arguments: dict
-    result: str
+    result: str | None
     error: str | None
 
 
@@ -87,6 +88,8 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
             call = turns[-1]["pending"].pop(0)
             content = message.get("content")
             turns[-1]["calls"].append(ToolCall(call["name"], call["arguments"], str(content), _error(content)))
+    for turn in turns:  # calls left without a result were never run
+        turn["calls"] += [ToolCall(call["name"], call["arguments"], None, None) for call in turn["pending"]]
     return Trajectory(
         turns=tuple(Turn(t["text"], tuple(t["calls"]), t["tokens"]) for t in turns), results=tuple(result_runs)
     )

@@ -26,9 +26,13 @@ KIT_MODULES = {
     "sql": "sql",
     "if": "instruction_following",
     "tools": "tool_calling",
+    "agent": "tool_agent",
     "short": "short_answers",
 }
 KIT_NAMES = tuple(KIT_MODULES)
+# kits whose rollouts are multi-turn through an environment: they need a model and chat template that call tools
+# (TRL's response schema), which the demo's and inspect's embedded model has not
+SINGLE_TURN_KITS = tuple(name for name in KIT_NAMES if name != "agent")
 # what a kit needs beyond the core install, and the extra that brings it
 KIT_REQUIREMENTS = {"sql": (("sqlglot",), "sql"), "if": (("if_verifiable", "nltk"), "if")}
 
@@ -63,6 +67,9 @@ class Kit:
         failure_boundaries (`list[Callable | None]`):
             One failure-boundary builder (or None) per reward, where the verifier knows where a failing response's
             unrecovered error ends (the trainer's ``failure_boundaries``); empty: none.
+        environment (`Callable` or `None`):
+            For a multi-turn tool task: the environment class (TRL's ``environment_factory``) whose methods are the
+            tools; None for single-turn kits.
     """
 
     name: str
@@ -74,6 +81,7 @@ class Kit:
     report_label: str | None = None
     loaders: dict[str, Callable[..., Any]] = field(default_factory=dict)
     failure_boundaries: list[Callable | None] = field(default_factory=list)
+    environment: Callable[[], Any] | None = None
 
     def __post_init__(self):
         if len(self.rewards) != len(self.info_blocks):
@@ -85,7 +93,7 @@ class Kit:
 
 
 def get_kit(name: str) -> Kit:
-    """The kit registered under ``name`` (``basic``, ``sql``, ``if``, ``tools`` or ``short``)."""
+    """The kit registered under ``name`` (``basic``, ``sql``, ``if``, ``tools``, ``agent`` or ``short``)."""
     if name not in KIT_MODULES:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(KIT_NAMES)}")
     modules, extra = KIT_REQUIREMENTS.get(name, ((), ""))

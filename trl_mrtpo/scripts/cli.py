@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from ..constants import CREDIT_ASSIGNMENTS, RESEARCH_CREDIT_ASSIGNMENTS
-from ..kits import KIT_NAMES
+from ..kits import SINGLE_TURN_KITS
 from .evaluation import BENCHMARKS
 
 THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1-minute load average, at least 1)"
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--task",
-        choices=KIT_NAMES,
+        choices=SINGLE_TURN_KITS,
         default="basic",
         help="basic: 3 constraint rewards + length (default); sql: text-to-SQL kit; if: instruction following "
         "(13 constraint slots); tools: tool calling; short: short answers under 4 constraints",
@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
     inspect.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply")
-    inspect.add_argument("--task", choices=KIT_NAMES, default="basic")
+    inspect.add_argument("--task", choices=SINGLE_TURN_KITS, default="basic")
     inspect.add_argument(
         "--completions",
         default=None,

@@ -223,6 +223,7 @@ def build_trainer(
         eval_dataset=eval_dataset,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
+        **({"environment_factory": kit.environment} if kit is not None and kit.environment else {}),
     )
     if script_args.ignore_bias_buffers:  # as TRL's scripts do: DDP skips boolean buffers (e.g. causal masks)
         import torch
