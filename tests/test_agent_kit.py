@@ -267,3 +267,63 @@ def test_a_character_offset_in_a_tool_rollout_is_refused_by_name():
         failure_boundary(lambda **kw: kw["trajectory"].turns[1], "calls", 3, None, "t", {}, -1.0, view)
         == view.turns[1]
     )
+
+
+@pytest.mark.parametrize(
+    "env_mask, message",
+    [
+        ([[1, 1, 0]], "1 rows for 2 completions"),
+        ([[1, 1, 0], [1, 1]], "completion 1 .* as long as its 3 completion ids \\(found 2 entries"),
+        ([[1, 1, 0], [1, 2, 1]], "completion 1 .*found 3 entries: \\[1, 2, 1\\]"),
+        ([[1, 1, 0], [1.0, 0.0, 1.0]], "completion 1"),
+        ([[1, 1, 0], "110"], "completion 1 .*found str"),
+    ],
+)
+def test_a_rollout_funcs_env_mask_that_does_not_fit_its_ids_is_refused_by_name(env_mask, message):
+    from trl_mrtpo.validation import checked_rollout
+
+    def my_rollout(prompts, trainer):
+        return {
+            "prompt_ids": [[1], [1]],
+            "completion_ids": [[5, 6, 7], [5, 6, 7]],
+            "logprobs": None,
+            "env_mask": env_mask,
+        }
+
+    with pytest.raises(ValueError, match=f"rollout_func 'my_rollout' returned .*{message}"):
+        checked_rollout(my_rollout)(["a", "b"], None)
+    fine = {"prompt_ids": [[1]], "completion_ids": [[5, 6]], "logprobs": None, "env_mask": [[1, 0]]}
+    assert checked_rollout(lambda prompts, trainer: fine)(["a"], None) is fine
+
+
+def test_a_builder_reading_a_turn_that_does_not_exist_is_named():
+    from trl_mrtpo.info_blocks import InfoBlockError, build_block
+
+    view = trajectory(CLEAN, [1] * 4 + [0] * 2 + [1] * 3 + [0] * 3 + [1] * 5)
+
+    def sixth_turn(*, prompt, completion, row, score, trajectory):
+        return trajectory.turns[5].text
+
+    with pytest.raises(InfoBlockError, match="builder of reward 'calls' on sample 2 .* raised IndexError"):
+        build_block(sixth_turn, "calls", 2, "Please buy 2 apple.", "", ROW, 0.0, view)
+
+
+def test_process_rewards_on_tool_rollouts_are_refused(tiny_tokenizer, tmp_path):
+    from tests.conftest import build_tiny_model
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    kit = get_kit("agent")
+    row = {"prompt": [{"role": "user", "content": "Please buy 2 apple."}], **ROW, "reference_calls": REFERENCE}
+    with pytest.raises(ValueError, match="process_rewards score character spans .* multi-turn tool rollout"):
+        MRTPOTrainer(
+            model=build_tiny_model(tokenizer),
+            reward_funcs=kit.rewards,
+            info_blocks=kit.info_blocks,
+            process_rewards=[lambda completions, **_: [None] * len(completions)],
+            environment_factory=kit.environment,
+            args=make_args(tmp_path),
+            train_dataset=Dataset.from_list([row] * 4),
+            processing_class=tokenizer,
+        )

@@ -26,7 +26,7 @@ from .credit import failure_suffix_mask, process_advantages
 from .info_blocks import Prompt, call_builder
 from .trajectories import Trajectory, Turn, tool_views
 from .utils import completion_text, reward_columns
-from .validation import own_copies, within_float32
+from .validation import TOOL_ROLLOUT_PROCESS_REWARDS, own_copies, within_float32
 
 NO_BOUNDARY = -1
 
@@ -320,6 +320,8 @@ class StepCredit:
         completion_ids = completion_token_lists(batch.output)
         process, means = None, []
         if self.process_rewards:
+            if "tool_mask" in batch.output:  # a rollout_func's env_mask: known only now
+                raise ValueError(TOOL_ROLLOUT_PROCESS_REWARDS)
             process, means = process_credit(
                 self.process_rewards,
                 self.process_names,

@@ -56,6 +56,7 @@ from .validation import (
     check_sharded_replay,
     check_step_rules,
     checked_reward,
+    checked_rollout,
     process_reward_weights,
 )
 from .viz import credit_summaries, token_strings
@@ -148,6 +149,8 @@ class MRTPOTrainer(GRPOTrainer):
             **kwargs,
         )
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
+        if self.rollout_func is not None:
+            self.rollout_func = checked_rollout(self.rollout_func)
         process_rewards = check_process_rewards(process_rewards)
         self.step_credit = StepCredit(
             process_rewards,
@@ -156,7 +159,10 @@ class MRTPOTrainer(GRPOTrainer):
             check_builders(failure_boundaries, self.reward_func_names, "failure_boundaries"),
             self.reward_func_names,
         )
-        step_rules = check_step_rules(process_rewards, self.step_credit.failure_builders, args.credit_assignment)
+        tool_rollouts = bool(self.tools or self.environment_factories)
+        step_rules = check_step_rules(
+            process_rewards, self.step_credit.failure_builders, args.credit_assignment, tool_rollouts
+        )
         for func in [*process_rewards, *self.reward_funcs]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)

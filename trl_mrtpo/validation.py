@@ -115,11 +115,22 @@ def process_reward_weights(weights: Sequence[float] | None, count: int) -> list[
     return list(weights)
 
 
+TOOL_ROLLOUT_PROCESS_REWARDS = (
+    "process_rewards score character spans of the completion text, which do not address the tokens of a multi-turn "
+    "tool rollout; train tool rollouts without process rewards (failure_boundaries work: return a turn)."
+)
+
+
 def check_step_rules(
-    process_rewards: Sequence[Callable], failure_builders: Sequence[Callable | None], credit_assignment: str
+    process_rewards: Sequence[Callable],
+    failure_builders: Sequence[Callable | None],
+    credit_assignment: str,
+    tool_rollouts: bool = False,
 ) -> list[str]:
     """The step-level credit rules in use (named for later checks), refused under plain GRPO, which has no per-reward
-    token credit for them to act on."""
+    token credit for them to act on; process rewards are refused on tool rollouts."""
+    if process_rewards and tool_rollouts:
+        raise ValueError(TOOL_ROLLOUT_PROCESS_REWARDS)
     rules = [
         name
         for name, on in (("process_rewards", bool(process_rewards)), ("failure_boundaries", any(failure_builders)))
@@ -300,3 +311,37 @@ def check_finite_rewards(rewards: torch.Tensor, names: Sequence[str]) -> None:
             f"reward function '{names[k]}' returned {rewards[sample, k].item()} for sample {sample} of the "
             "generation batch; rewards must be finite (return None where a reward does not apply)."
         )
+
+
+def checked_rollout(rollout_func: Callable) -> Callable:
+    """``rollout_func`` whose ``env_mask`` is checked where it returns: one list of 0/1 per completion, as long as its
+    ids. TRL pads the mask with 1 and multiplies it into the loss mask, so a mask of the wrong length would silently
+    shift which tokens count as the model's: the credit would land on what the environment wrote."""
+
+    @functools.wraps(rollout_func)
+    def checked(prompts, trainer):
+        output = rollout_func(prompts, trainer)
+        env_mask = output.get("env_mask") if isinstance(output, dict) else None
+        if env_mask is None:
+            return output
+        completions = output.get("completion_ids") or []
+        where = f"rollout_func {getattr(rollout_func, '__name__', type(rollout_func).__name__)!r}"
+        if not isinstance(env_mask, Sequence) or len(env_mask) != len(completions):
+            count = len(env_mask) if isinstance(env_mask, Sequence) else type(env_mask).__name__
+            raise ValueError(f"{where} returned env_mask with {count} rows for {len(completions)} completions.")
+        for i, (mask, ids) in enumerate(zip(env_mask, completions)):
+            values = list(mask) if isinstance(mask, Sequence) and not isinstance(mask, str) else None
+            if (
+                values is None
+                or len(values) != len(ids)
+                or any(v not in (0, 1) or isinstance(v, float) for v in values)
+            ):
+                found = f"{len(values)} entries" if values is not None else type(mask).__name__
+                raise ValueError(
+                    f"{where} returned an env_mask for completion {i} that is not a list of 0/1 as long as its "
+                    f"{len(ids)} completion ids (found {found}: {str(values)[:60]}); 1 marks the model's tokens, 0 "
+                    "what the environment wrote."
+                )
+        return output
+
+    return checked
