@@ -159,12 +159,12 @@ def note_text(constraint: Constraint) -> str:
     return f"note {constraint.text} ;"
 
 
-def build_tokenizer():
-    """A word-level tokenizer over the gym's language, with a chat template."""
+def build_tokenizer(words: Sequence[str] = (*STRUCTURE_WORDS, *CONTENT_WORDS)):
+    """A word-level tokenizer over the gym's language (or another list of ``words``), with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *STRUCTURE_WORDS, *CONTENT_WORDS))}
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *words))}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -307,7 +307,8 @@ def _filler_word(rng: random.Random, pool: Sequence[str], topical: float, stray_
 
 
 def build_policy(tokenizer, spec: GymSpec, seed: int):
-    """A tiny Llama-style causal LM over the gym's vocabulary."""
+    """A tiny Llama-style causal LM over the gym's vocabulary (``spec``: anything with ``hidden_size`` and
+    ``num_layers``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
