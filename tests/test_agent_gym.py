@@ -1,0 +1,113 @@
+"""The agent gym: trajectories read back by hand, the deciding word of each reward and its turn, the rollout's ids
+and env_mask, and a tiny run of the pre-registered benchmark (resumable, report written)."""
+
+import json
+
+import pytest
+
+from trl_mrtpo.gym.agent import (
+    REWARD_NAMES,
+    AgentGymSpec,
+    AgentRunSettings,
+    Parsed,
+    agent_blocks,
+    agent_example,
+    agent_rewards,
+    agent_rollout,
+    env_mask_of,
+    parse_table,
+    parse_trajectory,
+    relevant_token,
+    supervised_agent_policy,
+    train_agent_run,
+    turn_of,
+)
+
+WORDS = "call ann ; => two ; call bob ; => six ; call cal ; => one ; answer one".split()
+
+
+def test_a_trajectory_read_back_by_hand():
+    parsed = parse_trajectory(WORDS)
+    assert parsed == Parsed(calls=(("ann", 1), ("bob", 7), ("cal", 13)), answer=("one", 19))
+    assert [relevant_token(n, parsed) for n in REWARD_NAMES] == [1, 13, 19]
+    assert [turn_of(t, parsed) for t in (0, 5, 6, 11, 13, 17, 18, 19)] == [
+        "first call", "first call", "middle calls", "middle calls", "last call", "last call", "answer", "answer",
+    ]  # fmt: skip
+    assert env_mask_of(WORDS) == [1, 1, 1, 0, 0, 0] * 3 + [1, 1]
+    # malformed turns end the reading; a trajectory without calls has no deciding word for the call rewards
+    assert parse_trajectory("call zed ; answer one".split()) == Parsed((), None)
+    assert relevant_token("first_call", parse_trajectory(["answer", "two"])) is None
+
+
+def test_rewards_and_blocks_by_hand():
+    import random
+
+    row = agent_example(random.Random(0))
+    table = parse_table(row["table"])
+    good = (
+        " ".join(f"call {e} ; => {table[e]} ;" for e in (row["first"], "hal", row["last"]))
+        + f" answer {table[row['last']]}"
+    )
+    bad = f"call {row['last']} ; => {table[row['last']]} ; answer {table[row['last']]}"
+    columns = {"first": [row["first"]] * 2, "last": [row["last"]] * 2, "table": [row["table"]] * 2}
+    completions = [[{"role": "assistant", "content": good}], [{"role": "assistant", "content": bad}]]
+    scores = [reward(completions, **columns) for reward in agent_rewards()]
+    assert scores == [[1.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    first, last, answer = (block(row=row) for block in agent_blocks())
+    assert first.text == f"first {row['first']}" and first.placement == "in_prompt"
+    assert last.text in row["prompt"][0]["content"] and answer == f"note {row['last']} => {table[row['last']]} ;"
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("agent_gym")
+    spec = AgentGymSpec(sft_steps=30)
+    return spec, cache, supervised_agent_policy(spec, 0, cache)
+
+
+def test_the_rollout_returns_ids_and_an_env_mask_that_fit(tiny_policy):
+    import random
+    from types import SimpleNamespace
+
+    _, _, (model, tokenizer) = tiny_policy
+    rows = [agent_example(random.Random(i)) for i in range(6)]
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, temperature=1.0)
+    out = agent_rollout(tokenizer)([row["prompt"] for row in rows], trainer)
+    for row, ids, mask in zip(rows, out["completion_ids"], out["env_mask"]):
+        words = tokenizer.convert_ids_to_tokens(ids)
+        assert len(mask) == len(ids) and mask == env_mask_of(words)
+        table = parse_table(row["table"])
+        for i, word in enumerate(words):  # every environment answer is the table's value of the call before it
+            if word == "=>":
+                assert words[i + 1] == table[words[i - 2]] and mask[i : i + 3] == [0, 0, 0]
+        assert words.count("call") <= 5
+
+
+def test_a_short_run_records_every_step(tiny_policy, tmp_path):
+    spec, cache, _ = tiny_policy
+    records = train_agent_run(spec, AgentRunSettings("mrtpo", steps=3, prompts_per_step=2), 0, cache, tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(0 <= r[n] <= 1 for r in records for n in REWARD_NAMES)
+
+
+def test_the_benchmark_resumes_and_writes_its_report(tiny_policy, tmp_path, monkeypatch):
+    import sys
+
+    sys.path.insert(0, "benchmarks")
+    import agent_gym
+
+    spec, cache, _ = tiny_policy
+    monkeypatch.setattr(agent_gym, "AgentGymSpec", lambda: spec)
+    monkeypatch.setattr(agent_gym, "SETTINGS", {**agent_gym.SETTINGS, "steps": 2, "prompts_per_step": 2})
+    args = ["--work-dir", str(tmp_path / "runs"), "--cache-dir", str(cache), "--seeds", "0", "1"]
+    agent_gym.main([*args, "--report", str(tmp_path / "report.md")])
+    runs = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert runs == sorted(f"{kind}-seed{s}.json" for kind in ("gdpo", "mrtpo", "localisation") for s in (0, 1))
+    stamp = (tmp_path / "runs" / "mrtpo-seed0.json").stat().st_mtime_ns
+    agent_gym.main([*args, "--report", str(tmp_path / "again.md")])  # nothing recomputed
+    assert (tmp_path / "runs" / "mrtpo-seed0.json").stat().st_mtime_ns == stamp
+    text = (tmp_path / "report.md").read_text()
+    assert "| auc |" in text and "| answer |" in text and text == (tmp_path / "again.md").read_text()
+    rows = (tmp_path / "summary.csv").read_text().splitlines()
+    assert rows[0].startswith("seed,method,auc") and len(rows) == 5
+    assert json.loads((tmp_path / "runs" / "localisation-seed0.json").read_text())[0]["reward"] in REWARD_NAMES
