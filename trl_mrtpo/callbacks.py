@@ -29,4 +29,5 @@ class CreditPlotCallback(TrainerCallback):
                 )
                 return
 
-            plot_credit_curves(state.log_history, self.reward_names, os.path.join(args.output_dir, "mrtpo_curves.png"))
+            path = os.path.join(args.output_dir, "mrtpo_curves.png")
+            plot_credit_curves(state.log_history, self.reward_names, path, args.credit_warmup_steps)

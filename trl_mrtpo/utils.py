@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -79,3 +80,8 @@ def require(module: str, needed_for: str, install: str) -> None:
 
     if importlib.util.find_spec(module) is None:
         raise ImportError(f"{needed_for} needs the '{module}' package, which is not installed: {install}")
+
+
+def moving_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving mean of ``values`` over ``window`` entries (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]

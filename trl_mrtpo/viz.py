@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 
 from .diagnostics import CreditRecord
+from .utils import moving_mean
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -22,6 +23,7 @@ h1{font-size:20px}.resp{border:1px solid #ddd;border-radius:6px;padding:12px;mar
 # looks (its q profile) is a blue bar under the token. Both are scaled per row, each with its own colour bar.
 _POSITIVE, _NEGATIVE, _Q = "0,150,60", "210,40,40", "40,70,220"
 _Q_BAR_PX = 5
+TREND_WINDOW = 5  # steps of the moving mean drawn as each reward's trend
 
 
 def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
@@ -151,13 +153,38 @@ def credit_heatmap_html(
         final = record.advantages[j, :length].tolist()
         row, credit_scale, _ = _token_row(tokens, final, [f"A_t={v:+.4f}" for v in final])
         label = f"<b>summed token advantage (to the loss)</b>{_colour_bars(credit_scale, None)}"
+        parts.append(f'<div class="row"><div class="label">{label}</div>{row}</div>')
+        uniform = [uniform_advantage(record, j)] * length
+        row, credit_scale, _ = _token_row(tokens, uniform, [f"sum A_k={v:+.4f}" for v in uniform])
+        label = f"reference: uniform GDPO spread (every token gets the summed A_k){_colour_bars(credit_scale, None)}"
         parts.append(f'<div class="row"><div class="label">{label}</div>{row}</div></div>')
     parts.append("</body></html>")
     return "".join(parts)
 
 
-def plot_credit_curves(log_history: list[dict], reward_names: Sequence[str], path: str) -> str | None:
-    """Two panels per run: each reward's mean per step, and the share of tokens holding 80 % of its q mass.
+def uniform_advantage(record: CreditRecord, response: int) -> float:
+    """What GDPO gives every token of a response: its rewards' group advantages summed (None rewards count 0)."""
+    return record.group_advantages[response].nan_to_num().sum().item()
+
+
+def _reward_axes(axis, logs: list[dict], reward_names: Sequence[str], style: str = "-", label: str = "") -> None:
+    """Each reward's per-step mean (faint points) and its smoothed trend (a line) on ``axis``."""
+    for index, name in enumerate(reward_names):
+        key = f"rewards/{name}/mean"
+        points = [(h["step"], h[key]) for h in logs if isinstance(h.get(key), (int, float))]
+        if not points:
+            continue
+        steps, values = zip(*points)
+        colour = f"C{index}"
+        axis.plot(steps, values, "o", markersize=3, alpha=0.35, color=colour)
+        axis.plot(steps, moving_mean(values, TREND_WINDOW), style, color=colour, label=f"{name}{label}")
+
+
+def plot_credit_curves(
+    log_history: list[dict], reward_names: Sequence[str], path: str, warmup_steps: int | None = None
+) -> str | None:
+    """Two panels per run: each reward's mean per step with its smoothed trend, and the share of tokens holding 80 %
+    of its q mass; a dotted line marks the end of the credit warm-up (``warmup_steps``).
 
     Returns the path written, or None when there is nothing to plot.
     """
@@ -170,12 +197,17 @@ def plot_credit_curves(log_history: list[dict], reward_names: Sequence[str], pat
     if not logs:
         return None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for name in reward_names:
-        for axis, key in ((top, f"rewards/{name}/mean"), (bottom, f"mrtpo/q_mass80_token_share/{name}")):
-            points = [(h["step"], h[key]) for h in logs if isinstance(h.get(key), (int, float))]
-            if points:
-                axis.plot(*zip(*points), marker="o", markersize=3, label=name)
-    top.set_ylabel("reward mean")
+    _reward_axes(top, logs, reward_names)
+    for index, name in enumerate(reward_names):
+        key = f"mrtpo/q_mass80_token_share/{name}"
+        points = [(h["step"], h[key]) for h in logs if isinstance(h.get(key), (int, float))]
+        if points:
+            bottom.plot(*zip(*points), marker="o", markersize=3, color=f"C{index}", label=name)
+    if warmup_steps:
+        for axis in (top, bottom):
+            axis.axvline(warmup_steps, linestyle=":", color="gray")
+        top.annotate("credit warm-up ends", (warmup_steps, 1.0), fontsize=7, color="gray", va="top")
+    top.set_ylabel("reward mean\n(points: per step; line: trend)")
     bottom.set_ylabel("token share holding\n80 % of q mass")
     bottom.set_xlabel("step")
     top.legend(fontsize=7, loc="best")
@@ -203,3 +235,56 @@ def format_curves(log_history: list[dict], reward_names: Sequence[str]) -> str:
             cells.append(f"{value:>16.3f}" if isinstance(value, (int, float)) else f"{'n/a':>16}")
         lines.append("  ".join(cells))
     return "\n".join(lines)
+
+
+def plot_comparison(histories: dict[str, list[dict]], reward_names: Sequence[str], path: str) -> str:
+    """One panel per method (same scale), each reward's per-step mean and smoothed trend: the demo's side-by-side
+    plot of runs on the same task and seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(histories), figsize=(6 * len(histories), 4), sharey=True, squeeze=False)
+    for axis, (method, history) in zip(axes[0], histories.items()):
+        _reward_axes(axis, [h for h in history if "mrtpo/beta" in h], reward_names)
+        axis.set_title(method)
+        axis.set_xlabel("step")
+    axes[0][0].set_ylabel("reward mean")
+    axes[0][0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def credit_heatmap_png(
+    record: CreditRecord, tokenizer, reward_names: Sequence[str], path: str, max_responses: int = 3
+) -> str:
+    """The heatmap as an image for terminals without a browser: per response, one row per reward (its token credit
+    ``A_k * w_k,t``), the uniform GDPO spread and the summed advantage, tokens along the x axis; colour is signed
+    credit on one scale per response (green +, red -)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    count = min(max_responses, len(record.completions))
+    per_reward = record.group_advantages[:, :, None] * record.weights
+    lengths = record.mask.sum(-1).long().tolist()
+    width = max(4.0, min(24.0, 0.28 * max(lengths[:count] or [1])))
+    fig, axes = plt.subplots(count, 1, figsize=(width, 1.1 + 0.45 * (len(reward_names) + 2) * count), squeeze=False)
+    for j, axis in enumerate(axes[:, 0]):
+        length = lengths[j]
+        rows = [per_reward[j, k, :length].tolist() for k in range(len(reward_names))]
+        rows += [[uniform_advantage(record, j)] * length, record.advantages[j, :length].tolist()]
+        scale = max((abs(v) for row in rows for v in row), default=0.0) or 1.0
+        axis.imshow(rows, cmap="RdYlGn", vmin=-scale, vmax=scale, aspect="auto", interpolation="nearest")
+        axis.set_yticks(range(len(rows)), [*reward_names, "uniform (GDPO)", "summed (to the loss)"], fontsize=7)
+        tokens = [t.replace("\n", "\\n") for t in token_strings(tokenizer, record.completion_ids[j, :length].tolist())]
+        axis.set_xticks(range(length), tokens, rotation=90, fontsize=6)
+        axis.set_title(f"response {j}: credit per token (scale +/-{scale:.2g})", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -12,10 +12,6 @@ MOVING_WINDOW = 10  # steps of the moving mean that must reach the threshold
 FINAL_WINDOW = 10  # last steps averaged into the final reward
 
 
-def moving_mean(values: Sequence[float], window: int) -> list[float]:
-    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-
-
 def steps_to_threshold(values: Sequence[float], threshold: float, window: int = MOVING_WINDOW) -> int | None:
     """First step at which the ``window``-step moving mean (full windows only) reaches ``threshold``."""
     for i in range(window - 1, len(values)):

@@ -24,19 +24,25 @@ def _pin_threads(threads: int | None) -> None:
 
 
 def run_demo(args: argparse.Namespace):
-    from .demo import run_demo
+    from .demo import compare_demo, run_demo
 
     _pin_threads(args.threads)
-    return run_demo(
+    settings = dict(
         task=args.task,
         output_dir=args.output_dir,
         steps=args.steps,
         num_generations=args.num_generations,
+        prompts_per_step=args.prompts_per_step,
         max_completion_length=args.max_completion_length,
         learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps,
         seed=args.seed,
+        model=args.model,
+        report_to=args.report_to,
     )
+    if args.compare:
+        return compare_demo(**settings)
+    return run_demo(method=args.method, **settings)
 
 
 def run_eval(args: argparse.Namespace):
@@ -128,9 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-completion-length", type=int, default=48, help="tokens per response (default 48)")
     demo.add_argument("--learning-rate", type=float, default=5e-5, help="LoRA learning rate (default 5e-5)")
     demo.add_argument("--warmup-steps", type=int, default=5, help="credit_beta warm-up steps (default 5)")
+    demo.add_argument("--prompts-per-step", type=int, default=1, help="prompts per step (default 1)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
-    demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter and model card go")
+    demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter, card, curves and heatmap go")
+    demo.add_argument("--method", choices=("mrtpo", "gdpo"), default="mrtpo", help="credit assignment (default mrtpo)")
+    demo.add_argument(
+        "--compare", action="store_true", help="run gdpo then mrtpo on the same task and seed, then plot both"
+    )
+    demo.add_argument(
+        "--model",
+        default="embedded",
+        help="'embedded' (default: SmolLM2-135M-Instruct, offline), a Hub id or a local folder",
+    )
+    demo.add_argument(
+        "--report-to", default="none", help="trackers for the metrics and the heatmap (tensorboard, wandb, trackio)"
+    )
     demo.set_defaults(func=run_demo)
 
     evaluate = sub.add_parser("eval", help="Evaluate a model on BFCL, IFEval, IFBench, Spider or BIRD.")
