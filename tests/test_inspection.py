@@ -124,3 +124,82 @@ def test_if_slots_are_pooled_by_span_kind():
     names = ["if_constraint_1", "if_constraint_2", CONTROL_NAME]
     (row,) = localisation_report(record, CharTokenizer(), rows, get_kit("if"), names, num_generations=1)
     assert (row.reward, row.span) == ("if_constraint_*", "end phrase") and abs(row.ratio - 1.5) < 1e-6
+
+
+def says_red(completions, **_):
+    """A user's reward for the recipe test (resolved by dotted path)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float("red" in t) for t in texts]
+
+
+def red_block(**_):
+    return "The answer must contain the word red."
+
+
+def test_verdicts_by_hand():
+    """Four responses in two groups of two. 'located' varies and its q is 10x the control's, peaking on 'c';
+    'noise' varies with q equal to the control's; 'flat' never varies within a group."""
+    import math
+
+    import torch
+
+    from trl_mrtpo.diagnostics import CreditRecord
+    from trl_mrtpo.scripts.inspection import reward_verdicts
+
+    names = ["located", "noise", "flat", CONTROL_NAME]
+    control = torch.full((4, 4), 0.01)
+    located = torch.tensor([0.01, 0.02, 0.3, 0.07]).repeat(4, 1)
+    relevance = torch.stack([located, control, control, control], dim=1)
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    record = CreditRecord(
+        prompts=["p"] * 4,
+        completions=["abcd"] * 4,
+        completion_ids=torch.tensor([[ord(c) for c in "abcd"]] * 4),
+        mask=torch.ones(4, 4, dtype=torch.long),
+        rewards=rewards,
+        group_advantages=torch.zeros(4, 4),
+        relevance=relevance,
+        replayed=torch.ones(4, 4, dtype=torch.bool),
+        weights=torch.ones(4, 4, 4),
+        advantages=torch.zeros(4, 4),
+        beta=0.5,
+    )
+    verdicts = {v.reward: v for v in reward_verdicts(record, CharTokenizer(), names, num_generations=2)}
+    assert list(verdicts) == ["located", "noise", "flat"]
+    assert math.isclose(verdicts["located"].q_over_control, 10.0, rel_tol=1e-5) and verdicts["located"].varying == 1
+    assert verdicts["located"].verdict.startswith("token credit will move") and verdicts["located"].tokens[0] == "c"
+    assert math.isclose(verdicts["noise"].q_over_control, 1.0) and "indistinguishable" in verdicts["noise"].verdict
+    assert verdicts["flat"].varying == 0.5 and "indistinguishable" in verdicts["flat"].verdict
+    record.rewards[:, 2] = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    flat = reward_verdicts(record, CharTokenizer(), names, num_generations=2)[2]
+    assert flat.varying == 0 and flat.verdict.startswith("never varies")
+
+
+def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, capsys):
+    """`trl-mrtpo inspect --config` reads the recipe `train` reads: its model, its own rewards and info blocks by
+    dotted path, its data (a mixture); prints one verdict per reward and writes the heatmap."""
+    import json
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.scripts.cli import main
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(3)]
+    data.write_text("\n".join(map(json.dumps, rows)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {model_dir}\n"
+        "reward_funcs: [tests.test_inspection.says_red, trl_mrtpo.kits.basic.lowercase_reward]\n"
+        "info_blocks: [tests.test_inspection.red_block, none]\n"
+        f"datasets:\n  - path: json\n    data_files: {data}\n    split: train\n"
+    )
+    main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "6",
+          "--output", str(tmp_path / "credit.html"), "--threads", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert (tmp_path / "credit.html").read_text().count('class="resp"') == 4
+    lines = [line for line in out.splitlines() if line.startswith(("says_red", "lowercase_reward"))]
+    verdicts = ("token credit will move", "never varies", "indistinguishable")
+    assert len(lines) == 2 and all(any(v in line for v in verdicts) for line in lines)

@@ -65,13 +65,10 @@ def run_eval(args: argparse.Namespace):
 
 
 def run_inspect(args: argparse.Namespace):
-    from .inspection import format_report, inspect_credit
+    from .inspection import format_report, format_verdicts, inspect_credit, inspect_recipe
 
     _pin_threads(args.threads)
-    record, report = inspect_credit(
-        model=args.model,
-        adapter=args.adapter,
-        task=args.task,
+    settings = dict(
         completions=args.completions,
         num_prompts=args.num_prompts,
         num_generations=args.num_generations,
@@ -82,11 +79,19 @@ def run_inspect(args: argparse.Namespace):
         output=args.output,
         report=args.report,
     )
+    if args.config:
+        record, report, verdicts = inspect_recipe(args.config, **settings)
+    else:
+        record, report, verdicts = inspect_credit(
+            model=args.model, adapter=args.adapter, task=args.task, return_verdicts=True, **settings
+        )
     print(f"Heatmap written to {args.output}")
-    print(format_report(report))
+    if report:
+        print(format_report(report))
+    print(format_verdicts(verdicts))
     if args.report:
         print(f"Localisation report written to {args.report}")
-    return record, report
+    return record, report, verdicts
 
 
 def run_gym(args: argparse.Namespace) -> str:
@@ -175,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
     inspect.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply")
     inspect.add_argument("--task", choices=SINGLE_TURN_KITS, default="basic")
+    inspect.add_argument(
+        "--config",
+        default=None,
+        help="a training recipe (YAML, as `train --config` reads it): inspect its model, rewards, info blocks and "
+        "data instead of --task/--model",
+    )
     inspect.add_argument(
         "--completions",
         default=None,

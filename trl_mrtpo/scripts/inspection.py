@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -192,12 +193,20 @@ def inspect_credit(
     seed: int = 0,
     output: str | None = "mrtpo-credit.html",
     report: str | None = None,
-) -> tuple[CreditRecord, list[LocalisationRow]]:
-    """Sample (or, with ``completions``, replay existing responses of) a few prompts of ``task``'s kit, score and
-    replay them with the control sentence added, and return the credit record and the localisation report.
-    Writes the heatmap page to ``output`` and the report as CSV to ``report`` when they are given.
+    reward_funcs: list | None = None,
+    info_blocks: list | None = None,
+    dataset=None,
+    return_verdicts: bool = False,
+) -> tuple:
+    """Sample (or, with ``completions``, replay existing responses of) a few prompts, score and replay them with the
+    control sentence added, and return the credit record and the localisation report. Writes the heatmap page to
+    ``output`` and the report as CSV to ``report`` when they are given.
 
-    ``model``: a hub id, a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
+    The task is ``task``'s kit, or your own: ``reward_funcs`` and ``info_blocks`` (functions and builders, as
+    ``MRTPOTrainer`` takes them) with ``dataset`` (rows with a ``prompt``); the localisation report needs a kit's
+    spans. With ``return_verdicts`` the result has a third entry, :func:`reward_verdicts` of the record (what token
+    credit would do with each reward). ``model``: a hub id, a folder or ``"embedded"``; ``adapter``: a LoRA adapter
+    folder to apply.
     """
     import tempfile
 
@@ -211,14 +220,21 @@ def inspect_credit(
     torch.manual_seed(seed)
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
     policy, tokenizer = load_policy(model, adapter)
-    kit = get_kit(task)
+    if reward_funcs is None:
+        kit = get_kit(task)
+        reward_funcs, info_blocks = kit.rewards, kit.info_blocks
+        dataset = dataset if dataset is not None else kit.dataset(num_prompts, seed, None)
+    else:
+        kit, task = None, "your"
+        info_blocks = info_blocks if info_blocks is not None else [None] * len(reward_funcs)
+        if dataset is None and not completions:
+            raise ValueError("inspect_credit with your own reward_funcs needs a dataset (rows with a 'prompt').")
     rollout = None
     if completions:
         rows, texts, num_generations = load_completions(completions)
         rollout = fixed_rollout(texts)
     else:
-        data = kit.dataset(num_prompts, seed, None)
-        rows = list(data.select(range(min(num_prompts, len(data)))))
+        rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
     rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in rows]
     config = MRTPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
@@ -236,8 +252,8 @@ def inspect_credit(
     )
     trainer = MRTPOTrainer(
         model=policy,
-        reward_funcs=[*kit.rewards, control_reward],
-        info_blocks=[*kit.info_blocks, control_block],
+        reward_funcs=[*reward_funcs, control_reward],
+        info_blocks=[*info_blocks, control_block],
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
@@ -250,7 +266,106 @@ def inspect_credit(
     if output:
         with open(output, "w", encoding="utf-8") as page:
             page.write(credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {task} task"))
-    located = localisation_report(record, tokenizer, rows, kit, names, num_generations)
+    located = localisation_report(record, tokenizer, rows, kit, names, num_generations) if kit else []
     if report:
         write_report(located, report)
+    if return_verdicts:
+        return record, located, reward_verdicts(record, tokenizer, names, num_generations)
     return record, located
+
+
+# ------------------------------------------------------------------------------------------------ the verdicts
+VERDICT_RATIO = 2.0  # a reward's mean q at least this many times the control's: its block moves the credit
+
+
+@dataclass
+class Verdict:
+    """What inspecting one reward found: how often it varies within a group (the pairs training replays), its q
+    against the control sentence's on the same responses, how concentrated its q is, and what that means."""
+
+    reward: str
+    varying: float
+    q_over_control: float
+    concentration: float
+    tokens: list[str]
+    verdict: str
+
+
+def reward_verdicts(record: CreditRecord, tokenizer, reward_names: list[str], num_generations: int) -> list[Verdict]:
+    """One :class:`Verdict` per reward of an inspected record (the last name is the control).
+
+    The rule (docs/inspect.md): a reward that never varies within a group is never replayed in training (its credit
+    stays uniform); one whose mean q is at least ``VERDICT_RATIO`` times the control sentence's on the same
+    responses will have its credit moved onto the tokens where its q is largest; otherwise its q cannot be told from
+    the control's and token credit would move its credit by noise.
+    """
+    from ..diagnostics import mass_share
+
+    control = reward_names.index(CONTROL_NAME)
+    lengths = record.mask.sum(-1).long().tolist()
+    verdicts = []
+    for k, name in enumerate(reward_names):
+        if k == control:
+            continue
+        groups = record.rewards[:, k].reshape(-1, num_generations)
+        varying = sum(len(set(g[~g.isnan()].tolist())) > 1 for g in groups) / len(groups)
+        both = [j for j in range(len(lengths)) if record.replayed[j, k] and record.replayed[j, control] and lengths[j]]
+        q = sum(record.relevance[j, k, : lengths[j]].sum().item() for j in both)
+        q_control = sum(record.relevance[j, control, : lengths[j]].sum().item() for j in both)
+        ratio = q / q_control if q_control > 0 else (math.inf if q > 0 else math.nan)
+        shares = [mass_share(record.relevance[j, k, : lengths[j]]) for j in both]
+        shares = [x for x in shares if x == x]
+        concentration = sum(shares) / len(shares) if shares else math.nan
+        peaks = sorted(
+            ((record.relevance[j, k, t].item(), j, t) for j in both for t in range(lengths[j])), reverse=True
+        )[:3]
+        tokens = [token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for _, j, t in peaks]
+        if varying == 0:
+            text = (
+                "never varies within a group here: training would replay nothing for it and keep its credit "
+                "uniform; more generations per prompt, or a graded reward, would let it vary."
+            )
+        elif ratio >= VERDICT_RATIO:
+            text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}."
+        else:
+            text = (
+                "q here is indistinguishable from the control: token credit would move this reward's credit by noise. "
+                "Make its info block carry what the verifier decides with, or give it no block (uniform credit)."
+            )
+        verdicts.append(Verdict(name, varying, ratio, concentration, tokens, text))
+    return verdicts
+
+
+def format_verdicts(verdicts: list[Verdict]) -> str:
+    lines = [f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}  verdict"]
+    for v in verdicts:
+        lines.append(
+            f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}   {v.verdict}"
+        )
+    return "\n".join(lines)
+
+
+def inspect_recipe(config: str, **settings) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
+    """``inspect_credit`` on the task a training recipe describes (the YAML ``trl-mrtpo train --config`` reads: its
+    model, ``task`` or ``reward_funcs`` / ``info_blocks``, and its dataset or mixture), then the verdicts."""
+    import tempfile
+
+    from .train import load_datasets, make_parser, recipe_rewards
+
+    # nothing is trained: the recipe's precision and device settings are not what inspect runs with
+    overrides = ["--output_dir", tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"), "--bf16", "false"]
+    overrides += ["--use_cpu", str(not torch.cuda.is_available()).lower()]
+    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
+        ["--config", config, *overrides]
+    )
+    kit, rewards, blocks = recipe_rewards(script_args)
+    training_args.eval_strategy = "no"
+    dataset, _ = load_datasets(script_args, training_args, dataset_args)
+    return inspect_credit(
+        model=model_args.model_name_or_path or "embedded",
+        reward_funcs=rewards,
+        info_blocks=blocks,
+        dataset=dataset,
+        return_verdicts=True,
+        **settings,
+    )

@@ -154,6 +154,22 @@ def load_datasets(script_args: MRTPOScriptArguments, training_args, dataset_args
     return dataset[script_args.dataset_train_split], eval_dataset
 
 
+def recipe_rewards(script_args: MRTPOScriptArguments) -> tuple:
+    """``(kit or None, reward functions, info-block builders)`` a recipe names: its task kit's, or its
+    ``reward_funcs`` and ``info_blocks`` (kit names or dotted paths)."""
+    kit = get_kit(script_args.task) if script_args.task else None
+    rewards = list(kit.rewards) if kit else []
+    blocks = list(kit.info_blocks) if kit else []
+    if script_args.reward_funcs:
+        rewards = [resolve(name, "reward") for name in script_args.reward_funcs]
+        blocks = [None] * len(rewards)
+    if script_args.info_blocks:
+        blocks = [resolve(name, "info_block") for name in script_args.info_blocks]
+    if not rewards:
+        raise ValueError("no reward functions: set task or reward_funcs")
+    return kit, rewards, blocks
+
+
 def build_trainer(
     script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None, recipe: str | None = None
 ):
@@ -174,16 +190,7 @@ def build_trainer(
             f"{', '.join(research)} belong to the research room: add `trainer: research` to the recipe (or pass "
             "--trainer research)."
         )
-    kit = get_kit(script_args.task) if script_args.task else None
-    rewards = list(kit.rewards) if kit else []
-    blocks = list(kit.info_blocks) if kit else []
-    if script_args.reward_funcs:
-        rewards = [resolve(name, "reward") for name in script_args.reward_funcs]
-        blocks = [None] * len(rewards)
-    if script_args.info_blocks:
-        blocks = [resolve(name, "info_block") for name in script_args.info_blocks]
-    if not rewards:
-        raise ValueError("no reward functions: set task or reward_funcs")
+    kit, rewards, blocks = recipe_rewards(script_args)
     boundaries = None
     if script_args.failure_masking:
         if kit is None or not kit.failure_boundaries or script_args.reward_funcs:
