@@ -111,3 +111,61 @@ def test_the_benchmark_resumes_and_writes_its_report(tiny_policy, tmp_path, monk
     rows = (tmp_path / "summary.csv").read_text().splitlines()
     assert rows[0].startswith("seed,method,auc") and len(rows) == 5
     assert json.loads((tmp_path / "runs" / "localisation-seed0.json").read_text())[0]["reward"] in REWARD_NAMES
+
+
+@pytest.mark.slow
+def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
+    """On the agent gym, where the word that decides each reward is known: inspecting the supervised policy's own
+    trajectories, the verdict says token credit will move a reward's credit exactly for the rewards whose q peaks on
+    their deciding word (the first call's entity, the last call's entity, the answer's value) in at least 3 of 4
+    trajectories, and calls the others indistinguishable from the control."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trl_mrtpo.gym.agent import agent_dataset
+    from trl_mrtpo.scripts.inspection import inspect_credit
+
+    torch.manual_seed(0)
+    model, tokenizer = supervised_agent_policy(AgentGymSpec(), 0, tmp_path / "cache")
+    model.save_pretrained(tmp_path / "policy")
+    tokenizer.save_pretrained(tmp_path / "policy")
+    rows = agent_dataset(8, 5).to_list()
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, temperature=1.0)
+    sampled = agent_rollout(tokenizer)([row["prompt"] for row in rows for _ in range(4)], trainer)
+    lines = [
+        {**rows[i // 4], "completion": " ".join(tokenizer.convert_ids_to_tokens(ids))}
+        for i, ids in enumerate(sampled["completion_ids"])
+    ]
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    record, _, verdicts = inspect_credit(
+        model=str(tmp_path / "policy"),
+        reward_funcs=agent_rewards(),
+        info_blocks=agent_blocks(),
+        dataset=rows,
+        completions=str(path),
+        output=None,
+        return_verdicts=True,
+    )
+    assert [v.reward for v in verdicts] == list(REWARD_NAMES)
+    peaks = {}
+    for k, name in enumerate(REWARD_NAMES):
+        hits = total = 0
+        for j in range(len(lines)):
+            words = tokenizer.convert_ids_to_tokens(record.completion_ids[j][record.mask[j].bool()].tolist())
+            position = relevant_token(name, parse_trajectory(words))
+            if position is None or not record.replayed[j, k]:
+                continue
+            own = [
+                t for t, m in enumerate(env_mask_of(words)) if m
+            ]  # the model's words (the fixed replay has no mask)
+            total += 1
+            hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
+        peaks[name] = (hits, total)
+    # measured (seed 0): answer 28/29 peaks on its value, q 2.25x the control's; first call 17/31, 0.59x; last call
+    # 2/31, 0.34x. The verdict says "will move" exactly where q peaks on the deciding word in most trajectories.
+    for verdict in verdicts:
+        hits, total = peaks[verdict.reward]
+        assert total >= 8
+        assert verdict.verdict.startswith("token credit will move") == (hits / total >= 0.75), (verdict, peaks)
