@@ -52,8 +52,8 @@ def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path, capsys):
         assert (tmp_path / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "adapter_model.safetensors").is_file()
     card = (tmp_path / "README.md").read_text()
-    assert "None" not in card and "Model Card for SmolLM2-135M-Instruct-MRTPO-demo-basic" in card
-    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "built-in `basic` task data" in card
+    assert "None" not in card and "Model Card for SmolLM2-135M-Instruct-MRTPO-demo-short" in card
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in card and "built-in `short` task data" in card
     events = EventAccumulator(str(next(tmp_path.glob("runs/*")))).Reload()
     assert "mrtpo/credit_heatmap" in events.Tags()["images"]
     assert any(tag.startswith("train/rewards/") for tag in events.Tags()["scalars"])

@@ -41,3 +41,14 @@ HUB_ID_FILE = "hub_id.txt"
 VALIDATION_TOKENS = 16
 VALIDATION_ATOL = 1e-3
 VALIDATION_RTOL = 2e-2
+# `trl-mrtpo demo`: the short-answers task, whose four rewards all vary from the first steps (benchmarks/demo.md)
+DEMO_SETTINGS = {
+    "task": "short",
+    "steps": 20,
+    "prompts_per_step": 2,
+    "num_generations": 4,
+    "max_completion_length": 32,
+    "learning_rate": 3e-4,
+    "temperature": 0.7,
+    "warmup_steps": 5,
+}

@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..constants import CREDIT_ASSIGNMENTS, RESEARCH_CREDIT_ASSIGNMENTS
+from ..constants import CREDIT_ASSIGNMENTS, DEMO_SETTINGS, RESEARCH_CREDIT_ASSIGNMENTS
 from ..kits import SINGLE_TURN_KITS
 from .evaluation import BENCHMARKS
 
@@ -36,6 +36,7 @@ def run_demo(args: argparse.Namespace):
         max_completion_length=args.max_completion_length,
         learning_rate=args.learning_rate,
         warmup_steps=args.warmup_steps,
+        temperature=args.temperature,
         seed=args.seed,
         model=args.model,
         report_to=args.report_to,
@@ -130,16 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--task",
         choices=SINGLE_TURN_KITS,
-        default="basic",
-        help="basic: 3 constraint rewards + length (default); sql: text-to-SQL kit; if: instruction following "
-        "(13 constraint slots); tools: tool calling; short: short answers under 4 constraints",
+        default=DEMO_SETTINGS["task"],
+        help="short: short answers under 4 constraints (default); basic: 3 constraint rewards + length; sql: "
+        "text-to-SQL kit; if: instruction following (13 constraint slots); tools: tool calling",
     )
-    demo.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
-    demo.add_argument("--num-generations", type=int, default=4, help="responses per prompt (default 4)")
-    demo.add_argument("--max-completion-length", type=int, default=48, help="tokens per response (default 48)")
-    demo.add_argument("--learning-rate", type=float, default=5e-5, help="LoRA learning rate (default 5e-5)")
-    demo.add_argument("--warmup-steps", type=int, default=5, help="credit_beta warm-up steps (default 5)")
-    demo.add_argument("--prompts-per-step", type=int, default=1, help="prompts per step (default 1)")
+    for flag, kind, what in (
+        ("steps", int, "optimizer steps"),
+        ("num-generations", int, "responses per prompt"),
+        ("prompts-per-step", int, "prompts per step"),
+        ("max-completion-length", int, "tokens per response"),
+        ("learning-rate", float, "LoRA learning rate"),
+        ("temperature", float, "sampling temperature"),
+        ("warmup-steps", int, "credit_beta warm-up steps"),
+    ):
+        default = DEMO_SETTINGS[flag.replace("-", "_")]
+        demo.add_argument(f"--{flag}", type=kind, default=default, help=f"{what} (default {default})")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter, card, curves and heatmap go")

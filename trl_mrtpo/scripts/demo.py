@@ -9,6 +9,7 @@ import os
 from transformers import TrainerCallback
 
 from ..config import MRTPOConfig
+from ..constants import DEMO_SETTINGS
 
 
 def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
@@ -149,18 +150,19 @@ def demo_model(model: str) -> tuple[str, str]:
 
 
 def run_demo(
-    task: str = "basic",
+    task: str = DEMO_SETTINGS["task"],
     output_dir: str = "mrtpo-demo",
-    steps: int = 20,
-    num_generations: int = 4,
-    max_completion_length: int = 48,
-    learning_rate: float = 5e-5,
-    warmup_steps: int = 5,
+    steps: int = DEMO_SETTINGS["steps"],
+    num_generations: int = DEMO_SETTINGS["num_generations"],
+    max_completion_length: int = DEMO_SETTINGS["max_completion_length"],
+    learning_rate: float = DEMO_SETTINGS["learning_rate"],
+    warmup_steps: int = DEMO_SETTINGS["warmup_steps"],
     seed: int = 0,
     method: str = "mrtpo",
     model: str = "embedded",
     report_to: str = "none",
-    prompts_per_step: int = 1,
+    prompts_per_step: int = DEMO_SETTINGS["prompts_per_step"],
+    temperature: float = DEMO_SETTINGS["temperature"],
 ):
     """Train a LoRA adapter on ``task``'s kit with ``method`` (``mrtpo`` or ``gdpo``): one console line per step, then
     a summary; saves the adapter, its model card, the curves and the last step's credit heatmap in ``output_dir``.
@@ -179,6 +181,7 @@ def run_demo(
         num_generations=num_generations,
         max_completion_length=max_completion_length,
         learning_rate=learning_rate,
+        temperature=temperature,
         seed=seed,
         credit_warmup_steps=warmup_steps,
         report_to=report_to,
