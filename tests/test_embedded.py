@@ -30,6 +30,8 @@ def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path, capsys):
     """Two steps: one console line per step (no log dictionary), a summary naming what was saved, the heatmap (HTML
     with the GDPO reference row, and a PNG), the curves, the adapter and its card; the metrics and the heatmap image
     reach TensorBoard."""
+    import json
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from trl_mrtpo.scripts.demo import run_demo
@@ -48,6 +50,7 @@ def test_demo_trains_two_mrtpo_steps_with_lora(tmp_path, capsys):
     assert "first 5 steps -> last 5 steps" in out and "credit_heatmap.html" in out and "Device: CPU, fp32" in out
     page = (tmp_path / "credit_heatmap.html").read_text()
     assert page.count('class="resp"') == 4 and "uniform GDPO spread" in page
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["log_history"][0]["step"] == 1
     for image in ("credit_heatmap.png", "mrtpo_curves.png"):
         assert (tmp_path / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "adapter_model.safetensors").is_file()

@@ -199,6 +199,7 @@ def run_demo(
     quiet_console(trainer)
     trainer.train()
     trainer.save_model(output_dir)
+    trainer.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))  # every step's full logs
     trainer.create_model_card(model_name=f"{model_name}-MRTPO-demo-{task}")
     views = save_credit_views(trainer, output_dir)
     send_to_trackers(trainer, views)
@@ -217,6 +218,7 @@ def run_summary(trainer, output_dir: str) -> str:
         "mrtpo_curves.png": "reward curves",
         "credit_heatmap.html": "where each reward's credit landed, last step (open in a browser)",
         "credit_heatmap.png": "the same as an image",
+        "trainer_state.json": "every step's full logs",
     }
     lines.append(f"Saved in {output_dir}:")
     for name, what in described.items():
