@@ -307,6 +307,7 @@ def train_agent_run(
 
     from ..config import MRTPOConfig
     from ..trainer import MRTPOTrainer
+    from .runs import QUIET_RUN
 
     class Recording(MRTPOTrainer):
         def record_rewards(self, inputs, rewards):
@@ -326,12 +327,7 @@ def train_agent_run(
         seed=seed,
         use_cpu=True,
         bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10_000,
-        disable_tqdm=True,
-        save_credit_plots=False,
-        collapse_warning_steps=0,
+        **QUIET_RUN,
         info_block_separator=" ",
     )
     set_seed(seed)

@@ -31,6 +31,15 @@ from .task import (
     supervised_policy,
 )
 
+# a gym run logs only what it records itself: no trackers, checkpoints, plots, progress bars or warnings
+QUIET_RUN = {
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 10_000,
+    "disable_tqdm": True,
+    "save_credit_plots": False,
+    "collapse_warning_steps": 0,
+}
 SEPARATOR = " "  # between the prompt and an appended note (the gym's tokenizer splits on whitespace)
 
 
@@ -202,12 +211,7 @@ def train_run(
         seed=seed,
         use_cpu=device == "cpu",
         bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10_000,
-        disable_tqdm=True,
-        save_credit_plots=False,
-        collapse_warning_steps=0,
+        **QUIET_RUN,
         replay_batch_size=64,
         replay_min_shared_prefix=4,
         info_block_separator=SEPARATOR,
