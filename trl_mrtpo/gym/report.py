@@ -8,8 +8,9 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..utils import moving_mean
 from .grid import Grid, Run, summarise
-from .stats import MOVING_WINDOW, mean_std, moving_mean, paired
+from .stats import MOVING_WINDOW, mean_std, paired
 from .task import KINDS
 
 
