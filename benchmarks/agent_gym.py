@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from provenance import provenance
 
 from trl_mrtpo.gym.agent import (
     REWARD_NAMES,
@@ -156,6 +157,7 @@ def main(argv=None) -> None:
         writer.writeheader()
         writer.writerows(rows)
     Path(args.report).write_text(report(rows, localisation, args.seeds))
+    Path(f"{summary}.provenance.json").write_text(json.dumps(provenance(" ".join(sys.argv)), indent=2))
     print(f"wrote {args.report} and {summary}")
 
 
