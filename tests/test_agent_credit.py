@@ -300,3 +300,30 @@ def test_builders_see_the_tool_calls_their_results_and_errors(tiny_tokenizer, tm
         assert (call.name, call.arguments, call.error) == ("lookup", {"city": "Paris"}, "'Paris'")
         assert len(view.turns) == 2 and view.turns[0].tokens[1] == view.results[0][0]
     assert all(replay["replayed"].any() for replay in trainer.replays)
+
+
+def test_a_tool_returning_a_non_string_is_read_as_trl_wrote_it(tiny_tokenizer, tmp_path):
+    """TRL converts a non-string result with ``str``; the trajectory view reads that text (not an error) and the
+    credit stays exact on the model's tokens."""
+
+    def lookup(city: str) -> dict:
+        """Look up the code of a city.
+
+        Args:
+            city: the city's name.
+        """
+        return {"city": city, "code": 42}
+
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
+    seen = []
+
+    def feedback(*, prompt, completion, row, score, trajectory):
+        seen.append(trajectory)
+        return "Answer with the code."
+
+    trainer.info_block_builders = [feedback, BLOCKS[1]]
+    trainer.train()
+    calls = [call for view in seen if view is not None for call in view.calls]
+    assert calls and all(c.result == "{'city': 'Paris', 'code': 42}" and c.error is None for c in calls)
+    check_credit_on_model_tokens(trainer)
