@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import warnings
 
 from transformers import TrainerCallback
 
@@ -185,6 +186,7 @@ def run_demo(
         seed=seed,
         credit_warmup_steps=warmup_steps,
         report_to=report_to,
+        disable_tqdm=True,  # one line per step instead (StepLines)
         **device,
     )
     dataset = kit.dataset(max(steps * prompts_per_step, 8), seed, None)
@@ -197,7 +199,14 @@ def run_demo(
         data_source=f"trl-mrtpo's built-in `{task}` task data",
     )
     quiet_console(trainer)
-    trainer.train()
+    print(
+        f"Training {steps} steps, one line each (a step samples, scores and replays "
+        f"{config.per_device_train_batch_size} responses).",
+        flush=True,
+    )
+    with warnings.catch_warnings():  # transformers' deprecation notices about methods TRL and PEFT call
+        warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+        trainer.train()
     trainer.save_model(output_dir)
     trainer.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))  # every step's full logs
     trainer.create_model_card(model_name=f"{model_name}-MRTPO-demo-{task}")
