@@ -182,6 +182,7 @@ def run_demo(
         num_generations=num_generations,
         max_completion_length=max_completion_length,
         learning_rate=learning_rate,
+        lr_scheduler_type="constant",
         temperature=temperature,
         seed=seed,
         credit_warmup_steps=warmup_steps,
