@@ -191,22 +191,22 @@ def run_demo(
         **device,
     )
     dataset = kit.dataset(max(steps * prompts_per_step, 8), seed, None)
-    trainer = embedded_lora_trainer(
-        kit.rewards,
-        kit.info_blocks,
-        config,
-        dataset,
-        model=path,
-        data_source=f"trl-mrtpo's built-in `{task}` task data",
-    )
-    quiet_console(trainer)
-    print(
-        f"Training {steps} steps, one line each (a step samples, scores and replays "
-        f"{config.per_device_train_batch_size} responses).",
-        flush=True,
-    )
     with warnings.catch_warnings():  # transformers' deprecation notices about methods TRL and PEFT call
         warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+        trainer = embedded_lora_trainer(
+            kit.rewards,
+            kit.info_blocks,
+            config,
+            dataset,
+            model=path,
+            data_source=f"trl-mrtpo's built-in `{task}` task data",
+        )
+        quiet_console(trainer)
+        print(
+            f"Training {steps} steps, one line each (a step samples, scores and replays "
+            f"{config.per_device_train_batch_size} responses).",
+            flush=True,
+        )
         trainer.train()
     trainer.save_model(output_dir)
     trainer.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))  # every step's full logs
