@@ -60,10 +60,21 @@ def tool_tokenizer(tiny_tokenizer):
     return add_response_schema(tokenizer)
 
 
-def scripted_trainer(tokenizer, tmp_path, dataset, **tool_source):
-    """A recording MRTPOTrainer whose policy is scripted: row i calls ``lookup`` when i is even, and after a tool
-    result answers with a text that varies by row; everything else (parsing, the tool call, masks) is TRL's."""
+def scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment: str = "mrtpo", **tool_source):
+    """A recording trainer (MRTPOTrainer, or ResearchTrainer for a research mode) whose policy is scripted: row i
+    calls ``lookup`` when i is even, and after a tool result answers with a text that varies by row; everything else
+    (parsing, the tool call, masks) is TRL's."""
     from tests.conftest import build_tiny_model
+    from tests.helpers import ResearchRecordingTrainer
+
+    args = make_args(
+        tmp_path,
+        max_steps=2,
+        max_completion_length=320,
+        per_device_train_batch_size=4,
+        credit_assignment=credit_assignment,
+    )
+    base = RecordingTrainer if credit_assignment in ("mrtpo", "gdpo") else ResearchRecordingTrainer
 
     def scripted_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         completions = []
@@ -75,7 +86,7 @@ def scripted_trainer(tokenizer, tmp_path, dataset, **tool_source):
             completions.append(tokenizer(reply, add_special_tokens=False)["input_ids"])
         return completions, None
 
-    class Scripted(RecordingTrainer):
+    class Scripted(base):
         _generate_single_turn = scripted_turn
 
         def _generate_and_score_completions(self, inputs):
@@ -87,7 +98,7 @@ def scripted_trainer(tokenizer, tmp_path, dataset, **tool_source):
         model=build_tiny_model(tokenizer),
         reward_funcs=[answered, used_tool],
         info_blocks=BLOCKS,
-        args=make_args(tmp_path, max_steps=2, max_completion_length=320, per_device_train_batch_size=4),
+        args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         **tool_source,
@@ -133,6 +144,20 @@ def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
     trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
     trainer.train()
     check_credit_on_model_tokens(trainer)
+
+
+@pytest.mark.parametrize("mode", ["gdpo", "joint", "shuffled", "cort"])
+def test_every_other_mode_on_trls_tool_loop(tiny_tokenizer, tmp_path, mode):
+    """The research room's replaying modes and GDPO on tool rollouts: tool results get no advantage, and the
+    replaying modes replay the trajectories."""
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment=mode, tools=[lookup])
+    trainer.train()
+    for batch, replay in zip(trainer.batches, trainer.replays):
+        mask = batch["completion_mask"] * batch["tool_mask"]
+        assert (batch["tool_mask"] == 0).any() and (batch["advantages"][mask == 0] == 0).all()
+        assert replay["replayed"].any() == (mode != "gdpo")
 
 
 @pytest.mark.parametrize("several", [False, True], ids=["one environment", "a dict of environments"])
