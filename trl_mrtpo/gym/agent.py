@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..info_blocks import InfoBlock
-from .task import build_policy, build_tokenizer, chat_prompt_ids
+from .task import build_policy, build_tokenizer, cached_policy, chat_prompt_ids, padded_batch
 
 ENTITIES = ("ann", "bob", "cal", "dan", "eve", "fay", "gil", "hal")
 VALUES = ("zero", "one", "two", "three", "four", "five", "six", "seven")
@@ -176,44 +176,34 @@ def supervised_trajectory(rng: random.Random, row: dict, rate: float, noted: boo
 def supervised_agent_policy(spec: AgentGymSpec, seed: int, cache_dir: str | Path | None = None, batch_size: int = 64):
     """``(policy, tokenizer)`` after the supervised phase (environment words are context: no loss on them), trained
     once per (spec, seed) and cached in ``cache_dir``."""
-    from transformers import LlamaForCausalLM
-
     tokenizer = build_agent_tokenizer()
-    folder = Path(cache_dir) / f"sft-{spec.key()}-seed{seed}" if cache_dir is not None else None
-    if folder is not None and (folder / "config.json").exists():
-        return LlamaForCausalLM.from_pretrained(folder).eval(), tokenizer
-    model = build_policy(tokenizer, spec, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    rng = random.Random(f"agent-sft-{seed}")
-    model.train()
-    for _ in range(spec.sft_steps):
-        sequences, labels = [], []
-        for _ in range(batch_size):
-            row = agent_example(rng)
-            noted = rng.random() < 0.5  # the answer's note half the time, so that the policy learns to read it
-            messages = row["prompt"]
-            if noted:
-                messages = [{"role": "user", "content": f"{messages[0]['content']} {agent_blocks()[2](row=row)}"}]
-            prompt = chat_prompt_ids(tokenizer, messages)
-            words = supervised_trajectory(rng, row, spec.sft_rate, noted)
-            ids = tokenizer.convert_tokens_to_ids(words)
-            own = env_mask_of(words)
-            sequences.append(prompt + ids)
-            labels.append([-100] * len(prompt) + [t if m else -100 for t, m in zip(ids, own)])
-        width = max(map(len, sequences))
-        pad = tokenizer.pad_token_id
-        batch = torch.tensor([s + [pad] * (width - len(s)) for s in sequences])
-        target = torch.tensor([y + [-100] * (width - len(y)) for y in labels])
-        loss = model(input_ids=batch, attention_mask=(batch != pad).long(), labels=target).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval()
-    if folder is not None:
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        partial.replace(folder)
-    return model, tokenizer
+
+    def train():
+        model = build_policy(tokenizer, spec, seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        rng = random.Random(f"agent-sft-{seed}")
+        model.train()
+        for _ in range(spec.sft_steps):
+            sequences, labels = [], []
+            for _ in range(batch_size):
+                row = agent_example(rng)
+                noted = rng.random() < 0.5  # the answer's note half the time, so that the policy learns to read it
+                messages = row["prompt"]
+                if noted:
+                    messages = [{"role": "user", "content": f"{messages[0]['content']} {agent_blocks()[2](row=row)}"}]
+                prompt = chat_prompt_ids(tokenizer, messages)
+                words = supervised_trajectory(rng, row, spec.sft_rate, noted)
+                ids = tokenizer.convert_tokens_to_ids(words)
+                sequences.append(prompt + ids)
+                labels.append([-100] * len(prompt) + [t if m else -100 for t, m in zip(ids, env_mask_of(words))])
+            batch, target = padded_batch(sequences, labels, tokenizer.pad_token_id)
+            attention = (batch != tokenizer.pad_token_id).long()
+            model(input_ids=batch, attention_mask=attention, labels=target).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model
+
+    return cached_policy(cache_dir, f"sft-{spec.key()}-seed{seed}", train), tokenizer
 
 
 def env_mask_of(words: Sequence[str]) -> list[int]:

@@ -361,13 +361,36 @@ def _sft_batch(rng: random.Random, spec: GymSpec, tokenizer, size: int) -> tuple
         response_ids = tokenizer.convert_tokens_to_ids(words) + [tokenizer.eos_token_id]
         sequences.append(list(prompt_ids) + response_ids)
         labels.append([-100] * len(prompt_ids) + response_ids)
+    return padded_batch(sequences, labels, tokenizer.pad_token_id)
+
+
+def padded_batch(
+    sequences: list[list[int]], labels: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and labels right-padded to the longest sequence (ids with ``pad_id``, labels with -100)."""
     width = max(len(s) for s in sequences)
-    ids = torch.full((size, width), tokenizer.pad_token_id)
-    target = torch.full((size, width), -100)
+    ids = torch.full((len(sequences), width), pad_id)
+    target = torch.full((len(sequences), width), -100)
     for i, (s, y) in enumerate(zip(sequences, labels)):
         ids[i, : len(s)] = torch.tensor(s)
         target[i, : len(y)] = torch.tensor(y)
     return ids, target
+
+
+def cached_policy(cache_dir: str | Path | None, name: str, train: Callable[[], torch.nn.Module], device: str = "cpu"):
+    """The policy ``train()`` returns, trained once per ``name`` and cached in ``cache_dir`` (None: not cached), in
+    eval mode. Written beside and renamed: an interrupted save never looks like a cached policy."""
+    from transformers import LlamaForCausalLM
+
+    folder = Path(cache_dir) / name if cache_dir is not None else None
+    if folder is not None and (folder / "config.json").exists():
+        return LlamaForCausalLM.from_pretrained(folder).to(device).eval()
+    model = train().eval()
+    if folder is not None:
+        partial = folder.with_name(folder.name + ".partial")
+        model.save_pretrained(partial)
+        partial.replace(folder)
+    return model
 
 
 def supervised_policy(
@@ -378,32 +401,26 @@ def supervised_policy(
     Two stages: at high rates (0.9, noted 0.95) the policy learns what each constraint asks, which it would not
     from rare examples alone; then at ``spec.sft_rates`` it learns to meet them only part of the time.
     """
-    from transformers import LlamaForCausalLM
-
     tokenizer = build_tokenizer()
-    folder = Path(cache_dir) / f"sft-{spec.key()}-seed{seed}" if cache_dir is not None else None
-    if folder is not None and (folder / "config.json").exists():
-        return LlamaForCausalLM.from_pretrained(folder).to(device).eval(), tokenizer
-    model = build_policy(tokenizer, spec, seed).to(device)
-    rng = random.Random(f"sft-{seed}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    teach = replace(spec, sft_rates=(0.9,) * len(KINDS), sft_noted_rate=0.95)
-    model.train()
-    for stage, steps, lr in ((teach, spec.sft_teach_steps, 3e-3), (spec, spec.sft_calibrate_steps, 1e-3)):
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        for _ in range(steps):
-            ids, labels = (t.to(device) for t in _sft_batch(rng, stage, tokenizer, batch_size))
-            loss = model(input_ids=ids, attention_mask=(ids != tokenizer.pad_token_id).long(), labels=labels).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    model.eval()
-    if folder is not None:  # written beside and renamed: an interrupted save never looks like a cached policy
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        partial.replace(folder)
-    return model, tokenizer
+
+    def train():
+        model = build_policy(tokenizer, spec, seed).to(device)
+        rng = random.Random(f"sft-{seed}")
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        teach = replace(spec, sft_rates=(0.9,) * len(KINDS), sft_noted_rate=0.95)
+        model.train()
+        for stage, steps, lr in ((teach, spec.sft_teach_steps, 3e-3), (spec, spec.sft_calibrate_steps, 1e-3)):
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for _ in range(steps):
+                ids, labels = (t.to(device) for t in _sft_batch(rng, stage, tokenizer, batch_size))
+                attention = (ids != tokenizer.pad_token_id).long()
+                model(input_ids=ids, attention_mask=attention, labels=labels).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        return model
+
+    return cached_policy(cache_dir, f"sft-{spec.key()}-seed{seed}", train, device), tokenizer
 
 
 def constraint_rewards(num_constraints: int) -> list[Callable]:
