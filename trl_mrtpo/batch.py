@@ -4,8 +4,11 @@ response-level advantages, and how a credit mode replays it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
+
+from .trajectories import Trajectory, tool_views
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,12 @@ class ScoredBatch:
     reward_weights: torch.Tensor  # [K] or [B, K]
     mask: torch.Tensor  # [B, C] completion (and tool) mask
     output: dict
+
+    @cached_property
+    def views(self) -> list[Trajectory | None]:
+        """Each response's tool-rollout view (:func:`~trl_mrtpo.trajectories.tool_views`), read once per batch by the
+        info blocks and the failure boundaries."""
+        return tool_views(self.output, self.completions)
 
 
 def completion_token_lists(output: dict) -> list[list[int]]:

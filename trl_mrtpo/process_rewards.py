@@ -24,8 +24,8 @@ from accelerate.utils import gather_object
 from .batch import ScoredBatch, completion_token_lists
 from .credit import failure_suffix_mask, process_advantages
 from .info_blocks import Prompt, call_builder
-from .trajectories import Trajectory, Turn, tool_views
-from .utils import completion_text, reward_columns
+from .trajectories import Trajectory, Turn
+from .utils import completion_text, function_name, reward_columns
 from .validation import TOOL_ROLLOUT_PROCESS_REWARDS, own_copies, within_float32
 
 NO_BOUNDARY = -1
@@ -306,7 +306,6 @@ class StepCredit:
     boundary builder (or None)."""
 
     process_rewards: list[Callable]
-    process_names: list[str]
     process_weights: list[float]
     failure_builders: list[Callable | None]
     reward_names: list[str]
@@ -324,7 +323,7 @@ class StepCredit:
                 raise ValueError(TOOL_ROLLOUT_PROCESS_REWARDS)
             process, means = process_credit(
                 self.process_rewards,
-                self.process_names,
+                [function_name(func) for func in self.process_rewards],
                 self.process_weights,
                 batch.prompts,
                 batch.completions,
@@ -350,6 +349,6 @@ class StepCredit:
                 completion_ids,
                 tokenizer,
                 batch.mask.shape[1],
-                tool_views(batch.output, batch.completions),
+                batch.views,
             ).to(batch.mask.device)
         return {"process": process, "failure_suffix": suffix}, means

@@ -47,8 +47,7 @@ from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
 from .process_rewards import StepCredit, check_process_rewards
 from .replay import causal_lm_parts, logit_multiplier, placed_relevance, replay_relevance
-from .trajectories import tool_views
-from .utils import completion_text, function_name
+from .utils import completion_text
 from .validation import (
     check_dataset,
     check_finite_rewards,
@@ -154,7 +153,6 @@ class MRTPOTrainer(GRPOTrainer):
         process_rewards = check_process_rewards(process_rewards)
         self.step_credit = StepCredit(
             process_rewards,
-            [function_name(func) for func in process_rewards],
             process_reward_weights(args.process_reward_weights, len(process_rewards)),
             check_builders(failure_boundaries, self.reward_func_names, "failure_boundaries"),
             self.reward_func_names,
@@ -398,7 +396,7 @@ class MRTPOTrainer(GRPOTrainer):
             batch.inputs,
             batch.rewards,
             batch.varying,
-            tool_views(batch.output, batch.completions),
+            batch.views,
             joint=joint,
             only_varying=self.args.replay_only_varying,
             resting=self._resting_rewards(),
