@@ -48,7 +48,7 @@ class Trajectory:
         return [call for call in self.calls if call.error is not None]
 
 
-def _error(content: Any) -> str | None:
+def tool_error(content: Any) -> str | None:
     """The error of a tool message's content, parsed defensively (the tool's own text is never evaluated as code)."""
     if not isinstance(content, str) or not content.startswith("{'error'"):
         return None
@@ -87,7 +87,7 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
         elif message.get("role") == "tool" and turns and turns[-1]["pending"]:
             call = turns[-1]["pending"].pop(0)
             content = message.get("content")
-            turns[-1]["calls"].append(ToolCall(call["name"], call["arguments"], str(content), _error(content)))
+            turns[-1]["calls"].append(ToolCall(call["name"], call["arguments"], str(content), tool_error(content)))
     for turn in turns:  # calls left without a result were never run
         turn["calls"] += [ToolCall(call["name"], call["arguments"], None, None) for call in turn["pending"]]
     return Trajectory(

@@ -30,7 +30,7 @@ import random
 import re
 from typing import Any
 
-from ..trajectories import Trajectory, Turn
+from ..trajectories import Trajectory, Turn, tool_error
 from . import Kit, tool_calling
 
 MAX_TEXT = 40  # characters of an item name
@@ -143,10 +143,8 @@ def _final_answer(completion: Any) -> str | None:
 
 
 def _failed(completion: Any) -> bool:
-    return any(
-        m.get("role") == "tool" and isinstance(m.get("content"), str) and m["content"].startswith("{'error'")
-        for m in _messages(completion)
-    )
+    """A call failed: a tool message TRL wrote as an error (read as the trajectory view reads it)."""
+    return any(m.get("role") == "tool" and tool_error(m.get("content")) is not None for m in _messages(completion))
 
 
 def agent_format_reward(completions: list, **kwargs) -> list[float]:
