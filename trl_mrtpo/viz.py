@@ -180,6 +180,22 @@ def _reward_axes(axis, logs: list[dict], reward_names: Sequence[str], style: str
         axis.plot(steps, moving_mean(values, TREND_WINDOW), style, color=colour, label=f"{name}{label}")
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_credit_curves(
     log_history: list[dict], reward_names: Sequence[str], path: str, warmup_steps: int | None = None
 ) -> str | None:
@@ -188,11 +204,7 @@ def plot_credit_curves(
 
     Returns the path written, or None when there is nothing to plot.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     logs = [h for h in log_history if "mrtpo/beta" in h]
     if not logs:
         return None
@@ -212,9 +224,7 @@ def plot_credit_curves(
     bottom.set_xlabel("step")
     top.legend(fontsize=7, loc="best")
     top.set_title("MRTPO: rewards and credit concentration")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -240,11 +250,7 @@ def format_curves(log_history: list[dict], reward_names: Sequence[str]) -> str:
 def plot_comparison(histories: dict[str, list[dict]], reward_names: Sequence[str], path: str) -> str:
     """One panel per method (same scale), each reward's per-step mean and smoothed trend: the demo's side-by-side
     plot of runs on the same task and seed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(histories), figsize=(6 * len(histories), 4), sharey=True, squeeze=False)
     for axis, (method, history) in zip(axes[0], histories.items()):
         _reward_axes(axis, [h for h in history if "mrtpo/beta" in h], reward_names)
@@ -252,9 +258,7 @@ def plot_comparison(histories: dict[str, list[dict]], reward_names: Sequence[str
         axis.set_xlabel("step")
     axes[0][0].set_ylabel("reward mean")
     axes[0][0].legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
 
 
@@ -264,11 +268,7 @@ def credit_heatmap_png(
     """The heatmap as an image for terminals without a browser: per response, one row per reward (its token credit
     ``A_k * w_k,t``), the uniform GDPO spread and the summed advantage, tokens along the x axis; colour is signed
     credit on one scale per response (green +, red -)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     count = min(max_responses, len(record.completions))
     per_reward = record.group_advantages[:, :, None] * record.weights
     lengths = record.mask.sum(-1).long().tolist()
@@ -284,7 +284,5 @@ def credit_heatmap_png(
         tokens = [t.replace("\n", "\\n") for t in token_strings(tokenizer, record.completion_ids[j, :length].tolist())]
         axis.set_xticks(range(length), tokens, rotation=90, fontsize=6)
         axis.set_title(f"response {j}: credit per token (scale +/-{scale:.2g})", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
