@@ -18,6 +18,7 @@ from trl_mrtpo.gym.agent import (
     parse_table,
     parse_trajectory,
     relevant_token,
+    sample_trajectories,
     supervised_agent_policy,
     train_agent_run,
     turn_of,
@@ -72,7 +73,7 @@ def test_the_rollout_returns_ids_and_an_env_mask_that_fit(tiny_policy):
     _, _, (model, tokenizer) = tiny_policy
     rows = [agent_example(random.Random(i)) for i in range(6)]
     trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, temperature=1.0)
-    out = agent_rollout(tokenizer)([row["prompt"] for row in rows], trainer)
+    out = agent_rollout(tokenizer)([row["prompt"] for row in rows], trainer)  # TRL's call: (prompts, trainer)
     for row, ids, mask in zip(rows, out["completion_ids"], out["env_mask"]):
         words = tokenizer.convert_ids_to_tokens(ids)
         assert len(mask) == len(ids) and mask == env_mask_of(words)
@@ -119,8 +120,6 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     trajectories, the verdict says token credit will move a reward's credit exactly for the rewards whose q peaks on
     their deciding word (the first call's entity, the last call's entity, the answer's value) in at least 3 of 4
     trajectories, and calls the others indistinguishable from the control."""
-    from types import SimpleNamespace
-
     import torch
 
     from trl_mrtpo.gym.agent import agent_dataset
@@ -131,8 +130,7 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     model.save_pretrained(tmp_path / "policy")
     tokenizer.save_pretrained(tmp_path / "policy")
     rows = agent_dataset(8, 5).to_list()
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, temperature=1.0)
-    sampled = agent_rollout(tokenizer)([row["prompt"] for row in rows for _ in range(4)], trainer)
+    sampled = sample_trajectories(model, tokenizer, [row["prompt"] for row in rows for _ in range(4)], 1.0)
     lines = [
         {**rows[i // 4], "completion": " ".join(tokenizer.convert_ids_to_tokens(ids))}
         for i, ids in enumerate(sampled["completion_ids"])

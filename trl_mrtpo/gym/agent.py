@@ -219,51 +219,57 @@ def env_mask_of(words: Sequence[str]) -> list[int]:
     return mask
 
 
-def agent_rollout(tokenizer) -> Callable:
-    """TRL's ``rollout_func``: samples each trajectory turn by turn with the trainer's policy, the environment
-    (the table carried in the prompt's message) answering each well-formed call; returns the ids and the
-    ``env_mask``. A trajectory ends at its answer, at a malformed turn, or after ``MAX_CALLS + 1`` turns."""
+@torch.no_grad()
+def sample_trajectories(model, tokenizer, prompts: list[list[dict]], temperature: float) -> dict:
+    """Each prompt's trajectory sampled turn by turn from ``model``, the environment (the table carried in the
+    prompt's message) answering each well-formed call. Returns what a ``rollout_func`` returns: ``prompt_ids``,
+    ``completion_ids``, ``logprobs`` (None) and the ``env_mask``. A trajectory ends at its answer, at a malformed
+    turn, or after ``MAX_CALLS + 1`` turns."""
     stops = tokenizer.convert_tokens_to_ids([";", "<eos>"])
+    prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
+    tables = [parse_table(p[-1]["table"]) for p in prompts]
+    completions = [[] for _ in prompts]
+    masks = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    for _ in range(MAX_CALLS + 1):
+        if not active:
+            break
+        sequences = [prompt_ids[i] + completions[i] for i in active]
+        width = max(map(len, sequences))
+        pad = tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
+        starts = torch.tensor([width - len(s) for s in sequences])
+        sampled = model.generate(
+            ids,
+            attention_mask=(torch.arange(width)[None] >= starts[:, None]).long(),
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=MAX_TURN_TOKENS,
+            eos_token_id=stops,
+            pad_token_id=pad,
+        )[:, width:].tolist()
+        still = []
+        for i, turn in zip(active, sampled):
+            turn = turn[: next((n + 1 for n, t in enumerate(turn) if t in stops), len(turn))]
+            words = tokenizer.convert_ids_to_tokens(turn)
+            completions[i] += turn
+            masks[i] += [1] * len(turn)
+            if words[:1] == ["call"] and len(words) == 3 and words[1] in ENTITIES and words[2] == ";":
+                completions[i] += tokenizer.convert_tokens_to_ids(["=>", tables[i][words[1]], ";"])
+                masks[i] += [0, 0, 0]
+                still.append(i)
+        active = still
+    return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None, "env_mask": masks}
 
-    @torch.no_grad()
+
+def agent_rollout(tokenizer) -> Callable:
+    """TRL's ``rollout_func``: :func:`sample_trajectories` with the trainer's policy at its temperature."""
+
     def rollout(prompts, trainer):
         model = trainer.accelerator.unwrap_model(trainer.model)
-        prompt_ids = [chat_prompt_ids(tokenizer, p) for p in prompts]
-        tables = [parse_table(p[-1]["table"]) for p in prompts]
-        completions = [[] for _ in prompts]
-        masks = [[] for _ in prompts]
-        active = list(range(len(prompts)))
-        for _ in range(MAX_CALLS + 1):
-            if not active:
-                break
-            sequences = [prompt_ids[i] + completions[i] for i in active]
-            width = max(map(len, sequences))
-            pad = tokenizer.pad_token_id
-            ids = torch.tensor([[pad] * (width - len(s)) + s for s in sequences])
-            starts = torch.tensor([width - len(s) for s in sequences])
-            sampled = model.generate(
-                ids,
-                attention_mask=(torch.arange(width)[None] >= starts[:, None]).long(),
-                do_sample=True,
-                temperature=trainer.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=MAX_TURN_TOKENS,
-                eos_token_id=stops,
-                pad_token_id=pad,
-            )[:, width:].tolist()
-            still = []
-            for i, turn in zip(active, sampled):
-                turn = turn[: next((n + 1 for n, t in enumerate(turn) if t in stops), len(turn))]
-                words = tokenizer.convert_ids_to_tokens(turn)
-                completions[i] += turn
-                masks[i] += [1] * len(turn)
-                if words[:1] == ["call"] and len(words) == 3 and words[1] in ENTITIES and words[2] == ";":
-                    completions[i] += tokenizer.convert_tokens_to_ids(["=>", tables[i][words[1]], ";"])
-                    masks[i] += [0, 0, 0]
-                    still.append(i)
-            active = still
-        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None, "env_mask": masks}
+        return sample_trajectories(model, tokenizer, prompts, trainer.temperature)
 
     return rollout
 
@@ -350,8 +356,6 @@ def agent_localisation(spec: AgentGymSpec, seed: int, cache_dir: str | Path, num
     control), and the share of the reward's q mass in each turn (``call 1`` ... ``answer``) beside the turn the
     truth is in.
     """
-    from types import SimpleNamespace
-
     from ..info_blocks import build_contexts
     from ..replay import replay_relevance
     from .runs import mass_ratio
@@ -360,8 +364,7 @@ def agent_localisation(spec: AgentGymSpec, seed: int, cache_dir: str | Path, num
     rows = agent_dataset(num_prompts, seed + 1_000_000).to_list()  # prompts no run trains on
     torch.manual_seed(seed)
     prompts = [row["prompt"] for row in rows for _ in range(4)]
-    stand_in = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, temperature=1.0)
-    sampled = agent_rollout(tokenizer)(prompts, stand_in)
+    sampled = sample_trajectories(model, tokenizer, prompts, temperature=1.0)
     blocks = agent_blocks()
     contexts, completions, owners = [], [], []
     for i, (ids, mask) in enumerate(zip(sampled["completion_ids"], sampled["env_mask"])):
