@@ -327,3 +327,17 @@ def test_process_rewards_on_tool_rollouts_are_refused(tiny_tokenizer, tmp_path):
             train_dataset=Dataset.from_list([row] * 4),
             processing_class=tokenizer,
         )
+
+
+def test_calls_read_defensively_from_messages():
+    """Arguments that are not a dict count as none (the view used to fail on a string); entries that are not calls
+    are skipped."""
+    from trl_mrtpo.trajectories import message_calls
+
+    message = {
+        "role": "assistant",
+        "tool_calls": [call("checkout"), {"function": {"name": "x", "arguments": "{oops"}}, 7],
+    }
+    assert message_calls(message) == [{"name": "checkout", "arguments": {}}, {"name": "x", "arguments": {}}]
+    view = trajectory([message, {"role": "tool", "name": "checkout", "content": "ok"}], [1, 1, 0])
+    assert [c.name for c in view.calls] == ["checkout", "x"] and view.calls[1].result is None

@@ -69,6 +69,23 @@ def _runs(mask: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, i
     return ones, zeros
 
 
+def message_calls(message: dict) -> list[dict]:
+    """The calls of one assistant message as ``{"name", "arguments"}`` (TRL's parsed ``tool_calls``, read
+    defensively: arguments that are not a dict count as none; a copy, so a builder cannot edit the conversation)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            arguments = function.get("arguments")
+            calls.append(
+                {
+                    "name": str(function.get("name")),
+                    "arguments": dict(arguments) if isinstance(arguments, dict) else {},
+                }
+            )
+    return calls
+
+
 def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
     """The structured view of one completion (TRL's list of messages) over its ``tool_mask`` (unpadded), or None for a
     completion that is not a tool rollout (a string, or no tool message)."""
@@ -80,8 +97,7 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
         if not isinstance(message, dict):
             continue
         if message.get("role") == "assistant":
-            calls = [c.get("function", c) for c in message.get("tool_calls") or [] if isinstance(c, dict)]
-            pending = [{"name": str(c.get("name")), "arguments": dict(c.get("arguments") or {})} for c in calls]
+            pending = message_calls(message)
             span = model_runs[len(turns)] if len(turns) < len(model_runs) else (len(tool_mask), len(tool_mask))
             turns.append({"text": str(message.get("content") or ""), "calls": [], "tokens": span, "pending": pending})
         elif message.get("role") == "tool" and turns and turns[-1]["pending"]:

@@ -30,7 +30,7 @@ import random
 import re
 from typing import Any
 
-from ..trajectories import Trajectory, Turn, tool_error
+from ..trajectories import Trajectory, Turn, message_calls, tool_error
 from . import Kit, tool_calling
 
 MAX_TEXT = 40  # characters of an item name
@@ -122,15 +122,7 @@ def _messages(completion: Any) -> list[dict]:
 
 def _calls(completion: Any) -> list[dict]:
     """The calls a trajectory made, as ``{"name", "arguments"}`` (TRL's parsed tool calls)."""
-    calls = []
-    for message in _messages(completion):
-        for call in message.get("tool_calls") or []:
-            function = call.get("function", call) if isinstance(call, dict) else {}
-            arguments = function.get("arguments")
-            calls.append(
-                {"name": str(function.get("name")), "arguments": arguments if isinstance(arguments, dict) else {}}
-            )
-    return calls
+    return [call for message in _messages(completion) for call in message_calls(message)]
 
 
 def _final_answer(completion: Any) -> str | None:
