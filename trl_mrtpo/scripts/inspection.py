@@ -299,16 +299,17 @@ def reward_verdicts(record: CreditRecord, tokenizer, reward_names: list[str], nu
     responses will have its credit moved onto the tokens where its q is largest; otherwise its q cannot be told from
     the control's and token credit would move its credit by noise.
     """
+    from ..credit import group_advantages
     from ..diagnostics import mass_share
 
     control = reward_names.index(CONTROL_NAME)
     lengths = record.mask.sum(-1).long().tolist()
+    _, in_group = group_advantages(record.rewards, num_generations)  # [B, K]: varies within the response's group
     verdicts = []
     for k, name in enumerate(reward_names):
         if k == control:
             continue
-        groups = record.rewards[:, k].reshape(-1, num_generations)
-        varying = sum(len(set(g[~g.isnan()].tolist())) > 1 for g in groups) / len(groups)
+        varying = in_group[::num_generations, k].float().mean().item()  # share of groups where it varies
         both = [j for j in range(len(lengths)) if record.replayed[j, k] and record.replayed[j, control] and lengths[j]]
         q = sum(record.relevance[j, k, : lengths[j]].sum().item() for j in both)
         q_control = sum(record.relevance[j, control, : lengths[j]].sum().item() for j in both)
