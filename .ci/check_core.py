@@ -18,6 +18,7 @@ import trl_mrtpo
 from trl_mrtpo import MRTPOConfig, MRTPOTrainer
 from trl_mrtpo.gym import build_tokenizer
 from trl_mrtpo.gym.task import GymSpec, build_policy
+from trl_mrtpo.utils import function_name
 
 assert "site-packages" in trl_mrtpo.__file__, f"imported from the source tree: {trl_mrtpo.__file__}"
 extras = ["sqlglot", "if_verifiable", "nltk", "gguf", "matplotlib"]
@@ -104,6 +105,8 @@ with tempfile.TemporaryDirectory() as folder:
     from trl_mrtpo.scripts.train import run
 
     cli_trainer = run(["--config", str(root / "recipe.yaml")])
-    assert cli_trainer.state.global_step == 2 and cli_trainer.process_reward_names == ["word_steps"]
+    assert cli_trainer.state.global_step == 2 and [
+        function_name(f) for f in cli_trainer.step_credit.process_rewards
+    ] == ["word_steps"]
     assert not [m for m in extras if m in sys.modules], "resolving dotted paths imported a kit's extra"
 print("core install OK: trl-mrtpo train with a dotted-path reward, info block and process reward")
