@@ -15,6 +15,7 @@ columns = {
     "if": {"constraints": [json.dumps([{"id": "punctuation:no_comma", "kwargs": {}, "text": "No commas."}])]},
     "tools": {},
     "short": {"opening": ["The"]},
+    "agent": {},
 }
 for name in KIT_NAMES:
     kit = get_kit(name)
