@@ -101,7 +101,6 @@ def recorded_batch(model_name: str, task: str, prompts: int, generations: int, t
         seed=seed,
         credit_warmup_steps=0,
         replay_only_varying=False,
-        save_credit_plots=False,
     )
     trainer = MRTPOTrainer(
         model=build_model(model_name, tokenizer),

@@ -41,10 +41,13 @@ CHOICES = {
 
 
 def method_settings(method: str) -> dict:
-    """The MRTPOConfig fields of a method: its credit_assignment and, for a frozen variant, its options."""
+    """The MRTPOConfig fields of a method: its credit_assignment and, for a frozen variant, its options (``mrtpo`` is
+    the published rule, per-reward strength the frozen ``strength``: ``trl_mrtpo.research.config.arm_settings``)."""
+    from trl_mrtpo.research.config import arm_settings
+
     if method in CHOICES:
-        return {"credit_assignment": "mrtpo", **json.loads(CHOICES[method].read_text())["options"]}
-    return {"credit_assignment": "gdpo" if method == "opsd" else method}
+        return {"credit_assignment": "mrtpo", **arm_settings(json.loads(CHOICES[method].read_text())["options"])}
+    return {"credit_assignment": "gdpo" if method == "opsd" else method, **arm_settings({})}
 
 
 TASKS = ("tools", "if", "short")
@@ -121,7 +124,6 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
         credit_warmup_steps=args.warmup_steps,
         save_strategy="steps",
         save_steps=args.save_steps,
-        save_credit_plots=False,
         disable_tqdm=True,
     )
     if method == "opsd":  # TRL's self-distillation, the info blocks as privileged context, same shared settings

@@ -10,8 +10,8 @@ first step. The first step (start-up) is dropped from the means. Writes
     python benchmarks/replay_overhead.py --tasks if --steps 4 --methods gdpo mrtpo
     python benchmarks/replay_overhead.py --methods gdpo mrtpo mrtpo+strength   # with per-reward strength (resting)
 
-A method ``mrtpo+<option>`` is MRTPO with a calibrated-credit option on: ``strength`` (``reward_strength``),
-``null``, ``preserve``.
+``mrtpo`` is the published rule; a method ``mrtpo+<option>`` is MRTPO with an option on: ``strength`` (per-reward
+strength, the default of ``MRTPOConfig``), ``null``, ``preserve``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
     from transformers import TrainerCallback
 
     from trl_mrtpo.kits import get_kit
+    from trl_mrtpo.research.config import arm_settings
     from trl_mrtpo.scripts.demo import cpu_run_config, embedded_lora_trainer
 
     torch.set_num_threads(args.threads)
@@ -69,9 +70,8 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
             learning_rate=args.learning_rate,
             seed=seed,
             credit_assignment=method.split("+")[0],
-            **{OPTIONS[option]: True for option in method.split("+")[1:]},
+            **arm_settings({OPTIONS[option]: True for option in method.split("+")[1:]}),
             credit_warmup_steps=0,
-            save_credit_plots=False,
             disable_tqdm=True,
             use_cpu=args.device == "cpu",
             bf16=args.device == "cuda",  # bf16 on the GPU, like a real run

@@ -60,6 +60,10 @@ def make_args(tmp_path, research: bool | None = None, **overrides):
         bf16=False,
         credit_warmup_steps=0,
         replay_only_varying=False,
+        # The tiny random model's q profiles of different rewards look alike (1 - cos ~ 0.005): the default
+        # per-reward strength would rest every reward after the first step. Tests of the replay's plumbing use the
+        # published rule; tests/test_strength.py and the exactness tests set a floor.
+        reward_strength_floor=None,
         seed=0,
     )
     values.update(overrides)
@@ -117,6 +121,7 @@ def record_for(text, q_reward, q_control, advantage=1.0):
         weights=weights,
         advantages=advantage * weights[:, 0],
         beta=0.5,
+        reward_betas=torch.full((3,), 0.5),
     )
 
 
@@ -149,7 +154,7 @@ def merge_record(trainer, credit: CreditRecord) -> dict:
         "replayed": credit.replayed,
         "mask": credit.mask,
         "advantages": credit.advantages,
-        "beta": credit.beta,
+        "beta": credit.reward_betas,
         "reward_weights": trainer.reward_weights,
         "rho": trainer.args.max_second_moment_ratio,
     }
@@ -166,6 +171,8 @@ def check_merged_advantages(parts: list[dict]) -> None:
             tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
         return torch.cat(tensors)
 
+    for part in parts[1:]:  # per-reward strength reads the whole batch: every rank uses the same betas
+        torch.testing.assert_close(part["beta"], parts[0]["beta"], atol=0, rtol=0)
     single = token_advantages(
         merged("group_advantages"),
         merged("relevance"),

@@ -20,8 +20,10 @@ def js_float64(logits_p, logits_q):
 
 def reference_parts(rewards, q, mask, c, beta, rho, G, eps=1e-4):
     """Plain loops in float64, written from docs/method.md without using credit.py: the group advantages ``[n, K]``,
-    each reward's token weights ``w[j][k][t]``, the cap factor, the capped scores ``[j][t]`` and step 8's std."""
+    each reward's token weights ``w[j][k][t]``, the cap factor, the capped scores ``[j][t]`` and step 8's std.
+    ``beta`` is one number, or one per reward (per-reward strength)."""
     n, k_count = rewards.shape
+    betas = [float(b) for b in beta] if isinstance(beta, (list, tuple, torch.Tensor)) else [float(beta)] * k_count
     rewards, q, c = rewards.double(), q.double(), c.double()
     adv = torch.zeros(n, k_count, dtype=torch.float64)
     varying = torch.zeros(n, k_count, dtype=torch.bool)
@@ -51,7 +53,7 @@ def reference_parts(rewards, q, mask, c, beta, rho, G, eps=1e-4):
             for t in range(length):
                 w = 1.0
                 if varying[j, k] and qbar >= 1e-8:
-                    w = (1 - beta) + beta * qs[t] / qbar
+                    w = (1 - betas[k]) + betas[k] * qs[t] / qbar
                 w_row.append(w)
                 s_row[t] += c[k].item() * adv[j, k].item() * w
             w_rows.append(w_row)
@@ -77,6 +79,40 @@ def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
         for t, v in enumerate(row):
             out[j, t] = v / std if std > 0 else v
     return out, s_cap
+
+
+def reference_specificity(q, replayed):
+    """Per reward, float64 loops: the mean over responses where it and another reward were replayed (and its q has
+    mass) of ``1 - cos(q_k, mean of the other replayed rewards' q)``; NaN without any such response."""
+    n, k_count, _ = q.shape
+    out = []
+    for k in range(k_count):
+        values = []
+        for j in range(n):
+            others = [i for i in range(k_count) if i != k and replayed[j, i]]
+            if not replayed[j, k] or not others or q[j, k].double().sum() <= 0:
+                continue
+            own = q[j, k].double()
+            control = sum(q[j, i].double() for i in others) / len(others)
+            if control.norm() == 0:
+                values.append(1.0)
+                continue
+            values.append(1.0 - (own @ control).item() / (own.norm() * control.norm()).item())
+        out.append(sum(values) / len(values) if values else math.nan)
+    return out
+
+
+def reference_strength_betas(readings, betas, floor, num_rewards, momentum=0.9):
+    """Each step's per-reward beta ``beta_n * g_k`` (docs/method.md, step 5): ``readings`` are each step's
+    ``(q, replayed)`` (None: no reading that step), ``betas`` each step's beta_n. ``m_k`` is the running mean of the
+    readings (the first taken as is), ``g_k = clip(m_k / floor - 1, 0, 1)``, 1 before any reading."""
+    running, out = [math.nan] * num_rewards, []
+    for reading, beta in zip(readings, betas):
+        for k, value in enumerate(reference_specificity(*reading) if reading is not None else []):
+            if not math.isnan(value):
+                running[k] = value if math.isnan(running[k]) else momentum * running[k] + (1 - momentum) * value
+        out.append([beta * (1.0 if math.isnan(m) else min(max(m / floor - 1, 0.0), 1.0)) for m in running])
+    return out
 
 
 def reference_saw(rewards):

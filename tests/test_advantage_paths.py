@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import ResearchRecordingTrainer, graded_length, graded_length_too, make_args
-from tests.reference import reference_saw, reference_token_advantages
+from tests.reference import reference_saw, reference_strength_betas, reference_token_advantages
 from trl_mrtpo.credit import warmup_beta
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -68,15 +68,28 @@ def test_token_advantages_match_float64_reference(tiny_model, tiny_tokenizer, tm
         blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
         credit_assignment=mode,
         reward_weighting=weighting,
+        # per-reward strength: the tiny model's q profiles differ from each other by 1 - cos ~ 0.004-0.006, so this
+        # floor gives strengths strictly between 0 and 1
+        **({"reward_strength_floor": 0.003} if mode in ("mrtpo", "shuffled") else {}),
     )
+    # mrtpo: each step's betas from the float64 reference of its readings; shuffled reads before permuting (the
+    # record holds the permuted q), so its recorded betas are used as given
+    if mode == "mrtpo":
+        readings = [(credit.relevance, credit.replayed) for credit in trainer.credits]
+        strength = reference_strength_betas(readings, [0.5, 0.5], 0.003, num_rewards=len(trainer.reward_funcs))
+        for credit, betas in zip(trainer.credits, strength):
+            torch.testing.assert_close(credit.reward_betas.double(), torch.tensor(betas).double(), atol=1e-6, rtol=0)
+            assert any(0 < b < 0.5 for b in betas)  # the per-reward path, not all-or-nothing
     for credit in trainer.credits:
         expected_beta = 0.0 if mode == "gdpo" else 0.5
         assert credit.beta == expected_beta
+        if mode in ("gdpo", "joint"):  # no per-reward q to read: one beta for every reward
+            assert torch.all(credit.reward_betas == expected_beta)
         c = trainer.reward_weights.double()
         if weighting == "saw":
             c = c * reference_saw(credit.rewards.double())
         expected, _ = reference_token_advantages(
-            credit.rewards.double(), credit.relevance.double(), credit.mask, c, credit.beta, 2.0, G=4
+            credit.rewards.double(), credit.relevance.double(), credit.mask, c, credit.reward_betas, 2.0, G=4
         )
         torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
         if mode != "gdpo":
@@ -335,7 +348,7 @@ def test_taco_on_mrtpo_matches_float64_reference(tiny_model, tiny_tokenizer, tmp
         torch.testing.assert_close(surprisal.double(), by_hand, atol=2e-5, rtol=0)
         expected, _ = reference_token_advantages(
             credit.rewards.double(), credit.relevance.double(), credit.mask, trainer.reward_weights.double(),
-            credit.beta, 2.0, G=4,
+            credit.reward_betas, 2.0, G=4,
         )  # fmt: skip
         factor = 1 - strength / (1 + torch.exp(-sharpness * (by_hand - threshold)))
         expected = torch.where(expected > 0, expected * factor, expected)

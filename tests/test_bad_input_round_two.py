@@ -145,7 +145,10 @@ def test_opsd_reward_values_are_checked(tiny_model, tiny_tokenizer, tmp_path):
         (dict(credit_assignment="mrtpo", cort_eta=0.5), "cort_eta=0.5 has no effect unless credit_assignment='cort'"),
         (dict(concur_ceiling=0.5), "concur_ceiling=0.5 has no effect unless reward_weighting='concur'"),
         (dict(taco_threshold=2.0), "taco_threshold=2.0 has no effect unless taco_strength > 0"),
-        (dict(reward_strength_floor=0.3), "reward_strength_floor=0.3 has no effect unless reward_strength=True"),
+        (
+            dict(credit_assignment="joint", reward_strength_floor=0.3),
+            "reward_strength_floor=0.3 has no effect unless credit_assignment is one of mrtpo, shuffled",
+        ),
     ],
 )
 def test_an_option_that_would_do_nothing_is_refused(tmp_path, fields, message):

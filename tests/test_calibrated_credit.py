@@ -1,6 +1,6 @@
-"""Calibrated credit (docs/method.md, "Calibrated credit"): null correction, per-reward strength and preserved
-totals, against float64 loop references, hand-worked examples and invariants; the trainer's wiring (per-reward beta,
-resting rewards, checkpointed state)."""
+"""Calibrated credit (docs/method.md, "Calibrated credit"): null correction and preserved totals, against float64
+loop references, hand-worked examples and invariants; the trainer's wiring. Per-reward strength, which became the
+default, is tested in tests/test_strength.py."""
 
 import math
 
@@ -16,8 +16,6 @@ from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research.credit import (
     null_corrected_relevance,
     preserved_token_advantages,
-    relevance_specificity,
-    reward_strength,
     token_advantages_preserving_totals,
 )
 
@@ -149,92 +147,7 @@ def test_identical_profiles_are_all_background():
     assert (null_corrected_relevance(same, torch.ones(2, 3, dtype=torch.bool)) == 0).all()
 
 
-def test_specificity_and_strength_by_hand():
-    q = torch.tensor(
-        [
-            [[1.0, 0.0], [0.0, 1.0], [9.0, 9.0]],  # orthogonal profiles: each stands out fully
-            [[0.4, 0.2], [0.2, 0.1], [0.0, 0.0]],  # reward 1 has reward 0's shape: no specificity; 2 not replayed
-            [[0.5, 0.5], [0.0, 0.0], [0.0, 0.0]],  # no control in the response: no reading
-        ]
-    )
-    replayed = torch.tensor([[True, True, False], [True, True, False], [True, False, False]])
-    reading = relevance_specificity(q, replayed)
-    # reward 0: 1 - cos = 1 (response 0) and 0 (response 1); reward 1 the same; reward 2 never read
-    torch.testing.assert_close(reading[:2], torch.tensor([0.5, 0.5]))
-    assert math.isnan(reading[2].item())
-    strength = reward_strength(torch.tensor([0.2, 0.25, 0.375, 0.6, math.nan], dtype=torch.float64), 0.25)
-    torch.testing.assert_close(strength, torch.tensor([0.0, 0.0, 0.5, 1.0, 1.0], dtype=torch.float64))
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1))
-def test_specificity_matches_float64_loops(n, k_count, c_len, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.rand(n, k_count, c_len, generator=gen) * (torch.rand(n, k_count, 1, generator=gen) < 0.8)
-    replayed = torch.rand(n, k_count, generator=gen) < 0.7
-    reading = relevance_specificity(q, replayed)
-    for k in range(k_count):
-        values = []
-        for j in range(n):
-            others = [i for i in range(k_count) if i != k and replayed[j, i]]
-            own = q[j, k].double()
-            if not replayed[j, k] or not others or own.sum() == 0:
-                continue
-            control = sum(q[j, i].double() for i in others) / len(others)
-            if control.norm() == 0:
-                values.append(1.0)
-            else:
-                values.append(1 - ((own @ control) / (own.norm() * control.norm())).item())
-        if values:
-            assert reading[k].item() == pytest.approx(sum(values) / len(values), abs=1e-5)
-        else:
-            assert math.isnan(reading[k].item())
-
-
-def test_per_reward_beta_is_each_rewards_own_beta():
-    """A [K] beta gives reward k exactly the weights of a scalar beta_k: [0.5, 0] equals reward 1 not replayed."""
-    gen = torch.Generator().manual_seed(0)
-    adv, _ = group_advantages(torch.randint(0, 2, (4, 2), generator=gen).float(), 4)
-    q, mask = torch.rand(4, 2, 5, generator=gen), torch.ones(4, 5, dtype=torch.long)
-    replayed, c = torch.ones(4, 2, dtype=torch.bool), torch.ones(2)
-    per_reward = token_advantages(adv, q, replayed, mask, c, torch.tensor([0.5, 0.0]))
-    only_first = token_advantages(adv, q, torch.tensor([[True, False]] * 4), mask, c, 0.5)
-    torch.testing.assert_close(per_reward.advantages, only_first.advantages)
-
-
-def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_tokenizer, tmp_path):
-    """reward_strength: readings are taken, beta per reward is logged, a reward whose strength is 0 is not replayed
-    after warm-up (except on probe steps), and the running specificity is checkpointed."""
-    trainer = recording_trainer(
-        model=tiny_model,
-        reward_funcs=BASIC.rewards,
-        info_blocks=BASIC.info_blocks,
-        args=make_args(
-            tmp_path,
-            max_steps=3,
-            reward_strength=True,
-            reward_strength_floor=0.5,  # 1 - cos below 0.5 rests a reward: q profiles of one prompt look alike
-            save_strategy="steps",
-            save_steps=3,
-        ),
-        train_dataset=make_basic_dataset(12),
-        processing_class=tiny_tokenizer,
-    )
-    trainer.train()
-    assert not torch.isnan(trainer._specificity).all()
-    logged = trainer.state.log_history[1]
-    name = next(n for n, s in zip(trainer.reward_func_names, trainer._specificity) if not torch.isnan(s))
-    assert logged[f"mrtpo/beta/{name}"] == 0.0
-    # step 0 is a probe (replayed), steps 1 and 2 rest every reward that has a reading
-    read = ~torch.isnan(trainer._specificity)
-    assert trainer.replays[0]["replayed"].any()
-    for replay in trainer.replays[1:]:
-        assert not replay["replayed"][:, read].any()
-    state = torch.load(tmp_path / "checkpoint-3" / "mrtpo_state_0.pt", weights_only=True)  # plain data only
-    torch.testing.assert_close(state["reward_specificity"], trainer._specificity, equal_nan=True)
-
-
-@pytest.mark.parametrize("option", ["relevance_null_correction", "reward_strength", "preserve_reward_totals"])
+@pytest.mark.parametrize("option", ["relevance_null_correction", "preserve_reward_totals"])
 def test_trainer_runs_each_option(tiny_model, tiny_tokenizer, tmp_path, option):
     trainer = recording_trainer(
         model=tiny_model,
@@ -252,11 +165,6 @@ def test_trainer_runs_each_option(tiny_model, tiny_tokenizer, tmp_path, option):
 
 
 @pytest.mark.parametrize("mode", ["joint", "cort", "gdpo"])
-def test_per_reward_options_need_per_reward_q(tmp_path, mode):
-    with pytest.raises(ValueError, match="reward_strength.*credit_assignment"):
-        make_args(tmp_path, credit_assignment=mode, reward_strength=True)
-
-
-def test_strength_floor_range(tmp_path):
-    with pytest.raises(ValueError, match="reward_strength_floor"):
-        make_args(tmp_path, reward_strength_floor=0.0)
+def test_null_correction_needs_per_reward_q(tmp_path, mode):
+    with pytest.raises(ValueError, match="relevance_null_correction.*credit_assignment"):
+        make_args(tmp_path, credit_assignment=mode, relevance_null_correction=True)

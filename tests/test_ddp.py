@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import check_merged_advantages
+from tests.reference import reference_strength_betas
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,7 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
         "--max_completion_length", "8",
         "--credit_warmup_steps", "0",
         "--replay_only_varying", "false",
+        "--reward_strength_floor", "0.003",  # the tiny model's 1 - cos ~ 0.005: strengths strictly inside (0, 1)
     ]  # fmt: skip
     # The launcher sets the ranks' own distributed variables; none of the test process's may leak into them.
     inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
@@ -58,3 +60,15 @@ def test_accelerate_launch_two_cpu_processes(tmp_path, tiny_tokenizer):
     assert generations
     for generation in generations:
         check_merged_advantages([torch.load(reports / f"rank{r}_{generation}") for r in (0, 1)])
+    # Per-reward strength reads the whole batch: the first generation's betas are those of the merged batch's q.
+    first = [torch.load(reports / f"rank{r}_generation0.pt") for r in (0, 1)]
+    width = max(part["mask"].shape[1] for part in first)
+    relevance = torch.cat(
+        [torch.nn.functional.pad(p["relevance"], (0, width - p["relevance"].shape[-1])) for p in first]
+    )
+    replayed = torch.cat([p["replayed"] for p in first])
+    expected = reference_strength_betas([(relevance, replayed)], [0.5], 0.003, num_rewards=replayed.shape[1])[0]
+    torch.testing.assert_close(
+        first[0]["beta"].double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0
+    )
+    assert any(0 < b < 0.5 for b in expected), expected

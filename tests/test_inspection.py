@@ -163,6 +163,7 @@ def test_verdicts_by_hand():
         weights=torch.ones(4, 4, 4),
         advantages=torch.zeros(4, 4),
         beta=0.5,
+        reward_betas=torch.full((4,), 0.5),
     )
     verdicts = {v.reward: v for v in reward_verdicts(record, CharTokenizer(), names, num_generations=2)}
     assert list(verdicts) == ["located", "noise", "flat"]

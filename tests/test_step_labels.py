@@ -148,7 +148,7 @@ def test_process_reward_from_a_small_prm_on_the_embedded_model(tmp_path):
         args=MRTPOConfig(
             output_dir=str(tmp_path / "out"), credit_assignment="gdpo", max_steps=1, per_device_train_batch_size=4,
             num_generations=4, max_completion_length=12, use_cpu=True, bf16=False, report_to="none",
-            save_strategy="no", logging_steps=1, save_credit_plots=False, seed=0,
+            save_strategy="no", logging_steps=1, seed=0,
         ),
         train_dataset=Dataset.from_list([{"prompt": p} for p in prompts * 2]),
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),

@@ -229,7 +229,9 @@ def test_model_card_names_mrtpo(tiny_model, tiny_tokenizer, tmp_path):
     trainer.create_model_card(model_name="tiny-mrtpo")
     card = (tmp_path / "README.md").read_text()
     assert "mrtpo" in card and "Each Reward to Its Relevant Tokens" in card
-    assert "credit assignment: `mrtpo`" in card and "- credit_beta: 0.5" in card and "None" not in card
+    assert "credit assignment: `mrtpo`" in card and "- credit_beta: 0.5" in card
+    # every value is filled in: the one None is the tiny runs' published rule, named against the default
+    assert card.count("None") == card.count("reward_strength_floor: None (default 0.25)") == 1
     assert "| `end_phrase_reward` | 1 | `end_phrase_block` |" in card
     assert "| `length_reward` | 1 | none (uniform credit) |" in card
     assert "credit_warmup_steps: 0" in card and "replay_only_varying: False (default True)" in card
@@ -335,6 +337,7 @@ def test_lora_on_lm_head_is_refused_at_init(tiny_model, tiny_tokenizer, tmp_path
 
 def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     import trl_mrtpo.trainer
+    from trl_mrtpo.callbacks import CreditPlotCallback, logged_reward_names
 
     warnings = []
     monkeypatch.setattr(trl_mrtpo.trainer.logger, "warning", lambda message: warnings.append(message))
@@ -345,11 +348,13 @@ def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, 
         args=make_args(tmp_path, collapse_warning_steps=2),
         train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
+        callbacks=[CreditPlotCallback()],
     )
     trainer._collapse_monitor.threshold = 1.0  # every q of the random model counts as collapsed
     trainer.train()
     assert any("end_phrase_reward" in w and "plain GDPO" in w for w in warnings)
     assert (tmp_path / "mrtpo_curves.png").stat().st_size > 1000
+    assert logged_reward_names(trainer.state.log_history) == trainer.reward_func_names  # the curves' rewards
 
 
 def test_completions_table_gets_a_credit_column(tiny_model, tiny_tokenizer, tmp_path):

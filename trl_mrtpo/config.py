@@ -40,6 +40,12 @@ class MRTPOConfig(GRPOConfig):
             Optimizer steps over which `credit_beta` ramps up smoothly from 0 (`3u^2 - 2u^3`). 0 disables warm-up.
         max_second_moment_ratio (`float`, *optional*, defaults to `2.0`):
             Cap rho: the batch's token-advantage second moment stays at most rho times that of uniform spreading.
+        reward_strength_floor (`float` or `None`, *optional*, defaults to `0.25`):
+            Per-reward strength: reward k's beta is `credit_beta * g_k`, `g_k` rising linearly from 0 at this
+            specificity (`1 - cos` between its q and the other rewards' mean q, a running mean over train batches)
+            to 1 at twice it; a reward whose `g_k` is 0 is replayed only every 10th step after warm-up. Logged as
+            `mrtpo/beta/<reward>`. `None`: every reward uses `credit_beta` (the published rule). Acts in `"mrtpo"`
+            mode; in (0, 0.5].
         > Parameters that control the replay
 
         replay_batch_size (`int`, *optional*, defaults to `8`):
@@ -64,12 +70,10 @@ class MRTPOConfig(GRPOConfig):
         collapse_warning_steps (`int`, *optional*, defaults to `5`):
             Warn when a reward's replayed q stays below 1e-6 for this many consecutive generation steps (its
             credit is then uniform, i.e. plain GDPO). 0 disables the warning.
-        save_credit_plots (`bool`, *optional*, defaults to `True`):
-            At the end of training, save `mrtpo_curves.png` in `output_dir`: per reward, its mean and the share of
-            tokens holding 80 % of its q mass, per step (needs matplotlib).
     """
 
     credit_assignments: ClassVar[tuple[str, ...]] = CREDIT_ASSIGNMENTS
+    per_reward_relevance_modes: ClassVar[tuple[str, ...]] = ("mrtpo",)  # modes that replay each block on its own
 
     # transformers 5 renamed gradient_checkpointing; TRL still defaults the old name to True, which warns at every
     # config. Same default under the current name; the old one, when a user sets it, still wins (with the warning).
@@ -99,6 +103,13 @@ class MRTPOConfig(GRPOConfig):
     max_second_moment_ratio: float = field(
         default=2.0,
         metadata={"help": "Cap rho >= 1 on the token-advantage second moment relative to uniform spreading."},
+    )
+    reward_strength_floor: float | None = field(
+        default=0.25,
+        metadata={
+            "help": "Per-reward strength: specificity in (0, 0.5] at or below which a reward's beta is 0 (full "
+            "credit_beta from twice it); None: one beta for every reward."
+        },
     )
     # Parameters that control the replay
     replay_batch_size: int = field(
@@ -132,9 +143,6 @@ class MRTPOConfig(GRPOConfig):
     collapse_warning_steps: int = field(
         default=5,
         metadata={"help": "Warn when a reward's replayed q stays below 1e-6 this many steps in a row (0: never)."},
-    )
-    save_credit_plots: bool = field(
-        default=True, metadata={"help": "Save per-reward reward and q-concentration curves (PNG) at the end."}
     )
 
     def __post_init__(self):
@@ -177,6 +185,16 @@ class MRTPOConfig(GRPOConfig):
                         f"the token advantages are rescaled by the batch std; leave {name} at {default!r}, or use "
                         "credit_assignment='grpo' for TRL's own behaviour."
                     )
+        floor = self.reward_strength_floor
+        if floor is not None and not 0.0 < floor <= 0.5:
+            raise ValueError(f"reward_strength_floor must be in (0, 0.5] or None, got {floor}.")
+        default_floor = type(self).__dataclass_fields__["reward_strength_floor"].default
+        if floor not in (None, default_floor) and self.credit_assignment not in self.per_reward_relevance_modes:
+            raise ValueError(
+                f"reward_strength_floor={floor!r} has no effect unless credit_assignment is one of "
+                f"{', '.join(self.per_reward_relevance_modes)} (it reads each reward's own q profile); got "
+                f"credit_assignment={self.credit_assignment!r}. Remove it."
+            )
         if self.replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.collapse_warning_steps < 0:

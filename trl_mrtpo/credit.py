@@ -1,5 +1,5 @@
 """Pure tensor maths of MRTPO credit assignment (docs/method.md, steps 1 and 5-9, process rewards and failure-suffix
-masking). The sibling methods and the calibrated options live in :mod:`trl_mrtpo.research.credit`.
+masking). The sibling methods and the research options live in :mod:`trl_mrtpo.research.credit`.
 
 Nothing here knows about TRL or models: every function takes tensors and returns tensors, so each step can be
 checked against a hand-worked example or a float64 reference.
@@ -95,6 +95,42 @@ def token_weights(relevance: torch.Tensor, mask: torch.Tensor, beta: float | tor
     informative = qbar >= QBAR_FLOOR
     w = (1 - beta) + beta * q / torch.where(informative, qbar, torch.ones_like(qbar))
     return torch.where(informative & mask.bool(), w, torch.ones_like(w))
+
+
+def relevance_specificity(
+    relevance: torch.Tensor, replayed: torch.Tensor, reduce_sum: ReduceSum | None = None
+) -> torch.Tensor:
+    """Step 5's strength reading: ``[K]`` float64, how much each reward's q stands out from the control in this batch:
+    the mean, over its replayed responses with another replayed reward, of ``1 - cos(q_k, control)``, the control
+    being the mean profile of the other replayed rewards of the response (0: q_k has the shape of what every removal
+    perturbs; 1: it lies where no other removal reaches). Profiles without mass give no reading; NaN for a reward
+    without any reading. With ``reduce_sum`` the mean is over every process's responses, so all ranks read alike.
+
+    Args:
+        relevance: ``[B, K, C]`` q profiles.
+        replayed: ``[B, K]`` bool.
+    """
+    relevance = relevance.double()  # 1 - cos of near-parallel profiles cancels: float32 would keep ~3 digits
+    weight = replayed.to(relevance.dtype)[..., None]
+    total = (relevance * weight).sum(1, keepdim=True)
+    others = replayed.sum(-1, keepdim=True) - replayed.long()  # other replayed rewards of the response
+    control = (total - relevance * weight) / others.clamp(min=1)[..., None]
+    norms = relevance.norm(dim=-1) * control.norm(dim=-1)
+    cosine = (relevance * control).sum(-1) / norms.clamp(min=1e-30)
+    dissimilarity = torch.where(control.norm(dim=-1) > 0, 1.0 - cosine, torch.ones_like(cosine))
+    read = replayed & (others > 0) & (relevance.sum(-1) > 0)
+    summed = torch.where(read, dissimilarity, torch.zeros_like(dissimilarity)).sum(0)
+    totals = summed_over_processes([*summed, *read.sum(0)], reduce_sum)
+    summed, count = totals[: relevance.shape[1]], totals[relevance.shape[1] :]
+    return torch.where(count > 0, summed / count.clamp(min=1), torch.full_like(summed, math.nan))
+
+
+def reward_strength(running_specificity: torch.Tensor, floor: float) -> torch.Tensor:
+    """Step 5's per-reward strength: ``[K]`` ``g_k = clip(m_k / floor - 1, 0, 1)`` of a running specificity ``m_k``
+    (:func:`relevance_specificity`): 0 at or below ``floor``, 1 from twice the floor; 1 where there is no reading yet
+    (NaN). Reward k's beta is ``beta_n * g_k``."""
+    strength = (running_specificity / floor - 1.0).clamp(0.0, 1.0)
+    return torch.where(torch.isnan(running_specificity), torch.ones_like(strength), strength)
 
 
 def combine(

@@ -12,7 +12,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-STATE_VERSION = 2  # of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own)
+# of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own; 3: the per-reward
+# strength's running specificity in the core)
+STATE_VERSION = 3
 
 # An entry's check: None when the value is what the trainer writes, else what was found instead (for the message).
 StateCheck = Callable[[Any, int], "str | None"]
@@ -27,7 +29,21 @@ def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
     return str(streaks)
 
 
-CORE_STATE_ENTRIES: dict[str, StateCheck] = {"collapse_streaks": collapse_streaks_problem}
+def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
+    """The per-reward strength's running specificity: one float per reward (NaN: no reading yet)."""
+    if (
+        isinstance(specificity, torch.Tensor)
+        and specificity.is_floating_point()
+        and tuple(specificity.shape) == (num_rewards,)
+    ):
+        return None
+    return f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})"
+
+
+CORE_STATE_ENTRIES: dict[str, StateCheck] = {
+    "collapse_streaks": collapse_streaks_problem,
+    "reward_specificity": specificity_problem,
+}
 
 
 def credit_state_path(checkpoint: str, process_index: int) -> str:
@@ -48,8 +64,8 @@ def load_credit_state(
     path = credit_state_path(checkpoint, process_index)
     if not os.path.isfile(path):
         logger.warning(
-            f"{path} is missing: MRTPO's own state (collapse monitor, and any research option's) starts afresh, so "
-            "the resumed run will not continue exactly as an uninterrupted one."
+            f"{path} is missing: MRTPO's own state (collapse monitor, per-reward strength, any research option's) "
+            "starts afresh, so the resumed run will not continue exactly as an uninterrupted one."
         )
         return None
     return read_credit_state(path, identity, entries)

@@ -91,10 +91,15 @@ class CreditRecord:
     replayed: torch.Tensor  # [B, K]
     weights: torch.Tensor  # [B, K, C] w
     advantages: torch.Tensor  # [B, C] final token advantages
-    beta: float
+    beta: float  # beta_n of step 9
+    reward_betas: torch.Tensor  # [K] each reward's beta in step 5 (beta_n * g_k with per-reward strength)
 
     @classmethod
-    def of(cls, batch: ScoredBatch, credit: TokenCredit, relevance, replayed, beta: float) -> CreditRecord:
+    def of(
+        cls, batch: ScoredBatch, credit: TokenCredit, relevance, replayed, beta: float, betas: float | torch.Tensor
+    ) -> CreditRecord:
+        num_rewards = batch.group_advantages.shape[1]
+        reward_betas = betas if isinstance(betas, torch.Tensor) else torch.full((num_rewards,), float(betas))
         return cls(
             prompts=batch.prompts,
             completions=[completion_text(c) for c in batch.completions],
@@ -107,4 +112,5 @@ class CreditRecord:
             weights=credit.weights,
             advantages=credit.advantages,
             beta=beta,
+            reward_betas=reward_betas.float().cpu(),
         )

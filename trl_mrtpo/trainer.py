@@ -37,7 +37,6 @@ from .batch import (
     credit_mask,
     local_slice,
 )
-from .callbacks import CreditPlotCallback
 from .config import MRTPOConfig
 from .constants import MIN_SHARED_PREFIX
 from .credit import TokenCredit, group_advantages, token_advantages, warmup_beta
@@ -47,6 +46,7 @@ from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
 from .process_rewards import StepCredit, check_process_rewards
 from .replay import causal_lm_parts, logit_multiplier, placed_relevance, replay_relevance
+from .strength import RewardStrength
 from .utils import completion_text
 from .validation import (
     check_dataset,
@@ -196,20 +196,18 @@ class MRTPOTrainer(GRPOTrainer):
         self.last_credit: CreditRecord | None = None
         patience = args.collapse_warning_steps
         self._collapse_monitor = CollapseMonitor(patience) if patience > 0 else None
-        if args.save_credit_plots:
-            self.add_callback(CreditPlotCallback(self.reward_func_names))
+        floor = args.reward_strength_floor if self._replays and removal == "each" else None  # each reward's own q
+        self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
         self.recipe = recipe  # the recipe file a run came from, for the model card
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
         self._local_copies = name_hub_ids(self.accelerator.unwrap_model(self.model))
 
     def _extra_policy_forwards(self) -> list[str]:
-        """Options beyond the replay that run forwards of the policy and make the credit per token, named for the
-        start-up checks (none in the core)."""
+        """Options besides the replay that run policy forwards for token credit, for start-up checks (none here)."""
         return []
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id
-        (:mod:`trl_mrtpo.hub_ids`)."""
+        """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id (:mod:`.hub_ids`)."""
         if not self._local_copies:
             return super()._save(output_dir, state_dict)
         with saving_with_hub_ids(self._local_copies, output_dir or self.args.output_dir):
@@ -222,11 +220,13 @@ class MRTPOTrainer(GRPOTrainer):
     def _credit_state(self) -> tuple[dict, dict[str, StateCheck]]:
         """The state a resumed run needs to continue exactly, and how each entry is checked on reading."""
         streaks = dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}
-        return {"collapse_streaks": streaks}, CORE_STATE_ENTRIES
+        state = {"collapse_streaks": streaks, "reward_specificity": self.reward_strength.specificity.clone()}
+        return state, CORE_STATE_ENTRIES
 
     def _restore_credit_state(self, state: dict) -> None:
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
+        self.reward_strength.specificity = state["reward_specificity"].clone().double()
 
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state."""
@@ -254,9 +254,8 @@ class MRTPOTrainer(GRPOTrainer):
         return rewards
 
     def record_rewards(self, inputs: list[dict], rewards: torch.Tensor) -> None:
-        """Called once per generation batch (training and evaluation) with its rows and ``[N, K]`` rewards, gathered
-        over processes (NaN: the reward does not apply); does nothing. A subclass that records what was scored
-        overrides it (the credit gym does)."""
+        """A no-op hook called once per generation batch (training and evaluation) with its rows and ``[N, K]``
+        rewards, gathered over processes (NaN: the reward does not apply); the credit gym overrides it."""
 
     def _generate_and_score_completions(self, inputs):
         started = time.perf_counter()
@@ -278,7 +277,7 @@ class MRTPOTrainer(GRPOTrainer):
         credit, relevance, replayed = self._token_credit(batch, beta, step_credit)
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
-        self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta)
+        self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta, self.reward_strength.betas(beta))
         total_seconds = time.perf_counter() - started
         self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
         return output
@@ -292,9 +291,8 @@ class MRTPOTrainer(GRPOTrainer):
         return self.last_credit
 
     def _announce_first_generation(self, inputs) -> None:
-        """One line before the first generation of training (not of ``inspect`` or an evaluation before it): the
-        progress bar only moves when a step ends, which on a CPU can take minutes, so say what is running (once, on
-        the main process, unless progress bars are off)."""
+        """One line before training's first generation (once, on the main process, unless progress bars are off):
+        the progress bar only moves when a step ends, which on a CPU can take minutes."""
         if self._announced or not self.is_in_train or self.state.global_step > 0 or self.args.disable_tqdm:
             return
         self._announced = True
@@ -354,25 +352,28 @@ class MRTPOTrainer(GRPOTrainer):
     def _token_credit(
         self, batch: ScoredBatch, beta: float, step_credit: dict
     ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
-        """Steps 3-8: q from the replay (none at beta 0, where the weights are uniform whatever q is), then the
-        token advantages (with ``step_credit``: the process advantages and failure suffixes)."""
+        """Steps 3-8: q from the replay (none at beta 0: uniform weights whatever q is), then the token advantages
+        with each reward's beta (``step_credit``: the process advantages and failure suffixes)."""
         relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
         if self._replays and beta > 0:
             with self._replay_clock():
                 relevance, replayed = self._replay(batch)
-        credit = self._advantages(batch, relevance, replayed, beta, step_credit)
+        betas = self.reward_strength.betas(beta)
+        credit = self._advantages(batch, relevance, replayed, betas, step_credit)
         return credit, relevance, replayed
 
-    def _advantages(self, batch: ScoredBatch, relevance, replayed, beta: float, step_credit: dict) -> TokenCredit:
-        """Steps 5-8 (:func:`~trl_mrtpo.credit.token_advantages`)."""
+    def _advantages(
+        self, batch: ScoredBatch, relevance, replayed, betas: float | torch.Tensor, step_credit: dict
+    ) -> TokenCredit:
+        """Steps 5-8 (:func:`~trl_mrtpo.credit.token_advantages`) with ``betas``, one or one per reward."""
         return token_advantages(
             batch.group_advantages,
             relevance,
             replayed,
             batch.mask,
             batch.reward_weights,
-            beta,
+            betas.to(batch.mask.device) if isinstance(betas, torch.Tensor) else betas,
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
             **step_credit,
@@ -399,7 +400,7 @@ class MRTPOTrainer(GRPOTrainer):
             batch.views,
             joint=joint,
             only_varying=self.args.replay_only_varying,
-            resting=self._resting_rewards(),
+            resting=self.reward_strength.resting(self.state.global_step, self.args.credit_warmup_steps),
             separator=self.args.info_block_separator,
             header=self._assistant_header,
             special_tokens=self._special_tokens,
@@ -414,10 +415,6 @@ class MRTPOTrainer(GRPOTrainer):
         check_context_length(context_ids, completion_ids, blocks, prompt_lengths, self.reward_func_names, limit)
         return wanted, context_ids, completion_ids
 
-    def _resting_rewards(self) -> set[int]:
-        """Rewards not replayed this step (none in the core; the research room's per-reward strength rests some)."""
-        return set()
-
     @cached_property
     def _assistant_header(self) -> str | None:
         return assistant_header(self.processing_class)
@@ -431,24 +428,27 @@ class MRTPOTrainer(GRPOTrainer):
         return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": MIN_SHARED_PREFIX}
 
     def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 3-4: replay the local batch and place q per (response, reward)."""
+        """Steps 3-4: replay the local batch and place q per (response, reward); on a train batch, step 5's
+        strength reading of the placed q."""
         joint = self._credit_mode.removal == "all"
         wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
-        # every process enters (a collective under sharding), even one with nothing to replay
+        # every process enters (collectives under sharding and in the reading), even one with nothing to replay
         with whole_policy(self) as policy:
-            if not any(wanted):
-                return placed_relevance([], wanted, batch.mask, batch.varying.shape[1])
-            q = replay_relevance(
-                policy,
-                context_ids,
-                completion_ids,
-                self._replay_temperature,
-                backend=self.args.divergence_backend,
-                chunk_size=self.args.replay_chunk_size,
-                **self._replay_options(),
-            )
+            q = []
+            if any(wanted):
+                q = replay_relevance(
+                    policy,
+                    context_ids,
+                    completion_ids,
+                    self._replay_temperature,
+                    backend=self.args.divergence_backend,
+                    chunk_size=self.args.replay_chunk_size,
+                    **self._replay_options(),
+                )
         relevance, replayed = placed_relevance(q, wanted, batch.mask, batch.varying.shape[1], joint)
-        return self._placed_relevance(relevance, replayed, batch), replayed
+        if self.model.training:
+            self.reward_strength.read(relevance, replayed, self._reduce_sum())
+        return (self._placed_relevance(relevance, replayed, batch) if any(wanted) else relevance), replayed
 
     def _placed_relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: ScoredBatch) -> torch.Tensor:
         """q as step 5 reads it (as replayed in the core; the research room's options and ablations act here)."""
@@ -456,6 +456,8 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
         log_metric(self, mode, "mrtpo/beta", beta)
+        for key, value in self.reward_strength.logged_betas(beta, self.reward_func_names).items():
+            log_metric(self, mode, key, value)
         log_metric(self, mode, "mrtpo/replayed_fraction", replayed.float().mean().item())
         log_metric(self, mode, "mrtpo/cap_factor", credit.cap_factor)
         log_metric(self, mode, "mrtpo/replay_seconds", replay_seconds)

@@ -102,6 +102,15 @@ def _colour_bars(credit_scale: float, q_scale: float | None) -> str:
     return f'<span class="scale">{credit_bar}{q_bar}</span>'
 
 
+def _reward_betas_text(record: CreditRecord, reward_names: Sequence[str]) -> str:
+    """Each reward's beta, when per-reward strength made them differ from beta_n."""
+    betas = record.reward_betas.tolist()
+    if all(abs(b - record.beta) < 1e-9 for b in betas):
+        return ""
+    listed = ", ".join(f"{html.escape(name)} {b:.3g}" for name, b in zip(reward_names, betas))
+    return f" (per reward, after per-reward strength: {listed})"
+
+
 def credit_heatmap_html(
     record: CreditRecord,
     tokenizer,
@@ -123,7 +132,8 @@ def credit_heatmap_html(
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-        f'<p class="legend">credit_beta in effect: {record.beta:.3g}. Background: signed token credit A·w (green '
+        f'<p class="legend">credit_beta in effect: {record.beta:.3g}{_reward_betas_text(record, reward_names)}. '
+        "Background: signed token credit A·w (green "
         "positive, red negative). Blue bar under a token: that reward's q (where its information changes the "
         "policy's prediction), shown for replayed rewards even when their advantage is 0. Each row is scaled to its "
         "own largest value (colour bars on the right). Hover a token for q, w and A·w.</p>",

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
+from ..credit import relevance_specificity
 from ..info_blocks import build_contexts
 from ..replay import replay_relevance
-from ..research.credit import relevance_specificity
 from .task import (
     KINDS,
     GymSpec,
@@ -37,7 +37,6 @@ QUIET_RUN = {
     "save_strategy": "no",
     "logging_steps": 10_000,
     "disable_tqdm": True,
-    "save_credit_plots": False,
     "collapse_warning_steps": 0,
 }
 SEPARATOR = " "  # between the prompt and an appended note (the gym's tokenizer splits on whitespace)
@@ -193,6 +192,7 @@ def train_run(
     from transformers import set_seed
 
     from ..research import ResearchConfig
+    from ..research.config import arm_settings
 
     model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     config = ResearchConfig(
@@ -215,7 +215,7 @@ def train_run(
         replay_batch_size=64,
         replay_min_shared_prefix=4,
         info_block_separator=SEPARATOR,
-        **dict(settings.options),
+        **arm_settings(settings.options),
     )
     set_seed(seed)
     dataset = gym_dataset(spec, settings.steps * settings.prompts_per_step, seed)
@@ -319,7 +319,7 @@ def localisation(
     For every response and constraint k whose relevant positions are a proper subset of the response: the mass
     ratio of q_k on them (``ratio``) and, as a control, the mass ratio on the same positions of q_j for the next
     constraint j of the prompt, which the reward of k does not depend on (``control``); and ``1 - cos`` between q_k
-    and the other constraints' mean profile (``specificity``, what ``reward_strength`` reads).
+    and the other constraints' mean profile (``specificity``, what the per-reward strength reads).
     """
     model, tokenizer = supervised_policy(spec, seed, cache_dir, device=device)
     blocks = constraint_blocks(spec.num_constraints, spec.placement)

@@ -27,6 +27,17 @@ def needs_research(settings: Mapping[str, Any]) -> bool:
     )
 
 
+def arm_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """Configuration fields of a benchmark arm's ``options``. The benchmarks' arms keep the names their committed
+    run records carry: ``mrtpo`` is the published rule (``reward_strength_floor=None``), and per-reward strength is
+    the option ``reward_strength=True`` (with its ``reward_strength_floor``), as it was before it became the
+    default."""
+    settings = dict(options)
+    strength = settings.pop("reward_strength", False)
+    floor = settings.pop("reward_strength_floor", MRTPOConfig.reward_strength_floor)
+    return {**settings, "reward_strength_floor": floor if strength else None}
+
+
 @dataclass
 class ResearchConfig(MRTPOConfig):
     r"""
@@ -90,20 +101,13 @@ class ResearchConfig(MRTPOConfig):
         relevance_null_correction (`bool`, *optional*, defaults to `False`):
             Subtract from each reward's q the pointwise minimum of the other replayed rewards' q of the same
             response (the background every removal shares), floored at 0. No extra forward.
-        reward_strength (`bool`, *optional*, defaults to `False`):
-            Per-reward strength: reward k's beta is `credit_beta * g_k`, `g_k` from a running estimate of how much
-            its q stands out from the other rewards' (train batches only, saved in checkpoints, logged as
-            `mrtpo/beta/<reward>`). After warm-up, a reward whose `g_k` is 0 is replayed only every 10th step.
-        reward_strength_floor (`float`, *optional*, defaults to `0.25`):
-            Specificity (`1 - cos` between a reward's q and the mean q of the other replayed rewards) at or below
-            which `g_k` is 0; `g_k` rises linearly to 1 at twice the floor. Chosen on the credit gym's development
-            seeds (`benchmarks/calibrated_credit_choice.json`).
         preserve_reward_totals (`bool`, *optional*, defaults to `False`):
             Cap each reward's redistribution on its own and rescale by the std of uniform spreading, so every
             reward's total credit per response equals what GDPO gives it.
     """
 
     credit_assignments: ClassVar[tuple[str, ...]] = (*CREDIT_ASSIGNMENTS, *RESEARCH_CREDIT_ASSIGNMENTS)
+    per_reward_relevance_modes: ClassVar[tuple[str, ...]] = ("mrtpo", "shuffled")
 
     credit_assignment: str = field(
         default="mrtpo",
@@ -158,14 +162,6 @@ class ResearchConfig(MRTPOConfig):
         default=False,
         metadata={"help": "Subtract the other replayed rewards' pointwise minimum q from each reward's q."},
     )
-    reward_strength: bool = field(
-        default=False,
-        metadata={"help": "Per-reward beta from a running estimate of how much each reward's q stands out."},
-    )
-    reward_strength_floor: float = field(
-        default=0.25,
-        metadata={"help": "Specificity in (0, 0.5] at or below which a reward's strength is 0 (1 from twice it)."},
-    )
     preserve_reward_totals: bool = field(
         default=False,
         metadata={"help": "Cap each reward on its own and rescale by the uniform std: GDPO's total per reward."},
@@ -195,14 +191,10 @@ class ResearchConfig(MRTPOConfig):
                 "reward_weighting and taco_strength act on MRTPO's per-reward and token advantages; "
                 "credit_assignment='grpo' is plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
             )
-        if not 0.0 < self.reward_strength_floor <= 0.5:
-            raise ValueError(f"reward_strength_floor must be in (0, 0.5], got {self.reward_strength_floor}.")
-        per_reward_options = ("relevance_null_correction", "reward_strength")
-        chosen = [name for name in per_reward_options if getattr(self, name)]
-        if chosen and self.credit_assignment not in ("mrtpo", "shuffled"):
+        if self.relevance_null_correction and self.credit_assignment not in self.per_reward_relevance_modes:
             raise ValueError(
-                f"{', '.join(chosen)} act on each reward's own q profile, which only credit_assignment='mrtpo' (or "
-                f"its 'shuffled' ablation) computes; got credit_assignment={self.credit_assignment!r}."
+                "relevance_null_correction acts on each reward's own q profile, which only credit_assignment='mrtpo' "
+                f"(or its 'shuffled' ablation) computes; got credit_assignment={self.credit_assignment!r}."
             )
         self._check_scopes()
 
@@ -231,7 +223,6 @@ class ResearchConfig(MRTPOConfig):
             ),
             (("cort_eta", "cort_tau", "cort_offset"), mode == "cort", "credit_assignment='cort'"),
             (("taco_threshold", "taco_sharpness"), self.taco_strength > 0, "taco_strength > 0"),
-            (("reward_strength_floor",), self.reward_strength, "reward_strength=True"),
             (
                 (
                     "concur_primary",
@@ -250,6 +241,6 @@ class ResearchConfig(MRTPOConfig):
                 name, value = set_here[0], getattr(self, set_here[0])
                 raise ValueError(
                     f"{name}={value!r} has no effect unless {condition} (credit_assignment={mode!r}, "
-                    f"reward_weighting={self.reward_weighting!r}, taco_strength={self.taco_strength}, "
-                    f"reward_strength={self.reward_strength}); remove it or set what it needs."
+                    f"reward_weighting={self.reward_weighting!r}, taco_strength={self.taco_strength}); remove it "
+                    "or set what it needs."
                 )

@@ -1,6 +1,6 @@
 """Pure tensor maths of the research room (docs/method.md, "Sibling methods" and "Calibrated credit"): the
-``shuffled`` ablation, CoRT's and TACO's token weights, and the calibrated-credit options (null correction,
-per-reward strength, preserved reward totals).
+``shuffled`` ablation, CoRT's and TACO's token weights, and the calibrated-credit options that stayed options
+(null correction, preserved reward totals).
 
 Every function takes tensors and returns tensors; shapes as in :mod:`trl_mrtpo.credit`.
 """
@@ -113,37 +113,6 @@ def null_corrected_relevance(relevance: torch.Tensor, replayed: torch.Tensor) ->
         has_control = torch.isfinite(control) & replayed[:, k, None]
         corrected[:, k] = torch.where(has_control, (relevance[:, k] - control).clamp(min=0.0), relevance[:, k])
     return corrected
-
-
-def relevance_specificity(relevance: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
-    """``[K]`` how much each reward's q stands out from the control in this batch: the mean, over its replayed
-    responses with another replayed reward, of ``1 - cos(q_k, control)``, the control being the mean profile of the
-    other replayed rewards of the response (0: q_k has the shape of what every removal perturbs; 1: it lies where no
-    other removal reaches). Profiles without mass give no reading; NaN for a reward without any reading.
-
-    Args:
-        relevance: ``[B, K, C]`` q profiles.
-        replayed: ``[B, K]`` bool.
-    """
-    weight = replayed.to(relevance.dtype)[..., None]
-    total = (relevance * weight).sum(1, keepdim=True)
-    others = replayed.sum(-1, keepdim=True) - replayed.long()  # other replayed rewards of the response
-    control = (total - relevance * weight) / others.clamp(min=1)[..., None]
-    norms = relevance.norm(dim=-1) * control.norm(dim=-1)
-    cosine = (relevance * control).sum(-1) / norms.clamp(min=1e-30)
-    dissimilarity = torch.where(control.norm(dim=-1) > 0, 1.0 - cosine, torch.ones_like(cosine))
-    read = replayed & (others > 0) & (relevance.sum(-1) > 0)
-    count = read.sum(0)
-    summed = torch.where(read, dissimilarity, torch.zeros_like(dissimilarity)).sum(0)
-    return torch.where(count > 0, summed / count.clamp(min=1), torch.full_like(summed, math.nan))
-
-
-def reward_strength(running_specificity: torch.Tensor, floor: float) -> torch.Tensor:
-    """``[K]`` per-reward strength ``g_k = clip(m_k / floor - 1, 0, 1)`` of a running specificity ``m_k``
-    (:func:`relevance_specificity`): 0 at or below ``floor``, 1 from twice the floor; 1 where there is no reading yet
-    (NaN). Reward k's beta is ``beta_n * g_k``."""
-    strength = (running_specificity / floor - 1.0).clamp(0.0, 1.0)
-    return torch.where(torch.isnan(running_specificity), torch.ones_like(strength), strength)
 
 
 def cort_weights(

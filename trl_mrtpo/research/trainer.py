@@ -1,5 +1,5 @@
 """The research room's trainer: MRTPO plus the sibling methods (CoRT, SAW, CONCUR, TACO), the ablations (``joint``,
-``shuffled``) and the calibrated-credit options (null correction, per-reward strength, preserved totals).
+``shuffled``) and the calibrated-credit options that stayed options (null correction, preserved totals).
 
 Each acts through one of :class:`~trl_mrtpo.MRTPOTrainer`'s steps (response weighting, placed relevance, the
 advantages, the resting rewards, the state a checkpoint keeps); the core never reads these options.
@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from .._trl import log_metric, whole_policy
+from .._trl import whole_policy
 from ..batch import CREDIT_MODES, CreditMode, ScoredBatch, completion_token_lists
-from ..constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from ..credit import TokenCredit, weighted_token_advantages
 from ..credit_state import StateCheck
 from ..replay import replay_logprobs
@@ -27,8 +26,6 @@ from .config import ResearchConfig
 from .credit import (
     cort_weights,
     null_corrected_relevance,
-    relevance_specificity,
-    reward_strength,
     shuffle_relevance,
     taco_scale,
     token_advantages_preserving_totals,
@@ -66,20 +63,9 @@ def shuffle_generator_problem(generator: Any, num_rewards: int) -> str | None:
     return str(getattr(generator, "shape", type(generator).__name__))
 
 
-def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
-    if (
-        isinstance(specificity, torch.Tensor)
-        and specificity.is_floating_point()
-        and tuple(specificity.shape) == (num_rewards,)
-    ):
-        return None
-    return f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})"
-
-
 RESEARCH_STATE_ENTRIES: dict[str, StateCheck] = {
     "concur_trust": concur_trust_problem,
     "shuffle_generator": shuffle_generator_problem,
-    "reward_specificity": specificity_problem,
 }
 
 
@@ -102,8 +88,6 @@ class ResearchTrainer(MRTPOTrainer):
         args = self.args
         self._shuffle_generator = torch.Generator().manual_seed(args.seed)
         self._concur_trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward (train batches only)
-        # running specificity of each reward's q (reward_strength; NaN until its first reading)
-        self._specificity = torch.full((len(self.reward_funcs),), float("nan"), dtype=torch.float64)
         self._concur_primary = 0
         if args.concur_primary is not None:
             if args.concur_primary not in self.reward_func_names:
@@ -158,11 +142,7 @@ class ResearchTrainer(MRTPOTrainer):
             )
         return credit, relevance, replayed
 
-    def _advantages(self, batch: ScoredBatch, relevance, replayed, beta: float, step_credit: dict) -> TokenCredit:
-        betas = beta
-        if self.args.reward_strength:
-            strength = reward_strength(self._specificity, self.args.reward_strength_floor)
-            betas = (beta * strength.float()).to(batch.mask.device)
+    def _advantages(self, batch: ScoredBatch, relevance, replayed, betas, step_credit: dict) -> TokenCredit:
         if not self.args.preserve_reward_totals:
             return super()._advantages(batch, relevance, replayed, betas, step_credit)
         return token_advantages_preserving_totals(
@@ -171,36 +151,20 @@ class ResearchTrainer(MRTPOTrainer):
             replayed,
             batch.mask,
             batch.reward_weights,
-            betas,
+            betas.to(batch.mask.device) if isinstance(betas, torch.Tensor) else betas,
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
             **step_credit,
         )
 
     def _placed_relevance(self, relevance, replayed, batch: ScoredBatch) -> torch.Tensor:
-        """The calibrated-credit options (docs/method.md, "Calibrated credit"): the specificity reading of
-        ``reward_strength`` (train batches only), then null correction; ``shuffled`` permutes what is left."""
-        args = self.args
-        if args.reward_strength and self.model.training:
-            reading = relevance_specificity(relevance, replayed).double().cpu()
-            momentum = torch.where(torch.isnan(self._specificity), 0.0, STRENGTH_MOMENTUM).double()
-            updated = momentum * torch.nan_to_num(self._specificity) + (1 - momentum) * reading
-            self._specificity = torch.where(torch.isnan(reading), self._specificity, updated)
-        if args.relevance_null_correction:
+        """Null correction (docs/method.md, "Calibrated credit"), after the strength reading; ``shuffled`` permutes
+        what is left."""
+        if self.args.relevance_null_correction:
             relevance = null_corrected_relevance(relevance, replayed)
         if self._credit_mode.shuffled:
             relevance = shuffle_relevance(relevance, batch.mask, self._shuffle_generator)
         return relevance
-
-    def _resting_rewards(self) -> set[int]:
-        """Rewards not replayed this step (``reward_strength``): after warm-up, those whose strength is 0, except on
-        every ``STRENGTH_PROBE_INTERVAL``-th step, when their reading is refreshed."""
-        step = self.state.global_step
-        probing = step < self.args.credit_warmup_steps or step % STRENGTH_PROBE_INTERVAL == 0
-        if not self.args.reward_strength or probing:
-            return set()
-        strength = reward_strength(self._specificity, self.args.reward_strength_floor)
-        return set((strength == 0).nonzero(as_tuple=True)[0].tolist())
 
     def _cort_credit(self, batch: ScoredBatch, beta: float, step_credit: dict):
         """CoRT: one weight profile per response from its log-likelihood contrast, applied to every reward."""
@@ -272,7 +236,6 @@ class ResearchTrainer(MRTPOTrainer):
             **state,
             "concur_trust": {k: asdict(trust) for k, trust in self._concur_trust.items()},
             "shuffle_generator": self._shuffle_generator.get_state(),
-            "reward_specificity": self._specificity.clone(),
         }
         return state, {**entries, **RESEARCH_STATE_ENTRIES}
 
@@ -280,11 +243,3 @@ class ResearchTrainer(MRTPOTrainer):
         super()._restore_credit_state(state)
         self._concur_trust = {k: ConcurTrust(**trust) for k, trust in state["concur_trust"].items()}
         self._shuffle_generator.set_state(state["shuffle_generator"])
-        self._specificity = state["reward_specificity"].clone().double()
-
-    def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
-        super()._log_credit(mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds)
-        if self.args.reward_strength:
-            strength = reward_strength(self._specificity, self.args.reward_strength_floor)
-            for name, g in zip(self.reward_func_names, strength.tolist()):
-                log_metric(self, mode, f"mrtpo/beta/{name}", beta * g)

@@ -9,6 +9,7 @@ import warnings
 
 from transformers import TrainerCallback
 
+from ..callbacks import CreditPlotCallback
 from ..config import MRTPOConfig
 from ..constants import DEMO_SETTINGS
 
@@ -200,6 +201,7 @@ def run_demo(
             dataset,
             model=path,
             data_source=f"trl-mrtpo's built-in `{task}` task data",
+            callbacks=[CreditPlotCallback()],
         )
         quiet_console(trainer)
         print(

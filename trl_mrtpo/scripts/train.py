@@ -178,6 +178,7 @@ def build_trainer(
     quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
     from trl import get_peft_config, get_quantization_config
 
+    from ..callbacks import CreditPlotCallback
     from ..research import ResearchTrainer
     from ..trainer import MRTPOTrainer
     from .embedded import embedded_model_path
@@ -230,6 +231,7 @@ def build_trainer(
         eval_dataset=eval_dataset,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
+        callbacks=[CreditPlotCallback()],
         **({"environment_factory": kit.environment} if kit is not None and kit.environment else {}),
     )
     if script_args.ignore_bias_buffers:  # as TRL's scripts do: DDP skips boolean buffers (e.g. causal masks)
