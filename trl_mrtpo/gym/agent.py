@@ -302,6 +302,7 @@ def train_agent_run(
     from transformers import set_seed
 
     from ..config import MRTPOConfig
+    from ..research.config import arm_settings
     from ..trainer import MRTPOTrainer
     from .runs import QUIET_RUN
 
@@ -325,6 +326,7 @@ def train_agent_run(
         bf16=False,
         **QUIET_RUN,
         info_block_separator=" ",
+        **arm_settings({}),  # the protocol's mrtpo: the published rule
     )
     set_seed(seed)
     trainer = Recording(

@@ -189,6 +189,8 @@ def run_demo(
         credit_warmup_steps=warmup_steps,
         report_to=report_to,
         disable_tqdm=True,  # one line per step instead (StepLines)
+        activation_checkpointing=False,  # a 135M model's activations are small; recomputing them costs a third
+        # of each backward on a CPU
         **device,
     )
     dataset = kit.dataset(max(steps * prompts_per_step, 8), seed, None)
