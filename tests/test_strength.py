@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import make_args, recording_trainer
+from tests.helpers import make_args, train
 from tests.reference import reference_specificity, reference_strength_betas
 from trl_mrtpo import MRTPOConfig
 from trl_mrtpo.credit import group_advantages, relevance_specificity, reward_strength, token_advantages
-from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.strength import RewardStrength
 
@@ -112,21 +111,16 @@ def test_resting_rewards_wait_for_warmup_and_probe_every_tenth_step():
 def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_tokenizer, tmp_path):
     """The default config: readings are taken, beta per reward is logged, a reward whose strength is 0 is not
     replayed after warm-up (except on probe steps), and the running specificity is checkpointed."""
-    trainer = recording_trainer(
-        model=tiny_model,
-        reward_funcs=BASIC.rewards,
-        info_blocks=BASIC.info_blocks,
-        args=make_args(
-            tmp_path,
-            max_steps=3,
-            reward_strength_floor=0.5,  # 1 - cos below 0.5 rests a reward: q profiles of one prompt look alike
-            save_strategy="steps",
-            save_steps=3,
-        ),
-        train_dataset=make_basic_dataset(12),
-        processing_class=tiny_tokenizer,
+    trainer = train(
+        tiny_model,
+        tiny_tokenizer,
+        tmp_path,
+        dataset=make_basic_dataset(12),
+        max_steps=3,
+        reward_strength_floor=0.5,  # 1 - cos below 0.5 rests a reward: q profiles of one prompt look alike
+        save_strategy="steps",
+        save_steps=3,
     )
-    trainer.train()
     specificity = trainer.reward_strength.specificity
     assert not torch.isnan(specificity).all()
     logged = trainer.state.log_history[1]
@@ -143,15 +137,7 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
 
 def test_published_rule_with_floor_none(tiny_model, tiny_tokenizer, tmp_path):
     """reward_strength_floor=None: one beta for every reward, no per-reward logs, every varying pair replayed."""
-    trainer = recording_trainer(
-        model=tiny_model,
-        reward_funcs=BASIC.rewards,
-        info_blocks=BASIC.info_blocks,
-        args=make_args(tmp_path, max_steps=2, reward_strength_floor=None),
-        train_dataset=make_basic_dataset(8),
-        processing_class=tiny_tokenizer,
-    )
-    trainer.train()
+    trainer = train(tiny_model, tiny_tokenizer, tmp_path, max_steps=2, reward_strength_floor=None)
     assert not trainer.reward_strength.active and torch.isnan(trainer.reward_strength.specificity).all()
     assert not any(key.startswith("mrtpo/beta/") for entry in trainer.state.log_history for key in entry)
     assert torch.all(trainer.last_credit.reward_betas == trainer.last_credit.beta)
