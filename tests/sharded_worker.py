@@ -70,6 +70,9 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         use_cpu=True,
         bf16=False,
         credit_warmup_steps=0,
+        # per-reward strength reads q over both ranks (a collective, also on the rank with nothing to replay); at
+        # this floor no reward of the tiny model (1 - cos ~ 0.005) rests, so both generations replay
+        reward_strength_floor=1e-6,
         seed=0,
     )
     peft_config = None
