@@ -1,4 +1,4 @@
-"""The demo on several seeds: does the tracked reward rise within the demo's 20 steps, and how long does it take.
+"""The demo on several seeds: does the tracked reward rise within the demo's steps, and how long does it take.
 
     OMP_NUM_THREADS=1 python benchmarks/demo_seeds.py --seeds 0 1 2 3 4 --threads 1
 

@@ -44,7 +44,7 @@ VALIDATION_RTOL = 2e-2
 # `trl-mrtpo demo`: the short-answers task, whose four rewards all vary from the first steps (benchmarks/demo.md)
 DEMO_SETTINGS = {
     "task": "short",
-    "steps": 16,
+    "steps": 14,
     "prompts_per_step": 2,
     "num_generations": 4,
     "max_completion_length": 24,
