@@ -20,6 +20,7 @@ from pathlib import Path
 
 from provenance import provenance
 
+from trl_mrtpo.callbacks import logged_reward_names
 from trl_mrtpo.scripts.demo import reward_trend
 
 HERE = Path(__file__).parent
@@ -29,8 +30,7 @@ WINDOW = 5
 def window_means(log_history: list[dict]) -> dict[str, tuple[float, float]]:
     """Per reward and for their mean: the mean of the first and of the last ``WINDOW`` logged steps
     (:func:`trl_mrtpo.scripts.demo.reward_trend`)."""
-    logs = [h for h in log_history if "mrtpo/beta" in h]
-    names = sorted(k.split("/")[1] for k in logs[0] if k.startswith("rewards/") and k.endswith("/mean"))
+    names = sorted(logged_reward_names(log_history))
     means = {name: (first, last) for name, first, last in reward_trend(log_history, names, WINDOW)}
     firsts, lasts = zip(*means.values())
     means["tracked (mean of rewards)"] = (sum(firsts) / len(firsts), sum(lasts) / len(lasts))

@@ -373,7 +373,7 @@ class MRTPOTrainer(GRPOTrainer):
             replayed,
             batch.mask,
             batch.reward_weights,
-            betas.to(batch.mask.device) if isinstance(betas, torch.Tensor) else betas,
+            betas,  # step 5 moves a [K] tensor to the weights' device
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
             **step_credit,

@@ -151,7 +151,7 @@ class ResearchTrainer(MRTPOTrainer):
             replayed,
             batch.mask,
             batch.reward_weights,
-            betas.to(batch.mask.device) if isinstance(betas, torch.Tensor) else betas,
+            betas,
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
             **step_credit,
