@@ -162,12 +162,13 @@ def merge_record(trainer, credit: CreditRecord) -> dict:
 
 def check_merged_advantages(parts: list[dict]) -> None:
     """Each process's token advantages (``parts``: what each rank recorded for one generation, in rank order) equal
-    one process's on the merged batch: the cap and the means see the whole batch on every rank."""
+    one process's on the merged batch: the cap and the means see the whole batch on every rank (with the process
+    advantages and failure suffixes when the ranks recorded them)."""
     width = max(p["mask"].shape[1] for p in parts)
 
     def merged(key):
         tensors = [p[key] for p in parts]
-        if key in ("relevance", "mask", "advantages"):
+        if key in ("relevance", "mask", "advantages", "process", "failure_suffix"):
             tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
         return torch.cat(tensors)
 
@@ -181,6 +182,7 @@ def check_merged_advantages(parts: list[dict]) -> None:
         parts[0]["reward_weights"],
         parts[0]["beta"],
         parts[0]["rho"],
+        **{key: merged(key) for key in ("process", "failure_suffix") if key in parts[0]},  # step rules, if recorded
     )
     assert merged("replayed").any()  # a real redistribution, not only the uniform part
     torch.testing.assert_close(merged("advantages"), single.advantages, atol=1e-5, rtol=1e-5)

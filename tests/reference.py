@@ -81,6 +81,53 @@ def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):
     return out, s_cap
 
 
+def reference_process_advantages(step_lists, num_generations, num_positions, eps=1e-4):
+    """GRPO's process supervision written out in float64 loops: step_lists[j] = [(score, end_token), ...]."""
+    out = torch.zeros(len(step_lists), num_positions, dtype=torch.float64)
+    for start in range(0, len(step_lists), num_generations):
+        group = step_lists[start : start + num_generations]
+        scores = [score for steps in group for score, _ in steps]
+        if len(scores) < 2 or len(set(scores)) == 1:
+            continue
+        mean = sum(scores) / len(scores)
+        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / (len(scores) - 1))
+        for j, steps in enumerate(group):
+            for t in range(num_positions):
+                out[start + j, t] = sum((s - mean) / (std + eps) for s, end in steps if end >= t)
+    return out
+
+
+def reference_step_credit_advantages(rewards, q, mask, c, beta, rho, G, process=None, suffix=None, eps=1e-4):
+    """Steps 1-8 with process advantages (``[n, T]``, added after the cap, inside the std) and failure suffixes
+    (``[n, K, T]`` bool: a reward's negative capped credit dropped where marked, after the std), float64 loops over
+    each response's unmasked positions; the mask may have holes (tool results), which take part in nothing."""
+    n, k_count, width = q.shape
+    positions = [[t for t in range(width) if mask[j, t]] for j in range(n)]
+    compact_q = torch.zeros(n, k_count, width, dtype=torch.float64)
+    compact_mask = torch.zeros(n, width)
+    for j, where in enumerate(positions):
+        compact_q[j, :, : len(where)] = q[j][:, where].double()
+        compact_mask[j, : len(where)] = 1
+    adv, weights, s_cap, capped, _ = reference_parts(rewards, compact_q, compact_mask, c, beta, rho, G, eps)
+    values = [
+        [capped[j][i] + (float(process[j, t]) if process is not None else 0.0) for i, t in enumerate(where)]
+        for j, where in enumerate(positions)
+    ]
+    flat = [v for row in values for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
+    out = torch.zeros(n, width, dtype=torch.float64)
+    for j, where in enumerate(positions):
+        for i, t in enumerate(where):
+            value = values[j][i]
+            for k in range(k_count):
+                credit = float(c[k]) * adv[j, k].item()
+                if suffix is not None and credit < 0 and suffix[j, k, t]:
+                    value -= credit * (1 + s_cap * (weights[j][k][i] - 1))
+            out[j, t] = value / std if std > 0 else value
+    return out
+
+
 def reference_specificity(q, replayed):
     """Per reward, float64 loops: the mean over responses where it and another reward were replayed (and its q has
     mass) of ``1 - cos(q_k, mean of the other replayed rewards' q)``; NaN without any such response."""

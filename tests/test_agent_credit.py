@@ -10,7 +10,9 @@ import torch
 from datasets import Dataset
 
 from tests.helpers import RecordingTrainer, make_args
-from tests.reference import reference_token_advantages
+from tests.reference import reference_process_advantages, reference_step_credit_advantages
+from trl_mrtpo.process_rewards import token_positions
+from trl_mrtpo.utils import completion_text
 
 TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
 ANSWERS = ["The code is 42.", "I do not know.", "It is 42, I think.", "No idea."]
@@ -60,31 +62,29 @@ def tool_tokenizer(tiny_tokenizer):
     return add_response_schema(tokenizer)
 
 
-def scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment: str = "mrtpo", **tool_source):
-    """A recording trainer (MRTPOTrainer, or ResearchTrainer for a research mode) whose policy is scripted: row i
-    calls ``lookup`` when i is even, and after a tool result answers with a text that varies by row; everything else
-    (parsing, the tool call, masks) is TRL's."""
+def call_then_answer(text: str, i: int) -> str:
+    """Row i calls ``lookup`` when i is even, and after a tool result answers with a text that varies by row."""
+    if "<tool_response>" in text:
+        return ANSWERS[i % len(ANSWERS)] + "<|im_end|>\n"
+    return TOOL_CALL if i % 2 == 0 else ANSWERS[(i + 1) % len(ANSWERS)] + "<|im_end|>\n"
+
+
+def scripted_trainer(
+    tokenizer, tmp_path, dataset, credit_assignment: str = "mrtpo", reply=call_then_answer, config=None, **inputs
+):
+    """A recording trainer (MRTPOTrainer, or ResearchTrainer for a research mode) whose policy is scripted:
+    ``reply(prompt_text, row)`` is each turn's text (:func:`call_then_answer` by default); everything else (parsing,
+    the tool call, masks) is TRL's. ``config``: further ``MRTPOConfig`` fields."""
     from tests.conftest import build_tiny_model
     from tests.helpers import ResearchRecordingTrainer
 
-    args = make_args(
-        tmp_path,
-        max_steps=2,
-        max_completion_length=320,
-        per_device_train_batch_size=4,
-        credit_assignment=credit_assignment,
-    )
+    fields = dict(max_steps=2, max_completion_length=320, per_device_train_batch_size=4) | (config or {})
+    args = make_args(tmp_path, credit_assignment=credit_assignment, **fields)
     base = RecordingTrainer if credit_assignment in ("mrtpo", "gdpo") else ResearchRecordingTrainer
 
     def scripted_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        completions = []
-        for i, ids in enumerate(prompt_ids):
-            if "<tool_response>" in tokenizer.decode(ids):
-                reply = ANSWERS[i % len(ANSWERS)] + "<|im_end|>\n"
-            else:
-                reply = TOOL_CALL if i % 2 == 0 else ANSWERS[(i + 1) % len(ANSWERS)] + "<|im_end|>\n"
-            completions.append(tokenizer(reply, add_special_tokens=False)["input_ids"])
-        return completions, None
+        replies = [reply(tokenizer.decode(ids), i) for i, ids in enumerate(prompt_ids)]
+        return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in replies], None
 
     class Scripted(base):
         _generate_single_turn = scripted_turn
@@ -101,7 +101,7 @@ def scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment: str = "mrt
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        **tool_source,
+        **inputs,
     )
 
 
@@ -116,25 +116,15 @@ def check_credit_on_model_tokens(trainer) -> None:
         assert (relevance[(mask == 0)[:, None, :].expand_as(relevance)] == 0).all()
         assert (batch["advantages"][mask == 0] == 0).all()
     for credit in trainer.credits:
-        positions = [row.nonzero().flatten() for row in credit.mask]
-        n, k, width = credit.relevance.shape
-        compact_q = torch.zeros(n, k, width, dtype=torch.float64)
-        compact_mask = torch.zeros(n, width)
-        for j, where in enumerate(positions):
-            compact_q[j, :, : len(where)] = credit.relevance[j][:, where].double()
-            compact_mask[j, : len(where)] = 1
-        compact, _ = reference_token_advantages(
+        expected = reference_step_credit_advantages(
             credit.rewards.double(),
-            compact_q,
-            compact_mask,
+            credit.relevance,
+            credit.mask,
             trainer.reward_weights.double(),
             credit.beta,
             trainer.args.max_second_moment_ratio,
             G=trainer.num_generations,
         )
-        expected = torch.zeros(credit.mask.shape, dtype=torch.float64)
-        for j, where in enumerate(positions):
-            expected[j, where] = compact[j, : len(where)]
         assert credit.replayed.any() and credit.beta > 0
         torch.testing.assert_close(credit.advantages.double(), expected, rtol=1e-5, atol=1e-6)
 
@@ -214,10 +204,105 @@ def test_mrtpo_credit_with_a_rollout_func_and_its_env_mask(tiny_tokenizer, tmp_p
     check_credit_on_model_tokens(trainer)
 
 
+def turn_scores(completions, trajectories, **_):
+    """A process reward: each turn of a tool rollout scores (it called a tool) + (it says 42); a completion without
+    tool calls is one character span scored by whether it says 42."""
+    scored = []
+    for completion, view in zip(completions, trajectories):
+        if view is None:
+            text = completion_text(completion)
+            scored.append([(0, len(text), float("42" in text))])
+        else:
+            scored.append([(turn, float(bool(turn.calls)) + float("42" in turn.text)) for turn in view.turns])
+    return scored
+
+
+def first_turn(*, prompt, completion, row, score, trajectory=None):
+    """A failure boundary: the first turn of a tool rollout, the first character of a plain completion."""
+    return trajectory.turns[0] if trajectory is not None else 1
+
+
+def recording_step_rules(trainer, tokenizer) -> list[dict]:
+    """Wrap ``trainer.step_credit``: per generation, what it computed (``process``, ``failure_suffix``) and the
+    reference's view of the batch, each row's ``(score, last token)`` steps of :func:`turn_scores` and the token of
+    :func:`first_turn`'s boundary, placed by hand (a turn ends on its last token)."""
+    records, step_credit = [], trainer.step_credit
+
+    def recording(batch, *args):
+        credit, means = step_credit(batch, *args)
+        steps, boundaries = [], []
+        for view, ids, text, scored in zip(
+            batch.views, batch.completion_ids, batch.completions, turn_scores(batch.completions, batch.views)
+        ):
+            if view is None:
+                ((_, end, score),) = scored
+                steps.append([(score, token_positions(tokenizer, ids, completion_text(text), [end])[0])])
+                boundaries.append(token_positions(tokenizer, ids, completion_text(text), [1])[0])
+            else:
+                steps.append([(score, turn.tokens[1] - 1) for turn, score in scored])
+                boundaries.append(view.turns[0].tokens[1] - 1)
+        records.append({**credit, "steps": steps, "boundaries": boundaries, "views": batch.views})
+        return credit, means
+
+    trainer.step_credit = recording
+    return records
+
+
+def reference_suffix(boundaries, group_advantages, reward_weights, width) -> torch.Tensor:
+    """``[B, K, C]``: the positions after each row's boundary, for the rewards whose credit is negative."""
+    negative = group_advantages.double() * reward_weights.double() < 0
+    suffix = torch.zeros((*negative.shape, width), dtype=torch.bool)
+    for j, boundary in enumerate(boundaries):
+        suffix[j, :, boundary + 1 :] = negative[j][:, None]
+    return suffix
+
+
+@pytest.mark.parametrize("mode", ["mrtpo", "gdpo"])
+def test_per_turn_process_rewards_and_failure_turns_on_trls_tool_loop(tiny_tokenizer, tmp_path, mode):
+    """A process reward scores each turn of a tool rollout (its score ends on the turn's last token) and character
+    spans of a completion without tool calls; a failure boundary returns the first turn. The advantages equal the
+    float64 reference of steps 1-8 with the process advantages and the dropped penalties, on the model's tokens."""
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    trainer = scripted_trainer(
+        tokenizer,
+        tmp_path,
+        Dataset.from_list([{"prompt": QUESTION}] * 8),
+        credit_assignment=mode,
+        tools=[lookup],
+        process_rewards=[turn_scores],
+        failure_boundaries=[first_turn, first_turn],
+    )
+    records = recording_step_rules(trainer, tokenizer)
+    trainer.train()
+    assert len(records) == len(trainer.credits) == 2
+    for credit, batch, record in zip(trainer.credits, trainer.batches, records):
+        assert any(view is not None for view in record["views"]) and any(view is None for view in record["views"])
+        width = credit.mask.shape[1]
+        process = reference_process_advantages(record["steps"], trainer.num_generations, width)
+        suffix = reference_suffix(record["boundaries"], credit.group_advantages, trainer.reward_weights, width)
+        assert process.abs().max() > 0 and (suffix & credit.mask.bool()[:, None]).any()
+        expected = reference_step_credit_advantages(
+            credit.rewards.double(),
+            credit.relevance,
+            credit.mask,
+            trainer.reward_weights.double(),
+            credit.reward_betas.double(),
+            trainer.args.max_second_moment_ratio,
+            G=trainer.num_generations,
+            process=process,
+            suffix=suffix,
+        )
+        assert credit.replayed.any() == (mode == "mrtpo")
+        assert (credit.advantages[credit.mask == 0] == 0).all() and (batch["tool_mask"] == 0).any()
+        torch.testing.assert_close(credit.advantages.double(), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_tool_rollouts_on_two_processes(tmp_path):
-    """DDP over two CPU processes: each rank's token advantages on its tool rollouts equal one process's on the
-    merged batch, and stay 0 on tool results."""
+    """DDP over two CPU processes, with a per-turn process reward and failure turns: each rank's process advantages
+    are the float64 reference's over both ranks' step scores (a group's statistics see all its responses), its
+    failure suffixes the reference's, and its token advantages equal one process's on the merged batch, 0 on tool
+    results."""
     import os
     import subprocess
     import sys
@@ -237,9 +322,23 @@ def test_tool_rollouts_on_two_processes(tmp_path):
     assert result.returncode == 0, result.stderr[-8000:]
     for generation in (0, 1):
         parts = [torch.load(tmp_path / f"rank{rank}_generation{generation}.pt") for rank in (0, 1)]
+        width = max(part["mask"].shape[1] for part in parts)
+        steps = [row for part in parts for row in part["steps"]]
+        process = reference_process_advantages(steps, 8, width)  # one group of 8 over both ranks
+        assert process.abs().max() > 0
+        offset = 0
         for part in parts:
             assert (part["tool_mask"] == 0).any()
             assert (part["advantages"][part["mask"] == 0] == 0).all()
+            rows, local_width = part["process"].shape
+            torch.testing.assert_close(
+                part["process"], process[offset : offset + rows, :local_width].to(part["process"])
+            )
+            suffix = reference_suffix(
+                part["boundaries"], part["group_advantages"], part["reward_weights"], local_width
+            )
+            assert torch.equal(part["failure_suffix"].cpu(), suffix)
+            offset += rows
         check_merged_advantages(parts)
 
 
@@ -352,3 +451,23 @@ def test_a_tool_returning_a_non_string_is_read_as_trl_wrote_it(tiny_tokenizer, t
     calls = [call for view in seen if view is not None for call in view.calls]
     assert calls and all(c.result == "{'city': 'Paris', 'code': 42}" and c.error is None for c in calls)
     check_credit_on_model_tokens(trainer)
+
+
+def test_a_tool_returning_a_list_that_is_not_content_parts_is_named(tiny_tokenizer, tmp_path):
+    """TRL passes a list result through as multimodal content parts: a text model would read nothing where the
+    result should be, and the view would disagree with the tokens. Refused, naming the tool and the sample."""
+
+    def lookup(city: str) -> list:
+        """Look up the code of a city.
+
+        Args:
+            city: the city's name.
+        """
+        return [city, 42]
+
+    tokenizer = tool_tokenizer(tiny_tokenizer)
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
+    with pytest.raises(
+        ValueError, match="Tool 'lookup' returned the list \\['Paris', 42\\] on sample 0: .*Return a string"
+    ):
+        trainer.train()

@@ -20,6 +20,7 @@ from trl_mrtpo.kits.tool_agent import (
     agent_failure_turn,
     agent_format_block,
     agent_format_reward,
+    agent_turn_calls,
     make_agent_dataset,
 )
 from trl_mrtpo.trajectories import trajectory
@@ -211,6 +212,7 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
         reward_funcs=kit.rewards,
         info_blocks=kit.info_blocks,
         failure_boundaries=kit.failure_boundaries,
+        process_rewards=[agent_turn_calls],
         environment_factory=kit.environment,
         args=make_args(tmp_path, max_steps=1, max_completion_length=1000, per_device_train_batch_size=4),
         train_dataset=Dataset.from_list([row] * 4),
@@ -220,12 +222,12 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
 
     def recording(batch, *args):
         credit, means = step_credit(batch, *args)
-        recorded.append((batch, credit["failure_suffix"]))
+        recorded.append((batch, credit["failure_suffix"], credit["process"]))
         return credit, means
 
     trainer.step_credit = recording
     trainer.train()
-    ((batch, suffix),) = recorded
+    ((batch, suffix, process),) = recorded
     views = [trajectory(c, m) for c, m in zip(batch.completions, batch.output["tool_mask"].tolist())]
     formats = batch.rewards[:, 0].tolist()
     assert formats == [0.0, 1.0, 0.0, 1.0]  # even rows' first call failed
@@ -238,6 +240,10 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
                 expected[end:] = True
             assert suffix[i, k].tolist() == expected.tolist(), (i, k)
         assert not suffix[i, 2].any()  # the answer reward has no boundary
+        # the process reward: the failing first turn scores 0 of the group's 1s, so its tokens carry a penalty
+        first = process[i, : view.turns[0].tokens[1]]
+        assert (first < 0).all() if i % 2 == 0 else (first > 0).all()
+        assert (process[i, view.turns[-2].tokens[1] :] == 0).all()  # after the last calling turn: nothing
     assert (batch.group_advantages[0::2, 0] < 0).all()
     assert (batch.output["advantages"][batch.mask == 0] == 0).all()
     assert trainer.replays[0]["replayed"].any()
@@ -308,25 +314,38 @@ def test_a_builder_reading_a_turn_that_does_not_exist_is_named():
         build_block(sixth_turn, "calls", 2, "Please buy 2 apple.", "", ROW, 0.0, view)
 
 
-def test_process_rewards_on_tool_rollouts_are_refused(tiny_tokenizer, tmp_path):
-    from tests.conftest import build_tiny_model
-    from tests.helpers import make_args
-    from trl_mrtpo import MRTPOTrainer
+def test_the_turn_process_reward_by_hand():
+    view = trajectory(FAILED_THEN_RECOVERED, [1] * 4 + [0] * 3 + [1] * 4 + [0] * 2 + [1] * 3 + [0] * 3 + [1] * 5)
+    assert agent_turn_calls([FAILED_THEN_RECOVERED, "text"], trajectories=[view, None]) == [
+        [(view.turns[0], 0.0), (view.turns[1], 1.0), (view.turns[2], 1.0)],
+        None,
+    ]
 
-    tokenizer = tool_tokenizer(tiny_tokenizer)
-    kit = get_kit("agent")
-    row = {"prompt": [{"role": "user", "content": "Please buy 2 apple."}], **ROW, "reference_calls": REFERENCE}
-    with pytest.raises(ValueError, match="process_rewards score character spans .* multi-turn tool rollout"):
-        MRTPOTrainer(
-            model=build_tiny_model(tokenizer),
-            reward_funcs=kit.rewards,
-            info_blocks=kit.info_blocks,
-            process_rewards=[lambda completions, **_: [None] * len(completions)],
-            environment_factory=kit.environment,
-            args=make_args(tmp_path),
-            train_dataset=Dataset.from_list([row] * 4),
-            processing_class=tokenizer,
-        )
+
+@pytest.mark.parametrize(
+    "step, message",
+    [
+        ((0, 4, 1.0), "is \\(0, 4, 1.0\\); in a tool rollout a step is \\(turn, score\\)"),
+        ("foreign", "is \\(Turn\\(.*one of trajectories\\[i\\].turns"),
+        ((None, 1.0), "is \\(None, 1.0\\)"),
+        ("nan", "has score nan"),
+        ("bool", "has score True"),
+    ],
+)
+def test_a_turn_step_that_is_not_a_turn_of_the_rollout_is_refused_by_name(step, message):
+    """On a tool rollout a process reward's steps are (turn, score) pairs of that rollout: character spans, another
+    rollout's turn and bad scores are refused naming the function and the sample."""
+    from trl_mrtpo.process_rewards import checked_turn_steps
+
+    view = trajectory(CLEAN, [1] * 4 + [0] * 2 + [1] * 3 + [0] * 3 + [1] * 5)
+    foreign = trajectory(FAILED_THEN_RECOVERED, [1] * 23).turns[0]
+    step = {"foreign": (foreign, 1.0), "nan": (view.turns[0], math.nan), "bool": (view.turns[0], True)}.get(step, step)
+    with pytest.raises((ValueError, TypeError), match=f"Step 0 of the process reward 'turns' on sample 3 {message}"):
+        checked_turn_steps([step], "turns", 3, view)
+    assert checked_turn_steps([(view.turns[1], 0.5), (view.turns[0], 1)], "turns", 3, view) == [
+        (1.0, view.turns[0].tokens[1] - 1),
+        (0.5, view.turns[1].tokens[1] - 1),
+    ]
 
 
 def test_calls_read_defensively_from_messages():

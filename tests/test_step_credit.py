@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from tests.helpers import graded_length, make_args, recording_trainer
-from tests.reference import reference_parts, reference_token_advantages
+from tests.reference import (
+    reference_parts,
+    reference_process_advantages,
+    reference_step_credit_advantages,
+    reference_token_advantages,
+)
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.credit import failure_suffix_mask, group_advantages, process_advantages, token_advantages
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -17,22 +22,6 @@ from trl_mrtpo.utils import completion_text
 
 EPS = 1e-4
 NAN = float("nan")
-
-
-def reference_process_advantages(step_lists, num_generations, num_positions):
-    """GRPO's process supervision written out in float64 loops: step_lists[j] = [(score, end_token), ...]."""
-    out = torch.zeros(len(step_lists), num_positions, dtype=torch.float64)
-    for start in range(0, len(step_lists), num_generations):
-        group = step_lists[start : start + num_generations]
-        scores = [score for steps in group for score, _ in steps]
-        if len(scores) < 2 or len(set(scores)) == 1:
-            continue
-        mean = sum(scores) / len(scores)
-        std = math.sqrt(sum((s - mean) ** 2 for s in scores) / (len(scores) - 1))
-        for j, steps in enumerate(group):
-            for t in range(num_positions):
-                out[start + j, t] = sum((s - mean) / (std + EPS) for s, end in steps if end >= t)
-    return out
 
 
 def as_tensors(step_lists):
@@ -165,18 +154,10 @@ def test_failure_suffix_under_a_binding_cap_drops_the_capped_penalty():
     advantages, varying = group_advantages(rewards, 3)
     suffix = failure_suffix_mask(torch.tensor([[2, 1], [1, 0], [3, 2], [0, 4], [2, 2], [1, 3]]), 6)
     got = token_advantages(advantages, q, varying, mask, c, beta, rho, failure_suffix=suffix)
-    adv, weights, s_cap, capped, std = reference_parts(rewards, q, mask, c, beta, rho, 3)
+    _, _, s_cap, _, _ = reference_parts(rewards, q, mask, c, beta, rho, 3)
     assert s_cap < 0.9 and got.cap_factor == pytest.approx(s_cap, rel=1e-6)
-    expected = torch.zeros(6, 6, dtype=torch.float64)
-    dropped_any = False
-    for j, row in enumerate(capped):
-        for t, value in enumerate(row):
-            for k in range(2):
-                if adv[j, k] < 0 and suffix[j, k, t]:
-                    value -= c[k].item() * adv[j, k].item() * (1 + s_cap * (weights[j][k][t] - 1))
-                    dropped_any = True
-            expected[j, t] = value / std
-    assert dropped_any
+    assert (suffix & (advantages * c < 0)[..., None] & mask.bool()[:, None]).any()  # a penalty is dropped
+    expected = reference_step_credit_advantages(rewards, q, mask, c, beta, rho, 3, suffix=suffix)
     torch.testing.assert_close(got.advantages.double(), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -509,3 +490,31 @@ def test_a_bad_process_reward_or_boundary_is_named(tiny_model, tiny_tokenizer, t
     )
     with pytest.raises(ValueError, match=message):
         trainer.train()
+
+
+def test_step_rules_on_truncated_completions_masked_by_trl(tiny_model, tiny_tokenizer, tmp_path):
+    """With ``mask_truncated_completions`` TRL zeroes a truncated completion's mask: its process steps still count
+    in its group's statistics and are placed on its own ids (not on an empty list, which cannot hold its text), and
+    it gets no advantage."""
+    seen_ids = []
+
+    def recorded_halves(prompts, completions, completion_ids, **kwargs):
+        seen_ids.extend(completion_ids)
+        return halves(prompts, completions, completion_ids)
+
+    trainer = recording_trainer(
+        model=tiny_model,
+        reward_funcs=[graded_length],
+        args=make_args(tmp_path, credit_assignment="gdpo", max_steps=1, mask_truncated_completions=True),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+        process_rewards=[recorded_halves],
+        failure_boundaries=[first_character],
+    )
+    trainer.train()
+    batch = trainer.batches[0]
+    truncated = batch["completion_mask"].sum(-1) == 0
+    assert truncated.any()  # the tiny model rarely ends within 10 tokens
+    for ids, row, cut in zip(seen_ids, batch["completion_ids"], truncated):
+        assert ids == (row.tolist() if cut else row[: len(ids)].tolist()) and ids
+    assert (batch["advantages"][truncated] == 0).all()

@@ -35,6 +35,7 @@ class Scored:
     inputs: list[dict]
     prompts: list
     completions: list
+    completion_ids: list[list[int]]  # unpadded, as generated (also where TRL later zeroes a truncated one's mask)
     rewards: torch.Tensor
 
 
@@ -45,6 +46,7 @@ class ScoredBatch:
     inputs: list[dict]
     prompts: list
     completions: list
+    completion_ids: list[list[int]]  # unpadded, as generated
     rewards: torch.Tensor  # [B, K]
     group_advantages: torch.Tensor  # [B, K], after any response-level weighting
     varying: torch.Tensor  # [B, K] bool: the reward varies within the response's group

@@ -365,6 +365,7 @@ def replay_contexts(
     rewards: Any,
     varying: Any,
     views: Sequence[Any],
+    in_loss: Sequence[bool],
     *,
     joint: bool,
     only_varying: bool,
@@ -377,9 +378,10 @@ def replay_contexts(
 
     ``rewards`` and ``varying`` are ``[B, K]`` tensors (NaN: the reward does not apply). A pair is replayed when its
     reward has a block, applies to the sample, varies within its group (or ``only_varying`` is off) and is not
-    ``resting``. Returns ``(wanted, blocks, contexts)``: per sample the replayed rewards, the blocks, and the
-    contexts ``[P_all, P_removed...]`` (one removal per wanted reward, or one of every block when ``joint``; empty
-    when nothing is replayed).
+    ``resting``, and the sample has tokens in the loss (``in_loss``: a truncated completion masked by
+    ``mask_truncated_completions`` has none, so its q could weigh nothing). Returns ``(wanted, blocks, contexts)``:
+    per sample the replayed rewards, the blocks, and the contexts ``[P_all, P_removed...]`` (one removal per wanted
+    reward, or one of every block when ``joint``; empty when nothing is replayed).
     """
     blocks = [
         [
@@ -398,7 +400,8 @@ def replay_contexts(
             k
             for k in range(len(names))
             # a reward that is None for this sample gives it no advantage: nothing to place
-            if blocks[i][k] is not None
+            if in_loss[i]
+            and blocks[i][k] is not None
             and rewards[i, k] == rewards[i, k]
             and (bool(varying[i, k]) or not only_varying)
             and k not in resting

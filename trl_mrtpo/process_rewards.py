@@ -5,7 +5,9 @@ masking").
 A **process reward** is called like a TRL reward function, ``func(prompts=..., completions=...,
 completion_ids=..., **dataset_columns, trainer_state=...)``, and returns one entry per completion: a list of
 :class:`Step` (or ``(start, end, score)`` tuples), each step a character span ``[start, end)`` of the completion text
-and its score, or None when it has no steps.
+and its score, or None when it has no steps. In a tool rollout it is also given ``trajectories`` (one
+:class:`~trl_mrtpo.trajectories.Trajectory` or None per completion) and scores turns: a tool rollout's steps are
+``(turn, score)`` pairs, ``turn`` one of that trajectory's ``turns``, ending on the turn's last token.
 
 A **failure boundary** builder is called like an info-block builder, ``builder(prompt=..., completion=..., row=...,
 score=...)``, for each (response, reward) pair whose credit is negative, and returns the character offset where the
@@ -21,12 +23,12 @@ from typing import Any, NamedTuple
 import torch
 from accelerate.utils import gather_object
 
-from .batch import ScoredBatch, completion_token_lists
+from .batch import ScoredBatch
 from .credit import failure_suffix_mask, process_advantages
 from .info_blocks import Prompt, call_builder
 from .trajectories import Trajectory, Turn
 from .utils import completion_text, function_name, reward_columns
-from .validation import TOOL_ROLLOUT_PROCESS_REWARDS, own_copies, within_float32
+from .validation import own_copies, within_float32
 
 NO_BOUNDARY = -1
 
@@ -130,18 +132,33 @@ def _is_score(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and within_float32(value)
 
 
-def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:
-    """What a process reward returned for one completion, validated: a clear error naming the function and the
-    sample for anything but in-range spans with finite scores; sorted by where the steps end."""
-    where = f"process reward '{name}' on sample {sample}"
+def _checked_score(score: Any, index: int, where: str) -> float:
+    if hasattr(score, "item"):
+        score = score.item()
+    if not _is_score(score):
+        raise ValueError(
+            f"Step {index} of the {where} has score {score!r:.40}; scores are finite numbers within float32's "
+            "range (3.4e38)."
+        )
+    return float(score)
+
+
+def _step_list(result: Any, where: str) -> list:
     if result is None:
         return []
     if not isinstance(result, (list, tuple)):
         raise TypeError(f"The {where} returned {type(result).__name__}; it must return a list of steps or None.")
+    return list(result)
+
+
+def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:
+    """What a process reward returned for one completion, validated: a clear error naming the function and the
+    sample for anything but in-range spans with finite scores; sorted by where the steps end."""
+    where = f"process reward '{name}' on sample {sample}"
     steps = []
-    for index, step in enumerate(result):
+    for index, step in enumerate(_step_list(result, where)):
         if not isinstance(step, (list, tuple)) or len(step) != 3:
-            raise TypeError(f"Step {index} of the {where} is {step!r}; a step is (start, end, score).")
+            raise TypeError(f"Step {index} of the {where} is {step!r:.80}; a step is (start, end, score).")
         start, end, score = step
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
             raise TypeError(f"Step {index} of the {where} has span ({start!r}, {end!r}); offsets are ints.")
@@ -150,15 +167,26 @@ def checked_steps(result: Any, name: str, sample: int, text: str) -> list[Step]:
                 f"Step {index} of the {where} spans [{start}, {end}), outside the completion's {len(text)} "
                 "characters (or empty)."
             )
-        if hasattr(score, "item"):
-            score = score.item()
-        if not _is_score(score):
-            raise ValueError(
-                f"Step {index} of the {where} has score {score!r:.40}; scores are finite numbers within float32's "
-                "range (3.4e38)."
-            )
-        steps.append(Step(start, end, float(score)))
+        steps.append(Step(start, end, _checked_score(score, index, where)))
     return sorted(steps, key=lambda s: s.end)
+
+
+def checked_turn_steps(result: Any, name: str, sample: int, view: Trajectory) -> list[tuple[float, int]]:
+    """What a process reward returned for one tool rollout (``view``), validated: ``(turn, score)`` pairs, each
+    ``turn`` one of ``view.turns``, as ``(score, position of the turn's last token)`` sorted by position; a
+    character span, a turn of another trajectory or a bad score is refused naming the function and the sample."""
+    where = f"process reward '{name}' on sample {sample}"
+    steps = []
+    for index, step in enumerate(_step_list(result, where)):
+        if not isinstance(step, (list, tuple)) or len(step) != 2 or step[0] not in view.turns:
+            raise ValueError(
+                f"Step {index} of the {where} is {step!r:.80}; in a tool rollout a step is (turn, score) with turn "
+                "one of trajectories[i].turns: a character span does not address the tokens of a multi-turn "
+                "completion."
+            )
+        turn, score = step
+        steps.append((_checked_score(score, index, where), max(turn.tokens[1] - 1, 0)))
+    return sorted(steps, key=lambda s: s[1])
 
 
 def check_process_rewards(funcs: Sequence[Callable] | Callable | None) -> list[Callable]:
@@ -220,20 +248,25 @@ def process_credit(
     num_generations: int,
     rank: int,
     trainer_state: Any = None,
+    views: Sequence[Trajectory | None] | None = None,
 ) -> tuple[torch.Tensor, list[tuple[str, float]]]:
     """``[B, C]`` float64 the weighted sum of the process rewards' token advantages of this process's ``B``
     responses (docs/method.md, "Process rewards"), and ``(name, mean step score)`` per scored response for the logs.
 
     Each function scores the steps of every completion (character spans, checked by :func:`checked_steps`); step
-    ends land on tokens by :func:`token_positions`. Step scores are gathered over processes: a group's
-    normalisation (:func:`~trl_mrtpo.credit.process_advantages`) sees all its responses.
+    ends land on tokens by :func:`token_positions`. In a batch of tool rollouts (``views`` given: each response's
+    :class:`~trl_mrtpo.trajectories.Trajectory` or None) the functions also get ``trajectories`` and a rollout's
+    steps are turns (:func:`checked_turn_steps`), each ending on its turn's last token. Step scores are gathered
+    over processes: a group's normalisation (:func:`~trl_mrtpo.credit.process_advantages`) sees all its responses.
     """
     texts = [completion_text(c) for c in completions]
+    tool_batch = {} if views is None else {"trajectories": list(views)}
+    views = views or [None] * len(texts)
     total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
     means = []
     for func, name, weight in zip(funcs, names, weights):
         results = func(
-            **own_copies(dict(prompts=prompts, completions=completions)),
+            **own_copies(dict(prompts=prompts, completions=completions, **tool_batch)),
             completion_ids=completion_ids,
             trainer_state=trainer_state,
             **columns,
@@ -244,9 +277,14 @@ def process_credit(
                 f"{len(texts)} expected, got {len(results) if isinstance(results, (list, tuple)) else results!r}."
             )
         local = []
-        for i, (result, text) in enumerate(zip(results, texts)):
-            steps = checked_steps(result, name, rank * len(texts) + i, text)
-            where = f"process reward '{name}' on sample {rank * len(texts) + i}"
+        for i, (result, text, view) in enumerate(zip(results, texts, views)):
+            sample = rank * len(texts) + i
+            if view is not None:
+                turn_steps = checked_turn_steps(result, name, sample, view)
+                local.append(([score for score, _ in turn_steps], [end for _, end in turn_steps]))
+                continue
+            steps = checked_steps(result, name, sample, text)
+            where = f"process reward '{name}' on sample {sample}"
             ends = token_positions(tokenizer, completion_ids[i], text, [step.end for step in steps], where)
             local.append(([step.score for step in steps], ends))
         gathered = gather_object(local)
@@ -316,11 +354,9 @@ class StepCredit:
         """The local batch's ``process`` (``[B, C]``, :func:`process_credit`) and ``failure_suffix`` (``[B, K, C]``,
         :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.token_advantages` (None where a rule is not in use), and
         each process reward's mean step score per scored response, for the logs."""
-        completion_ids = completion_token_lists(batch.output)
+        completion_ids = batch.completion_ids
         process, means = None, []
         if self.process_rewards:
-            if "tool_mask" in batch.output:  # a rollout_func's env_mask: known only now
-                raise ValueError(TOOL_ROLLOUT_PROCESS_REWARDS)
             process, means = process_credit(
                 self.process_rewards,
                 [function_name(func) for func in self.process_rewards],
@@ -334,6 +370,7 @@ class StepCredit:
                 num_generations,
                 rank,
                 trainer_state=trainer_state,
+                views=batch.views if "tool_mask" in batch.output else None,
             )
         suffix = None
         if any(self.failure_builders):

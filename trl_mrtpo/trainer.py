@@ -33,7 +33,6 @@ from .batch import (
     CreditMode,
     Scored,
     ScoredBatch,
-    completion_token_lists,
     credit_mask,
     local_slice,
 )
@@ -157,10 +156,7 @@ class MRTPOTrainer(GRPOTrainer):
             check_builders(failure_boundaries, self.reward_func_names, "failure_boundaries"),
             self.reward_func_names,
         )
-        tool_rollouts = bool(self.tools or self.environment_factories)
-        step_rules = check_step_rules(
-            process_rewards, self.step_credit.failure_builders, args.credit_assignment, tool_rollouts
-        )
+        step_rules = check_step_rules(process_rewards, self.step_credit.failure_builders, args.credit_assignment)
         for func in [*process_rewards, *self.reward_funcs]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
@@ -249,7 +245,7 @@ class MRTPOTrainer(GRPOTrainer):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         check_finite_rewards(rewards, self.reward_func_names)
         # TRL does not expose per-reward advantages: keep what they are computed from.
-        self._scored = Scored(inputs, prompts, completions, rewards)
+        self._scored = Scored(inputs, prompts, completions, [list(ids) for ids in completion_ids_list], rewards)
         self.record_rewards(inputs, rewards)
         return rewards
 
@@ -334,6 +330,7 @@ class MRTPOTrainer(GRPOTrainer):
             inputs=scored.inputs,
             prompts=scored.prompts,
             completions=scored.completions,
+            completion_ids=scored.completion_ids,
             rewards=rewards[local],
             group_advantages=group_adv[local],
             varying=varying[local],
@@ -398,6 +395,7 @@ class MRTPOTrainer(GRPOTrainer):
             batch.rewards,
             batch.varying,
             batch.views,
+            batch.mask.any(-1).tolist(),
             joint=joint,
             only_varying=self.args.replay_only_varying,
             resting=self.reward_strength.resting(self.state.global_step, self.args.credit_warmup_steps),
@@ -409,7 +407,7 @@ class MRTPOTrainer(GRPOTrainer):
         owners = [i for i, sample in enumerate(contexts) for _ in sample]
         flat_ids = iter(tokenize_prompts(self, flat, owners) if flat else [])
         context_ids = [[next(flat_ids) for _ in sample] for sample in contexts]
-        completion_ids = completion_token_lists(batch.output)
+        completion_ids = batch.completion_ids
         prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
         limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
         check_context_length(context_ids, completion_ids, blocks, prompt_lengths, self.reward_func_names, limit)

@@ -25,7 +25,8 @@ class ToolCall:
 @dataclass(frozen=True)
 class Turn:
     """One model turn: its text, the calls it made, and ``tokens``, the ``[start, end)`` range of its tokens in the
-    completion ids."""
+    completion ids (empty in a rollout that takes no part in the loss: truncated, with ``mask_truncated_completions``,
+    TRL zeroes its masks)."""
 
     text: str
     calls: tuple[ToolCall, ...]
@@ -111,11 +112,28 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
     )
 
 
+def check_tool_results(completions: Sequence[Any]) -> None:
+    """Refuse a tool result TRL would not render as text: a list whose entries are not content parts (``{"type":
+    ...}``). TRL passes a list through as multimodal parts, so a tool returning, say, ``[1, 2]`` leaves the model
+    reading nothing where its result should be, and its view would disagree with the tokens."""
+    for i, completion in enumerate(completions):
+        for message in completion if isinstance(completion, list) else []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if message.get("role") == "tool" and isinstance(content, list):
+                if not all(isinstance(part, dict) and "type" in part for part in content):
+                    raise ValueError(
+                        f"Tool '{message.get('name')}' returned the list {content!r:.80} on sample {i}: TRL passes a "
+                        'list through as content parts ({"type": "text" or "image", ...}), which a text model '
+                        "does not read as the result. Return a string (TRL converts other values with str)."
+                    )
+
+
 def tool_views(output: dict, completions: Sequence[Any]) -> list[Trajectory | None]:
     """The structured view of each completion of a generation batch (TRL's output), or Nones when the batch has no
-    tool rollouts (no ``tool_mask``)."""
+    tool rollouts (no ``tool_mask``); tool results are checked by :func:`check_tool_results`."""
     if "tool_mask" not in output:
         return [None] * len(completions)
+    check_tool_results(completions)
     lengths = output["completion_mask"].sum(-1).tolist()
     masks = output["tool_mask"].tolist()
     return [trajectory(c, m[:n]) for c, m, n in zip(completions, masks, lengths)]

@@ -115,22 +115,13 @@ def process_reward_weights(weights: Sequence[float] | None, count: int) -> list[
     return list(weights)
 
 
-TOOL_ROLLOUT_PROCESS_REWARDS = (
-    "process_rewards score character spans of the completion text, which do not address the tokens of a multi-turn "
-    "tool rollout; train tool rollouts without process rewards (failure_boundaries work: return a turn)."
-)
-
-
 def check_step_rules(
     process_rewards: Sequence[Callable],
     failure_builders: Sequence[Callable | None],
     credit_assignment: str,
-    tool_rollouts: bool = False,
 ) -> list[str]:
     """The step-level credit rules in use (named for later checks), refused under plain GRPO, which has no per-reward
-    token credit for them to act on; process rewards are refused on tool rollouts."""
-    if process_rewards and tool_rollouts:
-        raise ValueError(TOOL_ROLLOUT_PROCESS_REWARDS)
+    token credit for them to act on."""
     rules = [
         name
         for name, on in (("process_rewards", bool(process_rewards)), ("failure_boundaries", any(failure_builders)))
@@ -228,8 +219,9 @@ def check_reward_values(name: str, values: Any, expected: int) -> list[float | N
 
 
 def own_copies(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A user function's keyword arguments with its own copies of the prompts and completions."""
-    return {key: copy.deepcopy(value) if key in ("prompts", "completions") else value for key, value in kwargs.items()}
+    """A user function's keyword arguments with its own copies of the prompts, completions and trajectories."""
+    own = ("prompts", "completions", "trajectories")
+    return {key: copy.deepcopy(value) if key in own else value for key, value in kwargs.items()}
 
 
 def checked_reward(func: Callable, name: str) -> Callable:

@@ -21,6 +21,7 @@ Info blocks are built from the environment's feedback (builders take the rollout
 :class:`~trl_mrtpo.trajectories.Trajectory`): the format rule with each failed call and its error, the reference
 calls with the same, and what checkout returned with the expected total. Failure boundaries are turns: the blame of
 the format and call rewards ends with the last turn whose call failed (:func:`agent_failure_turn`).
+:func:`agent_turn_calls` is a process reward that scores each calling turn by the share of its calls that ran.
 """
 
 from __future__ import annotations
@@ -193,6 +194,21 @@ def agent_failure_turn(*, prompt, completion, row, score, trajectory=None) -> Tu
         return None
     failing = [turn for turn in trajectory.turns if any(call.error for call in turn.calls)]
     return failing[-1] if failing else None
+
+
+def agent_turn_calls(completions: list, trajectories: list, **kwargs) -> list[list | None]:
+    """A process reward (the trainer's ``process_rewards``): each turn that called tools scores the share of its calls
+    that ran without error, placed on the turn's last token; a completion without tool calls has no steps."""
+    return [
+        None
+        if view is None
+        else [
+            (turn, sum(call.error is None for call in turn.calls) / len(turn.calls))
+            for turn in view.turns
+            if turn.calls
+        ]
+        for view in trajectories
+    ]
 
 
 def make_agent_dataset(num_prompts: int = 24, seed: int = 0, cache_dir: str | None = None):
