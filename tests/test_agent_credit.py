@@ -136,13 +136,15 @@ def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
     check_credit_on_model_tokens(trainer)
 
 
+@pytest.mark.parametrize("source", ["tools", "environment_factory"])
 @pytest.mark.parametrize("mode", ["gdpo", "joint", "shuffled", "cort"])
-def test_every_other_mode_on_trls_tool_loop(tiny_tokenizer, tmp_path, mode):
-    """The research room's replaying modes and GDPO on tool rollouts: tool results get no advantage, and the
-    replaying modes replay the trajectories."""
+def test_every_other_mode_on_trls_tool_loop(tiny_tokenizer, tmp_path, mode, source):
+    """The research room's replaying modes and GDPO on tool rollouts from ``tools`` and from an
+    ``environment_factory``: tool results get no advantage, and the replaying modes replay the trajectories."""
     tokenizer = tool_tokenizer(tiny_tokenizer)
     dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
-    trainer = scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment=mode, tools=[lookup])
+    inputs = {"tools": [lookup]} if source == "tools" else {"environment_factory": Atlas}
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment=mode, **inputs)
     trainer.train()
     for batch, replay in zip(trainer.batches, trainer.replays):
         mask = batch["completion_mask"] * batch["tool_mask"]
