@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from trl_mrtpo import MRTPOConfig
 from trl_mrtpo.credit import process_advantages
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
-from trl_mrtpo.process_rewards import checked_steps, failure_boundary
+from trl_mrtpo.process_rewards import checked_steps, checked_turn_steps, failure_boundary
+from trl_mrtpo.trajectories import trajectory
 
 CASE_SECONDS = 20  # far above any case's cost (milliseconds); a hang fails instead of blocking the suite
 
@@ -150,6 +151,50 @@ def test_process_rewards_end_in_a_named_error_or_finite_advantages(returned):
             for s, step in enumerate(response):
                 scores[j, s], ends[j, s] = step.score, min(step.end - 1, 5)
         advantages = process_advantages(scores, ends, 2, 6)
+    assert torch.isfinite(advantages).all()
+
+
+CALL = {"type": "function", "function": {"name": "lookup", "arguments": {"city": "Oz"}}}
+ROLLOUT = [
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "name": "lookup", "content": "{'error': 'Oz is not a city'}"},
+    {"role": "assistant", "content": "Sorry."},
+]
+VIEW = trajectory(ROLLOUT, [1, 1, 1, 0, 0, 1, 1])  # turns on tokens [0, 3) and [5, 7)
+FOREIGN = trajectory(ROLLOUT, [1, 1, 0, 1]).turns[1]  # equal text and calls, other tokens
+TURN_STEPS = st.one_of(
+    RETURNED,
+    st.lists(
+        st.tuples(
+            st.sampled_from([*VIEW.turns, FOREIGN, None, 0, "Sorry."]),
+            st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.integers(-5, 5), st.text()),
+        ),
+        max_size=3,
+    ),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(returned=st.lists(TURN_STEPS, min_size=4, max_size=4))
+def test_turn_process_rewards_end_in_a_named_error_or_finite_advantages(returned):
+    """On a tool rollout, whatever a process reward returns ends in an error naming it and the sample, or in steps
+    that end on a turn's last token and finite advantages."""
+    with time_limit():
+        steps = []
+        for sample, result in enumerate(returned):
+            try:
+                steps.append(checked_turn_steps(result, "turns", sample, VIEW))
+            except (TypeError, ValueError) as error:
+                assert f"process reward 'turns' on sample {sample}" in str(error)
+                return
+        assert {end for response in steps for _, end in response} <= {2, 6}
+        width = max(1, max(len(s) for s in steps))
+        scores = torch.full((4, width), float("nan"), dtype=torch.float64)
+        ends = torch.zeros((4, width), dtype=torch.long)
+        for j, response in enumerate(steps):
+            for s, (score, end) in enumerate(response):
+                scores[j, s], ends[j, s] = score, end
+        advantages = process_advantages(scores, ends, 2, 7)
     assert torch.isfinite(advantages).all()
 
 
