@@ -171,9 +171,22 @@ def test_verdicts_by_hand():
     assert verdicts["located"].verdict.startswith("token credit will move") and verdicts["located"].tokens[0] == "c"
     assert math.isclose(verdicts["noise"].q_over_control, 1.0) and "indistinguishable" in verdicts["noise"].verdict
     assert verdicts["flat"].varying == 0.5 and "indistinguishable" in verdicts["flat"].verdict
+    # per-reward strength at this reading, by hand: located's 1 - cos against the mean of the other two (flat)
+    # profiles is 1 - 0.2 / (0.3088 * 1) = 0.3524, so g = 0.3524 / 0.25 - 1
+    located_profile = torch.tensor([0.01, 0.02, 0.3, 0.07], dtype=torch.float64)
+    cosine = located_profile.sum() * 0.5 / located_profile.norm()
+    assert math.isclose(verdicts["located"].strength, (1 - cosine.item()) / 0.25 - 1, rel_tol=1e-5)
     record.rewards[:, 2] = torch.tensor([1.0, 1.0, 0.0, 0.0])
     flat = reward_verdicts(record, CharTokenizer(), names, num_generations=2)[2]
     assert flat.varying == 0 and flat.verdict.startswith("never varies")
+    # a second reward with located's shape: both stand out from the control, neither from the other, so both rest
+    record.relevance[:, 1] = located
+    twins = reward_verdicts(record, CharTokenizer(), names, num_generations=2)
+    assert [v.strength for v in twins[:2]] == [0.0, 0.0] and twins[0].q_over_control > 2
+    assert all("per-reward strength would rest it" in v.verdict for v in twins[:2])
+    assert reward_verdicts(record, CharTokenizer(), names, 2, strength_floor=None)[0].verdict.startswith(
+        "token credit will move"
+    )
 
 
 def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, capsys):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .._trl import tokenize_prompts
+from ..config import MRTPOConfig
 from ..diagnostics import CreditRecord
 from ..info_blocks import InfoBlock
 from ..kits import Kit, get_kit
@@ -197,6 +198,7 @@ def inspect_credit(
     info_blocks: list | None = None,
     dataset=None,
     return_verdicts: bool = False,
+    reward_strength_floor: float | None = MRTPOConfig.reward_strength_floor,
 ) -> tuple:
     """Sample (or, with ``completions``, replay existing responses of) a few prompts, score and replay them with the
     control sentence added, and return the credit record and the localisation report. Writes the heatmap page to
@@ -205,14 +207,13 @@ def inspect_credit(
     The task is ``task``'s kit, or your own: ``reward_funcs`` and ``info_blocks`` (functions and builders, as
     ``MRTPOTrainer`` takes them) with ``dataset`` (rows with a ``prompt``); the localisation report needs a kit's
     spans. With ``return_verdicts`` the result has a third entry, :func:`reward_verdicts` of the record (what token
-    credit would do with each reward). ``model``: a hub id, a folder or ``"embedded"``; ``adapter``: a LoRA adapter
-    folder to apply.
+    credit would do with each reward, per-reward strength read with ``reward_strength_floor``). ``model``: a hub id,
+    a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
     """
     import tempfile
 
     from datasets import Dataset
 
-    from ..config import MRTPOConfig
     from ..trainer import MRTPOTrainer
     from ..viz import credit_heatmap_html
     from .policy import load_policy
@@ -270,7 +271,7 @@ def inspect_credit(
     if report:
         write_report(located, report)
     if return_verdicts:
-        return record, located, reward_verdicts(record, tokenizer, names, num_generations)
+        return record, located, reward_verdicts(record, tokenizer, names, num_generations, reward_strength_floor)
     return record, located
 
 
@@ -281,30 +282,43 @@ VERDICT_RATIO = 2.0  # a reward's mean q at least this many times the control's:
 @dataclass
 class Verdict:
     """What inspecting one reward found: how often it varies within a group (the pairs training replays), its q
-    against the control sentence's on the same responses, how concentrated its q is, and what that means."""
+    against the control sentence's on the same responses, how concentrated its q is, its per-reward strength at this
+    batch's reading (``g_k``, 1: the full redistribution, 0: it would rest), and what that means."""
 
     reward: str
     varying: float
     q_over_control: float
     concentration: float
     tokens: list[str]
+    strength: float
     verdict: str
 
 
-def reward_verdicts(record: CreditRecord, tokenizer, reward_names: list[str], num_generations: int) -> list[Verdict]:
+def reward_verdicts(
+    record: CreditRecord,
+    tokenizer,
+    reward_names: list[str],
+    num_generations: int,
+    strength_floor: float | None = MRTPOConfig.reward_strength_floor,
+) -> list[Verdict]:
     """One :class:`Verdict` per reward of an inspected record (the last name is the control).
 
     The rule (docs/inspect.md): a reward that never varies within a group is never replayed in training (its credit
     stays uniform); one whose mean q is at least ``VERDICT_RATIO`` times the control sentence's on the same
-    responses will have its credit moved onto the tokens where its q is largest; otherwise its q cannot be told from
-    the control's and token credit would move its credit by noise.
+    responses will have its credit moved onto the tokens where its q is largest, unless per-reward strength
+    (``strength_floor``, None: off) reads its q as shaped like the other rewards' and rests it; otherwise its q
+    cannot be told from the control's and token credit would move its credit by noise. The strength is this batch's
+    reading over the task's rewards (the control slot left out), not training's running mean.
     """
-    from ..credit import group_advantages
+    from ..credit import group_advantages, relevance_specificity, reward_strength
     from ..diagnostics import mass_share
 
     control = reward_names.index(CONTROL_NAME)
     lengths = record.mask.sum(-1).long().tolist()
     _, in_group = group_advantages(record.rewards, num_generations)  # [B, K]: varies within the response's group
+    task = [k for k in range(len(reward_names)) if k != control]
+    specificity = relevance_specificity(record.relevance[:, task], record.replayed[:, task])
+    strengths = torch.ones(len(task)) if strength_floor is None else reward_strength(specificity, strength_floor)
     verdicts = []
     for k, name in enumerate(reward_names):
         if k == control:
@@ -321,10 +335,18 @@ def reward_verdicts(record: CreditRecord, tokenizer, reward_names: list[str], nu
             ((record.relevance[j, k, t].item(), j, t) for j in both for t in range(lengths[j])), reverse=True
         )[:3]
         tokens = [token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for _, j, t in peaks]
+        strength = strengths[task.index(k)].item()
         if varying == 0:
             text = (
                 "never varies within a group here: training would replay nothing for it and keep its credit "
                 "uniform; more generations per prompt, or a graded reward, would let it vary."
+            )
+        elif ratio >= VERDICT_RATIO and strength == 0:
+            text = (
+                f"q stands out from the control but has the shape of the other rewards' q (specificity "
+                f"{specificity[task.index(k)].item():.3f}, at or under the floor {strength_floor}): per-reward "
+                "strength would rest it and keep its credit uniform. A block that names what only this reward's "
+                "verifier checks would set it apart."
             )
         elif ratio >= VERDICT_RATIO:
             text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}."
@@ -333,15 +355,16 @@ def reward_verdicts(record: CreditRecord, tokenizer, reward_names: list[str], nu
                 "q here is indistinguishable from the control: token credit would move this reward's credit by noise. "
                 "Make its info block carry what the verifier decides with, or give it no block (uniform credit)."
             )
-        verdicts.append(Verdict(name, varying, ratio, concentration, tokens, text))
+        verdicts.append(Verdict(name, varying, ratio, concentration, tokens, strength, text))
     return verdicts
 
 
 def format_verdicts(verdicts: list[Verdict]) -> str:
-    lines = [f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}  verdict"]
+    lines = [f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}{'strength':>10}  verdict"]
     for v in verdicts:
         lines.append(
-            f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}   {v.verdict}"
+            f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}{v.strength:>10.2f}"
+            f"   {v.verdict}"
         )
     return "\n".join(lines)
 
@@ -368,5 +391,5 @@ def inspect_recipe(config: str, **settings) -> tuple[CreditRecord, list[Localisa
         info_blocks=blocks,
         dataset=dataset,
         return_verdicts=True,
-        **settings,
+        **{"reward_strength_floor": training_args.reward_strength_floor, **settings},
     )
