@@ -1,7 +1,10 @@
-"""The agent gym's pre-registered comparison (``benchmarks/agent_gym_protocol.md``): GDPO vs MRTPO on multi-turn tool
-rollouts whose deciding tokens are known, paired by seed, and where each reward's q lands per turn.
+"""The agent gym's pre-registered comparisons: GDPO vs MRTPO (the published rule) on multi-turn tool rollouts whose
+deciding tokens are known, paired by seed, and where each reward's q lands per turn
+(``benchmarks/agent_gym_protocol.md``); and, with ``--strength``, MRTPO's default credit (per-reward strength) on the
+same seeds (``benchmarks/agent_gym_strength_protocol.md``).
 
     OMP_NUM_THREADS=1 python benchmarks/agent_gym.py
+    OMP_NUM_THREADS=1 python benchmarks/agent_gym.py --strength
 
 Resumable: each (method, seed) run and each seed's localisation is a JSON file under ``--work-dir``, never
 recomputed. Writes ``benchmarks/agent_gym.md`` (tables) and ``benchmarks/results/agent_gym/summary.csv``.
@@ -33,6 +36,11 @@ from trl_mrtpo.gym.stats import final_value, paired
 HERE = Path(__file__).parent
 SEEDS = tuple(range(300, 316))  # held out: never used for a choice
 METHODS = ("gdpo", "mrtpo")
+ARMS = {  # run settings of each arm; run records are named by arm
+    "gdpo": {"method": "gdpo"},
+    "mrtpo": {"method": "mrtpo"},  # the published rule
+    "strength": {"method": "mrtpo", "reward_strength": True},  # per-reward strength, floor 0.25: the default
+}
 SETTINGS = {"steps": 60, "prompts_per_step": 8, "num_generations": 4, "learning_rate": 5e-4, "temperature": 1.0}
 TURNS = ("first call", "middle calls", "last call", "answer")
 
@@ -48,10 +56,10 @@ def stored(path: Path, compute):
     return value
 
 
-def summary_rows(work_dir: Path, seeds) -> list[dict]:
+def summary_rows(work_dir: Path, seeds, arms=METHODS) -> list[dict]:
     rows = []
     for seed in seeds:
-        for method in METHODS:
+        for method in arms:
             records = json.loads((work_dir / f"{method}-seed{seed}.json").read_text())
             row = {"seed": seed, "method": method, "auc": statistics.fmean(r["mean_reward"] for r in records)}
             for name in REWARD_NAMES:
@@ -84,19 +92,41 @@ def localisation_table(records: list[dict]) -> list[str]:
     return lines
 
 
-def report(rows: list[dict], localisation: list[dict], seeds) -> str:
+COLUMNS = ["auc", *(f"auc/{n}" for n in REWARD_NAMES), "final", *(f"final/{n}" for n in REWARD_NAMES)]
+
+
+def comparison_lines(rows: list[dict], method: str, baseline: str) -> list[str]:
+    """The paired table of ``method`` against ``baseline`` over every column (exact two-sided Wilcoxon)."""
+
     def line(column: str) -> str:
-        result = paired(rows, "mrtpo", "gdpo", column)
-        means = {m: statistics.fmean(r[column] for r in rows if r["method"] == m) for m in METHODS}
+        result = paired(rows, method, baseline, column)
+        means = {m: statistics.fmean(r[column] for r in rows if r["method"] == m) for m in (baseline, method)}
         return (
-            f"| {column} | {means['gdpo']:.3f} | {means['mrtpo']:.3f} | {result['mean_difference']:+.3f} | "
+            f"| {column} | {means[baseline]:.3f} | {means[method]:.3f} | {result['mean_difference']:+.3f} | "
             f"{result['wins']}/{result['ties']}/{result['losses']} | {result['p_value']:.3g} |"
         )
 
-    columns = ["auc", *(f"auc/{n}" for n in REWARD_NAMES), "final", *(f"final/{n}" for n in REWARD_NAMES)]
-    primary = paired(rows, "mrtpo", "gdpo", "auc")
+    return [
+        f"| measure | {baseline} | {method} | mean difference | wins/ties/losses | p |",
+        "|---|---|---|---|---|---|",
+        *(line(c) for c in COLUMNS),
+    ]
+
+
+def verdict(rows: list[dict], method: str, baseline: str) -> str:
+    """The pre-registered rule: ``method`` helps only if its mean AUC difference is positive and p < 0.05."""
+    primary = paired(rows, method, baseline, "auc")
     helps = primary["mean_difference"] > 0 and primary["p_value"] < 0.05
-    behind = [c for c in columns if paired(rows, "mrtpo", "gdpo", c)["mean_difference"] < 0]
+    behind = [c for c in COLUMNS if paired(rows, method, baseline, c)["mean_difference"] < 0]
+    name, other = (n.upper() if n in ("mrtpo", "gdpo") else n for n in (method, baseline))
+    return (
+        f"**Primary (area under the mean-reward curve): {f'{name} helps' if helps else 'no significant gain'}** "
+        f"(difference {primary['mean_difference']:+.4f}, p = {primary['p_value']:.3g}). "
+        + (f"{name} is behind {other} on average in: {', '.join(behind)}." if behind else f"{name} is behind on none.")
+    )
+
+
+def report(rows: list[dict], localisation: list[dict], seeds) -> str:
     return "\n".join(
         [
             "# Agent gym: GDPO vs MRTPO on multi-turn tool rollouts",
@@ -110,13 +140,9 @@ def report(rows: list[dict], localisation: list[dict], seeds) -> str:
             "",
             "## Learning (mrtpo - gdpo, paired by seed; exact two-sided Wilcoxon)",
             "",
-            "| measure | gdpo | mrtpo | mean difference | wins/ties/losses | p |",
-            "|---|---|---|---|---|---|",
-            *(line(c) for c in columns),
+            *comparison_lines(rows, "mrtpo", "gdpo"),
             "",
-            f"**Primary (area under the mean-reward curve): {'MRTPO helps' if helps else 'no significant gain'}** "
-            f"(difference {primary['mean_difference']:+.4f}, p = {primary['p_value']:.3g}). "
-            + (f"MRTPO is behind GDPO on average in: {', '.join(behind)}." if behind else "MRTPO is behind on none."),
+            verdict(rows, "mrtpo", "gdpo"),
             "",
             "## Where q lands (the supervised policy, held-out prompts, before RL)",
             "",
@@ -130,13 +156,43 @@ def report(rows: list[dict], localisation: list[dict], seeds) -> str:
     )
 
 
+def strength_report(rows: list[dict], seeds) -> str:
+    return "\n".join(
+        [
+            "# Agent gym: MRTPO's default credit (per-reward strength) vs GDPO",
+            "",
+            "Protocol and decision rule frozen before any strength run:",
+            "[agent_gym_strength_protocol.md](agent_gym_strength_protocol.md). Command:",
+            "",
+            "    OMP_NUM_THREADS=1 python benchmarks/agent_gym.py --strength",
+            "",
+            f"Seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}, paired); the gdpo and mrtpo (published rule) runs are",
+            "those of [agent_gym.md](agent_gym.md); settings as there.",
+            "",
+            "## Primary: strength - gdpo (paired by seed; exact two-sided Wilcoxon)",
+            "",
+            *comparison_lines(rows, "strength", "gdpo"),
+            "",
+            verdict(rows, "strength", "gdpo"),
+            "",
+            "## Secondary: strength - mrtpo (the published rule)",
+            "",
+            *comparison_lines(rows, "strength", "mrtpo"),
+            "",
+        ]
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", default=str(HERE / "results" / "agent_gym" / "runs"))
     parser.add_argument("--cache-dir", default=str(Path(tempfile.gettempdir()) / "trl_mrtpo_agent_gym"))
     parser.add_argument("--seeds", type=int, nargs="*", default=list(SEEDS))
-    parser.add_argument("--report", default=str(HERE / "agent_gym.md"))
+    parser.add_argument("--strength", action="store_true", help="the second comparison: the strength arm")
+    parser.add_argument("--report", default=None, help="default: agent_gym.md (agent_gym_strength.md with --strength)")
     args = parser.parse_args(argv)
+    arms = ("gdpo", "mrtpo", "strength") if args.strength else METHODS
+    report_path = args.report or str(HERE / ("agent_gym_strength.md" if args.strength else "agent_gym.md"))
     torch.set_num_threads(1)
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -145,20 +201,21 @@ def main(argv=None) -> None:
     for seed in args.seeds:
         locate = functools.partial(agent_localisation, spec, seed, args.cache_dir)
         localisation += stored(work_dir / f"localisation-seed{seed}.json", locate)
-        for method in METHODS:
-            settings = AgentRunSettings(method, **SETTINGS)
+        for method in arms:
+            settings = AgentRunSettings(**ARMS[method], **SETTINGS)
             run = functools.partial(train_agent_run, spec, settings, seed, args.cache_dir, tempfile.mkdtemp())
             stored(work_dir / f"{method}-seed{seed}.json", run)
             print(f"seed {seed} {method}: done", flush=True)
-    rows = summary_rows(work_dir, args.seeds)
-    summary = Path(args.work_dir).parent / "summary.csv"
+    rows = summary_rows(work_dir, args.seeds, arms)
+    summary = Path(args.work_dir).parent / ("summary_strength.csv" if args.strength else "summary.csv")
     with open(summary, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    Path(args.report).write_text(report(rows, localisation, args.seeds))
+    text = strength_report(rows, args.seeds) if args.strength else report(rows, localisation, args.seeds)
+    Path(report_path).write_text(text)
     Path(f"{summary}.provenance.json").write_text(json.dumps(provenance(" ".join(sys.argv)), indent=2))
-    print(f"wrote {args.report} and {summary}")
+    print(f"wrote {report_path} and {summary}")
 
 
 if __name__ == "__main__":

@@ -284,7 +284,8 @@ def agent_dataset(num_prompts: int, seed: int):
 
 @dataclass(frozen=True)
 class AgentRunSettings:
-    """One RL run's settings on the agent gym (everything else is ``MRTPOConfig``'s default)."""
+    """One RL run's settings on the agent gym (everything else is ``MRTPOConfig``'s default). ``mrtpo`` runs the
+    published rule unless ``reward_strength`` (per-reward strength at its frozen floor, MRTPO's default credit)."""
 
     method: str
     steps: int = 60
@@ -292,6 +293,7 @@ class AgentRunSettings:
     num_generations: int = 4
     learning_rate: float = 1e-3
     temperature: float = 1.0
+    reward_strength: bool = False
 
 
 def train_agent_run(
@@ -326,7 +328,7 @@ def train_agent_run(
         bf16=False,
         **QUIET_RUN,
         info_block_separator=" ",
-        **arm_settings({}),  # the protocol's mrtpo: the published rule
+        **arm_settings({"reward_strength": settings.reward_strength}),
     )
     set_seed(seed)
     trainer = Recording(
