@@ -112,6 +112,14 @@ def test_the_benchmark_resumes_and_writes_its_report(tiny_policy, tmp_path, monk
     rows = (tmp_path / "summary.csv").read_text().splitlines()
     assert rows[0].startswith("seed,method,auc") and len(rows) == 5
     assert json.loads((tmp_path / "runs" / "localisation-seed0.json").read_text())[0]["reward"] in REWARD_NAMES
+    # the second comparison adds only the strength arm's runs, beside the stored ones
+    agent_gym.main([*args, "--strength", "--report", str(tmp_path / "strength.md")])
+    assert (tmp_path / "runs" / "mrtpo-seed0.json").stat().st_mtime_ns == stamp
+    added = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name not in runs)
+    assert added == ["strength-seed0.json", "strength-seed1.json"]
+    text = (tmp_path / "strength.md").read_text()
+    assert "| measure | gdpo | strength |" in text and "| measure | mrtpo | strength |" in text
+    assert len((tmp_path / "summary_strength.csv").read_text().splitlines()) == 7
 
 
 @pytest.mark.slow
