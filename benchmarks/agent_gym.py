@@ -156,7 +156,17 @@ def report(rows: list[dict], localisation: list[dict], seeds) -> str:
     )
 
 
-def strength_report(rows: list[dict], seeds) -> str:
+def reproduced(spec, seed: int, cache_dir: str, work_dir: Path) -> dict:
+    """The protocol's check: the stored gdpo and mrtpo runs of ``seed`` recomputed on this commit, equal or not."""
+    check = {"seed": seed, "commit": provenance("")["commit"]}
+    for method in METHODS:
+        settings = AgentRunSettings(**ARMS[method], **SETTINGS)
+        again = train_agent_run(spec, settings, seed, cache_dir, tempfile.mkdtemp())
+        check[method] = again == json.loads((work_dir / f"{method}-seed{seed}.json").read_text())
+    return check
+
+
+def strength_report(rows: list[dict], seeds, check: dict) -> str:
     return "\n".join(
         [
             "# Agent gym: MRTPO's default credit (per-reward strength) vs GDPO",
@@ -167,7 +177,9 @@ def strength_report(rows: list[dict], seeds) -> str:
             "    OMP_NUM_THREADS=1 python benchmarks/agent_gym.py --strength",
             "",
             f"Seeds {seeds[0]}-{seeds[-1]} ({len(seeds)}, paired); the gdpo and mrtpo (published rule) runs are",
-            "those of [agent_gym.md](agent_gym.md); settings as there.",
+            "those of [agent_gym.md](agent_gym.md); settings as there. Reproducibility check (the protocol's): seed",
+            f"{check['seed']}'s gdpo and mrtpo runs recomputed at {check['commit']} equal the stored records: "
+            f"gdpo {check['gdpo']}, mrtpo {check['mrtpo']}.",
             "",
             "## Primary: strength - gdpo (paired by seed; exact two-sided Wilcoxon)",
             "",
@@ -206,13 +218,20 @@ def main(argv=None) -> None:
             run = functools.partial(train_agent_run, spec, settings, seed, args.cache_dir, tempfile.mkdtemp())
             stored(work_dir / f"{method}-seed{seed}.json", run)
             print(f"seed {seed} {method}: done", flush=True)
+    if args.strength:  # the stored runs are reused only if they reproduce on this commit (the protocol)
+        check = stored(
+            work_dir / f"reproduced-seed{args.seeds[0]}.json",
+            functools.partial(reproduced, spec, args.seeds[0], args.cache_dir, work_dir),
+        )
+        if not (check["gdpo"] and check["mrtpo"]):
+            raise SystemExit(f"the stored runs do not reproduce ({check}): rerun every arm into a fresh --work-dir")
     rows = summary_rows(work_dir, args.seeds, arms)
     summary = Path(args.work_dir).parent / ("summary_strength.csv" if args.strength else "summary.csv")
     with open(summary, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    text = strength_report(rows, args.seeds) if args.strength else report(rows, localisation, args.seeds)
+    text = strength_report(rows, args.seeds, check) if args.strength else report(rows, localisation, args.seeds)
     Path(report_path).write_text(text)
     Path(f"{summary}.provenance.json").write_text(json.dumps(provenance(" ".join(sys.argv)), indent=2))
     print(f"wrote {report_path} and {summary}")

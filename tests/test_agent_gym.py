@@ -116,7 +116,9 @@ def test_the_benchmark_resumes_and_writes_its_report(tiny_policy, tmp_path, monk
     agent_gym.main([*args, "--strength", "--report", str(tmp_path / "strength.md")])
     assert (tmp_path / "runs" / "mrtpo-seed0.json").stat().st_mtime_ns == stamp
     added = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name not in runs)
-    assert added == ["strength-seed0.json", "strength-seed1.json"]
+    assert added == ["reproduced-seed0.json", "strength-seed0.json", "strength-seed1.json"]
+    check = json.loads((tmp_path / "runs" / "reproduced-seed0.json").read_text())
+    assert check["gdpo"] is True and check["mrtpo"] is True  # the stored runs recompute identically
     text = (tmp_path / "strength.md").read_text()
     assert "| measure | gdpo | strength |" in text and "| measure | mrtpo | strength |" in text
     assert len((tmp_path / "summary_strength.csv").read_text().splitlines()) == 7
