@@ -133,24 +133,37 @@ def test_failure_boundaries_end_in_a_named_error_or_an_offset(returned):
     assert offset is None or (isinstance(offset, int) and 1 <= offset <= len(COMPLETION))
 
 
+def named_or_checked(check, name: str, returned: list) -> list | None:
+    """Each response's checked steps, or None when one is refused by an error naming ``name`` and its sample."""
+    steps = []
+    for sample, result in enumerate(returned):
+        try:
+            steps.append(check(result, name, sample))
+        except (TypeError, ValueError) as error:
+            assert f"process reward '{name}' on sample {sample}" in str(error)
+            return None
+    return steps
+
+
+def process_advantages_of(steps: list[list[tuple[float, int]]], num_positions: int) -> torch.Tensor:
+    """Process advantages of four responses' ``(score, last token)`` steps, in groups of two."""
+    width = max(1, max(len(s) for s in steps))
+    scores = torch.full((4, width), float("nan"), dtype=torch.float64)
+    ends = torch.zeros((4, width), dtype=torch.long)
+    for j, response in enumerate(steps):
+        for s, (score, end) in enumerate(response):
+            scores[j, s], ends[j, s] = score, end
+    return process_advantages(scores, ends, 2, num_positions)
+
+
 @settings(max_examples=200, deadline=None)
 @given(returned=st.lists(RETURNED, min_size=4, max_size=4))
 def test_process_rewards_end_in_a_named_error_or_finite_advantages(returned):
     with time_limit():
-        steps = []
-        for sample, result in enumerate(returned):
-            try:
-                steps.append(checked_steps(result, "steps", sample, COMPLETION))
-            except (TypeError, ValueError) as error:
-                assert f"process reward 'steps' on sample {sample}" in str(error)
-                return
-        width = max(1, max(len(s) for s in steps))
-        scores = torch.full((4, width), float("nan"), dtype=torch.float64)
-        ends = torch.zeros((4, width), dtype=torch.long)
-        for j, response in enumerate(steps):
-            for s, step in enumerate(response):
-                scores[j, s], ends[j, s] = step.score, min(step.end - 1, 5)
-        advantages = process_advantages(scores, ends, 2, 6)
+        steps = named_or_checked(lambda r, n, i: checked_steps(r, n, i, COMPLETION), "steps", returned)
+        if steps is None:
+            return
+        advantages = process_advantages_of([[(s.score, min(s.end - 1, 5)) for s in r] for r in steps], 6)
     assert torch.isfinite(advantages).all()
 
 
@@ -180,21 +193,11 @@ def test_turn_process_rewards_end_in_a_named_error_or_finite_advantages(returned
     """On a tool rollout, whatever a process reward returns ends in an error naming it and the sample, or in steps
     that end on a turn's last token and finite advantages."""
     with time_limit():
-        steps = []
-        for sample, result in enumerate(returned):
-            try:
-                steps.append(checked_turn_steps(result, "turns", sample, VIEW))
-            except (TypeError, ValueError) as error:
-                assert f"process reward 'turns' on sample {sample}" in str(error)
-                return
+        steps = named_or_checked(lambda r, n, i: checked_turn_steps(r, n, i, VIEW), "turns", returned)
+        if steps is None:
+            return
         assert {end for response in steps for _, end in response} <= {2, 6}
-        width = max(1, max(len(s) for s in steps))
-        scores = torch.full((4, width), float("nan"), dtype=torch.float64)
-        ends = torch.zeros((4, width), dtype=torch.long)
-        for j, response in enumerate(steps):
-            for s, (score, end) in enumerate(response):
-                scores[j, s], ends[j, s] = score, end
-        advantages = process_advantages(scores, ends, 2, 7)
+        advantages = process_advantages_of(steps, 7)
     assert torch.isfinite(advantages).all()
 
 
