@@ -328,6 +328,7 @@ def test_the_turn_process_reward_by_hand():
         ((0, 4, 1.0), "is \\(0, 4, 1.0\\); in a tool rollout a step is \\(turn, score\\)"),
         ("foreign", "is \\(Turn\\(.*one of trajectories\\[i\\].turns"),
         ((None, 1.0), "is \\(None, 1.0\\)"),
+        ("array", "is \\(array\\(\\[1, 2\\]\\), 1.0\\)"),
         ("nan", "has score nan"),
         ("bool", "has score True"),
     ],
@@ -335,11 +336,14 @@ def test_the_turn_process_reward_by_hand():
 def test_a_turn_step_that_is_not_a_turn_of_the_rollout_is_refused_by_name(step, message):
     """On a tool rollout a process reward's steps are (turn, score) pairs of that rollout: character spans, another
     rollout's turn and bad scores are refused naming the function and the sample."""
+    import numpy
+
     from trl_mrtpo.process_rewards import checked_turn_steps
 
     view = trajectory(CLEAN, [1] * 4 + [0] * 2 + [1] * 3 + [0] * 3 + [1] * 5)
     foreign = trajectory(FAILED_THEN_RECOVERED, [1] * 23).turns[0]
-    step = {"foreign": (foreign, 1.0), "nan": (view.turns[0], math.nan), "bool": (view.turns[0], True)}.get(step, step)
+    drawn = {"foreign": (foreign, 1.0), "nan": (view.turns[0], math.nan), "bool": (view.turns[0], True)}
+    step = (numpy.array([1, 2]), 1.0) if step == "array" else drawn.get(step, step)  # == gives an array
     with pytest.raises((ValueError, TypeError), match=f"Step 0 of the process reward 'turns' on sample 3 {message}"):
         checked_turn_steps([step], "turns", 3, view)
     assert checked_turn_steps([(view.turns[1], 0.5), (view.turns[0], 1)], "turns", 3, view) == [

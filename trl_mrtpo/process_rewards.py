@@ -178,14 +178,14 @@ def checked_turn_steps(result: Any, name: str, sample: int, view: Trajectory) ->
     where = f"process reward '{name}' on sample {sample}"
     steps = []
     for index, step in enumerate(_step_list(result, where)):
-        if not isinstance(step, (list, tuple)) or len(step) != 2 or step[0] not in view.turns:
+        turn = step[0] if isinstance(step, (list, tuple)) and len(step) == 2 else None
+        if not isinstance(turn, Turn) or turn not in view.turns:  # compared only as a Turn: arrays never reach ==
             raise ValueError(
                 f"Step {index} of the {where} is {step!r:.80}; in a tool rollout a step is (turn, score) with turn "
                 "one of trajectories[i].turns: a character span does not address the tokens of a multi-turn "
                 "completion."
             )
-        turn, score = step
-        steps.append((_checked_score(score, index, where), max(turn.tokens[1] - 1, 0)))
+        steps.append((_checked_score(step[1], index, where), max(turn.tokens[1] - 1, 0)))
     return sorted(steps, key=lambda s: s[1])
 
 
