@@ -455,7 +455,8 @@ def test_a_tool_returning_a_non_string_is_read_as_trl_wrote_it(tiny_tokenizer, t
     check_credit_on_model_tokens(trainer)
 
 
-def test_a_tool_returning_a_list_that_is_not_content_parts_is_named(tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("mode", ["mrtpo", "gdpo"])  # gdpo here builds no trajectory view: checked all the same
+def test_a_tool_returning_a_list_that_is_not_content_parts_is_named(tiny_tokenizer, tmp_path, mode):
     """TRL passes a list result through as multimodal content parts: a text model would read nothing where the
     result should be, and the view would disagree with the tokens. Refused, naming the tool and the sample."""
 
@@ -468,7 +469,8 @@ def test_a_tool_returning_a_list_that_is_not_content_parts_is_named(tiny_tokeniz
         return [city, 42]
 
     tokenizer = tool_tokenizer(tiny_tokenizer)
-    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment=mode, tools=[lookup])
     with pytest.raises(
         ValueError, match="Tool 'lookup' returned the list \\['Paris', 42\\] on sample 0: .*Return a string"
     ):

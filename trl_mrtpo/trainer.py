@@ -46,6 +46,7 @@ from .info_blocks import InfoBlock, assistant_header, check_builders, check_cont
 from .process_rewards import StepCredit, check_process_rewards
 from .replay import causal_lm_parts, logit_multiplier, placed_relevance, replay_relevance
 from .strength import RewardStrength
+from .trajectories import check_tool_results
 from .utils import completion_text
 from .validation import (
     check_dataset,
@@ -262,6 +263,8 @@ class MRTPOTrainer(GRPOTrainer):
         scored, self._scored = self._scored, None
         mode = "train" if self.model.training else "eval"
         batch = self._weighted_batch(scored, output, mode)
+        if "tool_mask" in output:  # every tool batch, whether or not a view of it is built
+            check_tool_results(batch.completions)
         beta = self._beta()
         self._replay_seconds = 0.0
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)

@@ -118,8 +118,10 @@ def check_tool_results(completions: Sequence[Any]) -> None:
     reading nothing where its result should be, and its view would disagree with the tokens."""
     for i, completion in enumerate(completions):
         for message in completion if isinstance(completion, list) else []:
-            content = message.get("content") if isinstance(message, dict) else None
-            if message.get("role") == "tool" and isinstance(content, list):
+            if not isinstance(message, dict) or message.get("role") != "tool":
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
                 if not all(isinstance(part, dict) and "type" in part for part in content):
                     raise ValueError(
                         f"Tool '{message.get('name')}' returned the list {content!r:.80} on sample {i}: TRL passes a "
@@ -130,10 +132,9 @@ def check_tool_results(completions: Sequence[Any]) -> None:
 
 def tool_views(output: dict, completions: Sequence[Any]) -> list[Trajectory | None]:
     """The structured view of each completion of a generation batch (TRL's output), or Nones when the batch has no
-    tool rollouts (no ``tool_mask``); tool results are checked by :func:`check_tool_results`."""
+    tool rollouts (no ``tool_mask``)."""
     if "tool_mask" not in output:
         return [None] * len(completions)
-    check_tool_results(completions)
     lengths = output["completion_mask"].sum(-1).tolist()
     masks = output["tool_mask"].tolist()
     return [trajectory(c, m[:n]) for c, m, n in zip(completions, masks, lengths)]
