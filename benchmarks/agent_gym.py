@@ -156,12 +156,17 @@ def report(rows: list[dict], localisation: list[dict], seeds) -> str:
     )
 
 
+def arm_run(spec, arm: str, seed: int, cache_dir: str) -> list[dict]:
+    """One RL run of ``arm`` (:data:`ARMS`) at the protocol's settings, in a scratch output directory."""
+    settings = AgentRunSettings(**ARMS[arm], **SETTINGS)
+    return train_agent_run(spec, settings, seed, cache_dir, tempfile.mkdtemp())
+
+
 def reproduced(spec, seed: int, cache_dir: str, work_dir: Path) -> dict:
     """The protocol's check: the stored gdpo and mrtpo runs of ``seed`` recomputed on this commit, equal or not."""
     check = {"seed": seed, "commit": provenance("")["commit"]}
     for method in METHODS:
-        settings = AgentRunSettings(**ARMS[method], **SETTINGS)
-        again = train_agent_run(spec, settings, seed, cache_dir, tempfile.mkdtemp())
+        again = arm_run(spec, method, seed, cache_dir)
         check[method] = again == json.loads((work_dir / f"{method}-seed{seed}.json").read_text())
     return check
 
@@ -214,8 +219,7 @@ def main(argv=None) -> None:
         locate = functools.partial(agent_localisation, spec, seed, args.cache_dir)
         localisation += stored(work_dir / f"localisation-seed{seed}.json", locate)
         for method in arms:
-            settings = AgentRunSettings(**ARMS[method], **SETTINGS)
-            run = functools.partial(train_agent_run, spec, settings, seed, args.cache_dir, tempfile.mkdtemp())
+            run = functools.partial(arm_run, spec, method, seed, args.cache_dir)
             stored(work_dir / f"{method}-seed{seed}.json", run)
             print(f"seed {seed} {method}: done", flush=True)
     if args.strength:  # the stored runs are reused only if they reproduce on this commit (the protocol)
