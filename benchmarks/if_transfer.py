@@ -1,0 +1,212 @@
+"""Does MRTPO's token credit, trained on generated instruction-following prompts, transfer to IFEval? GDPO against
+MRTPO's default (per-reward strength) on the embedded SmolLM2-135M-Instruct, LoRA, CPU.
+
+Stages, each resumable (a finished stage leaves a JSON in ``--work-dir`` that later invocations reuse):
+
+- ``train``: one LoRA run per (arm, seed) on the IF kit's generator with 2-6 constraints per prompt (data seeded by
+  the run's seed), timed; every reward's batch mean per step.
+- ``evaluate``: the base model and every finished adapter, greedy, at the training length: on the first
+  ``--ifeval-limit`` IFEval prompts (instruction-level loose on the 14 types the generator trains and on the other 11,
+  prompt-level strict), and on a held-out generated set (generator seed ``--heldout-seed``, never trained on) scored
+  per constraint type. Timed per prompt, so a full-IFEval cost can be read off.
+
+``pilot`` runs both on the development seed (100) and writes ``benchmarks/results/if_transfer/pilot.json`` and
+``pilot.md``: the cost per run, the arms' difference, and the gate of ``benchmarks/if_transfer_protocol.md``.
+
+    OMP_NUM_THREADS=1 python benchmarks/if_transfer.py pilot            # about 2 h on one core
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "if_transfer"
+ARMS = {"gdpo": {"credit_assignment": "gdpo"}, "mrtpo": {"credit_assignment": "mrtpo"}}  # mrtpo: the config default
+DEVELOPMENT_SEEDS = (100,)
+# Frozen for the pilot before any run (development seed only): 2-6 constraints, one length in training and evaluation.
+SETTINGS = {
+    "min_constraints": 2,
+    "max_constraints": 6,
+    "steps": 30,
+    "prompts_per_step": 2,
+    "num_generations": 4,
+    "max_completion_length": 160,
+    "learning_rate": 5e-5,
+    "temperature": 1.0,
+    "credit_warmup_steps": 5,
+    "heldout_seed": 9001,
+    "heldout_prompts": 48,
+    "ifeval_limit": 48,
+}
+
+
+def _stage(work_dir: Path, name: str, compute) -> dict:
+    """A resumable stage: the stored JSON if the stage finished, else computed, then stored in the work dir and
+    copied under ``benchmarks/results/if_transfer/`` (committed as it lands)."""
+    path = work_dir / name
+    if path.exists():
+        return json.loads(path.read_text())
+    result = compute()
+    for target in (path, RESULTS / name):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def train(arm: str, seed: int, work_dir: Path) -> dict:
+    """One LoRA run of ``arm`` on the 2-6-constraint generator, data and sampling seeded by ``seed``; timed."""
+
+    def compute() -> dict:
+        from trl_mrtpo.kits.instruction_following import make_if_dataset, make_if_info_blocks, make_if_rewards
+        from trl_mrtpo.scripts.demo import cpu_run_config, embedded_lora_trainer
+
+        s = SETTINGS
+        slots = s["max_constraints"]
+        dataset = make_if_dataset(
+            s["steps"] * s["prompts_per_step"], s["min_constraints"], s["max_constraints"], seed=seed
+        )
+        run_dir = work_dir / arm / f"seed{seed}"
+        config = cpu_run_config(
+            str(run_dir),
+            max_steps=s["steps"],
+            per_device_train_batch_size=s["prompts_per_step"] * s["num_generations"],
+            num_generations=s["num_generations"],
+            max_completion_length=s["max_completion_length"],
+            learning_rate=s["learning_rate"],
+            temperature=s["temperature"],
+            credit_warmup_steps=s["credit_warmup_steps"],
+            seed=seed,
+            disable_tqdm=True,
+            **ARMS[arm],
+        )
+        trainer = embedded_lora_trainer(make_if_rewards(slots), make_if_info_blocks(slots), config, dataset)
+        start = time.perf_counter()
+        trainer.train()
+        seconds = time.perf_counter() - start
+        trainer.save_model(str(run_dir / "adapter"))
+        rewards = [
+            {
+                k[len("rewards/") : -len("/mean")]: v
+                for k, v in entry.items()
+                if k.startswith("rewards/") and k.endswith("/mean")
+            }
+            for entry in trainer.state.log_history
+            if any(k.startswith("rewards/") for k in entry)
+        ]
+        return {
+            "arm": arm,
+            "seed": seed,
+            "train_seconds": seconds,
+            "rewards": rewards,
+            "adapter": str(run_dir / "adapter"),
+        }
+
+    return _stage(work_dir, f"{arm}/seed{seed}/train.json", compute)
+
+
+def _load(adapter: str | None):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_mrtpo.scripts.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def evaluate(name: str, adapter: str | None, work_dir: Path) -> dict:
+    """IFEval's first prompts and the held-out generated set, greedy, at the training length; timed."""
+
+    def compute() -> dict:
+        from trl_mrtpo.kits.instruction_following import GENERATOR_POOL, check_constraint, make_if_dataset
+        from trl_mrtpo.scripts.evaluation import evaluate_instruction_following, transformers_generator
+
+        s = SETTINGS
+        model, tokenizer = _load(adapter)
+        generate = transformers_generator(model, tokenizer, max_new_tokens=s["max_completion_length"])
+        start = time.perf_counter()
+        ifeval = evaluate_instruction_following(generate, "ifeval", limit=s["ifeval_limit"])
+        ifeval_seconds = time.perf_counter() - start
+        trained = set(GENERATOR_POOL)
+        per_instruction = [(i, loose) for d in ifeval.details for i, _strict, loose in d["instructions"]]
+        heldout = make_if_dataset(s["heldout_prompts"], s["min_constraints"], s["max_constraints"], s["heldout_seed"])
+        start = time.perf_counter()
+        outputs = generate([row["prompt"] for row in heldout])
+        heldout_seconds = time.perf_counter() - start
+        per_type: dict[str, list[float]] = {}
+        for row, text in zip(heldout, outputs):
+            for constraint in json.loads(row["constraints"]):
+                per_type.setdefault(constraint["id"], []).append(check_constraint(text, constraint))
+        return {
+            "model": name,
+            "ifeval_prompts": ifeval.count,
+            "ifeval_seconds_per_prompt": ifeval_seconds / max(len(ifeval.details), 1),
+            "ifeval": ifeval.metrics,
+            "ifeval_trained_types_loose": _share([v for i, v in per_instruction if i in trained]),
+            "ifeval_other_types_loose": _share([v for i, v in per_instruction if i not in trained]),
+            "ifeval_instructions": [[d["key"], *map(list, d["instructions"])] for d in ifeval.details],
+            "heldout_seconds_per_prompt": heldout_seconds / len(heldout),
+            "heldout_per_type": {k: statistics.fmean(v) for k, v in sorted(per_type.items())},
+            "heldout_mean": statistics.fmean(v for vs in per_type.values() for v in vs),
+        }
+
+    return _stage(work_dir, f"eval/{name}.json", compute)
+
+
+def _share(values: list) -> float:
+    return statistics.fmean(float(v) for v in values) if values else math.nan
+
+
+def pilot(work_dir: Path) -> dict:
+    """Both arms on the development seed, trained and evaluated with the base model; the cost and the gate."""
+    base = evaluate("base", None, work_dir)
+    runs, evals = {}, {}
+    for arm in ARMS:
+        for seed in DEVELOPMENT_SEEDS:
+            runs[arm] = train(arm, seed, work_dir)
+            evals[arm] = evaluate(f"{arm}-seed{seed}", runs[arm]["adapter"], work_dir)
+    ifeval_full = 541
+    cost = {
+        arm: runs[arm]["train_seconds"]
+        + ifeval_full * evals[arm]["ifeval_seconds_per_prompt"]
+        + SETTINGS["heldout_prompts"] * evals[arm]["heldout_seconds_per_prompt"]
+        for arm in ARMS
+    }
+    summary = {
+        "settings": SETTINGS,
+        "train_seconds": {arm: runs[arm]["train_seconds"] for arm in ARMS},
+        "ifeval_seconds_per_prompt": {k: v["ifeval_seconds_per_prompt"] for k, v in {"base": base, **evals}.items()},
+        "seconds_per_run_with_full_ifeval": cost,
+        "ifeval_trained_types_loose": {k: v["ifeval_trained_types_loose"] for k, v in {"base": base, **evals}.items()},
+        "heldout_mean": {k: v["heldout_mean"] for k, v in {"base": base, **evals}.items()},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "pilot.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("stage", choices=["pilot"])
+    parser.add_argument("--work-dir", default="if_transfer_runs", help="checkpoints, adapters and stage results")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    print(json.dumps(pilot(Path(args.work_dir)), indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
