@@ -213,3 +213,52 @@ def test_placed_relevance_lays_q_out_per_reward_and_zeroes_masked_positions():
     joint, _ = placed_relevance(q, wanted, mask, num_rewards=3, joint=True)
     assert joint[2, 1].tolist() == joint[2, 2].tolist() == pytest.approx([0.7, 0.8, 0.9])
     assert joint[0, 2].tolist() == pytest.approx([0.1, 0.0, 0.3])
+
+
+LOW_PRECISION = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _transformed(model, transform):
+    """A copy of ``model`` whose forward applies ``transform`` to the logits, undeclared by its config."""
+    from transformers import LlamaForCausalLM
+
+    class Transformed(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = transform(out.logits)
+            return out
+
+    copy = Transformed(model.config).to(model.dtype)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION, ids=str)
+def test_the_logit_probe_judges_at_the_policys_own_precision(tiny_tokenizer, dtype):
+    """A plain policy in bf16 or fp16 is replayed at its own temperature (multiplier exactly 1: its logits are the
+    lm_head's, rounded to its dtype); an undeclared linear scale is still found; a soft-cap ``c tanh(x / c)`` with
+    |logits| near ``c`` is still refused, at every precision."""
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.replay import logit_multiplier
+
+    for seed in range(3):
+        model = build_tiny_model(tiny_tokenizer, seed).to(dtype)
+        assert logit_multiplier(model) == 1.0
+        scaled = _transformed(model, lambda logits: 2.0 * logits)
+        assert logit_multiplier(scaled) == pytest.approx(2.0, rel=1e-4 if dtype == torch.float32 else 1e-2)
+        with torch.no_grad():
+            cap = model(input_ids=torch.tensor([[1, 2]])).logits.float().abs().max().item()
+        capped = _transformed(model, lambda logits, c=cap: c * torch.tanh(logits / c))
+        with pytest.raises(ValueError, match="Transformed transforms its logits non-linearly"):
+            logit_multiplier(capped)
+
+
+@pytest.mark.parametrize("kind", ["granite", "cohere"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_declared_logit_scale_is_read_from_the_config_in_low_precision(kind, dtype):
+    """Granite's ``logits_scaling`` and Cohere's ``logit_scale`` are read from the config, exactly; the probe checks
+    the forward agrees at the model's precision."""
+    from trl_mrtpo.replay import logit_multiplier
+
+    model, multiplier = _scaled_model(kind)
+    assert logit_multiplier(model.to(dtype)) == multiplier

@@ -57,29 +57,54 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     return decoder, head
 
 
+def declared_logit_multiplier(config) -> float | None:
+    """The factor a model's config declares its forward applies to the logits: Granite divides by
+    ``logits_scaling``, Cohere multiplies by ``logit_scale``; None when the config declares neither."""
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling:
+        return 1.0 / float(scaling)
+    scale = getattr(config, "logit_scale", None)
+    return float(scale) if scale else None
+
+
 @torch.no_grad()
 def logit_multiplier(model: nn.Module) -> float:
-    """The factor ``m`` with ``model(x).logits == m * lm_head(decoder(x))``, measured on a two-token input.
+    """The factor ``m`` with ``model(x).logits == m * lm_head(decoder(x))``, checked on a two-token input at the
+    model's own precision.
 
     The replay applies the lm_head itself, so a model that scales its logits inside ``forward`` (Granite's
     ``logits_scaling``, Cohere's ``logit_scale``, ...) is replayed at temperature ``T / m`` to see the distribution
-    it samples from. A non-linear transform (soft-capping) has no such factor and is refused with a clear error.
+    it samples from. The factor the config declares (1 when it declares none) is returned exactly when the forward
+    agrees with it within the rounding of the logits' dtype (bf16 rounds each logit by up to 2^-8 of its size);
+    otherwise a linear factor is fitted, and a non-linear transform (soft-capping) has none and is refused.
     """
     decoder, _ = causal_lm_parts(model)
     device = next(model.parameters()).device
     input_ids = torch.tensor([[1, 2]], device=device)
     with eval_mode(model), lm_head_parameters(model) as (weight, bias):
-        logits = model(input_ids=input_ids, use_cache=False).logits.double()
+        logits = model(input_ids=input_ids, use_cache=False).logits
         hidden = decoder(input_ids=input_ids).last_hidden_state.double()
         raw = hidden @ weight.double().T + (bias.double() if bias is not None else 0.0)
-    scale = ((logits * raw).sum() / (raw * raw).sum().clamp(min=1e-30)).item()
-    if not torch.allclose(logits, scale * raw, rtol=1e-3, atol=1e-4 * logits.abs().max().item() + 1e-12):
-        raise ValueError(
-            f"MRTPO replay computes logits from the last hidden state and the lm_head weight, but "
-            f"{type(model).__name__} transforms its logits non-linearly inside forward (e.g. soft-capping), so the "
-            "replay would not see the sampling distribution. Such models are not supported yet."
-        )
-    return scale
+    # two roundings to the logits' dtype (the matmul, then a scale applied after it), never tighter than fp32's 1e-3
+    rtol = max(1e-3, 2 * torch.finfo(logits.dtype).eps)
+    logits = logits.double()
+    atol = rtol * logits.abs().max().item() / 10 + 1e-12
+
+    def agrees(scale: float) -> bool:
+        return torch.allclose(logits, scale * raw, rtol=rtol, atol=atol)
+
+    declared = declared_logit_multiplier(model.config)
+    expected = 1.0 if declared is None else declared
+    if agrees(expected):
+        return expected
+    fitted = ((logits * raw).sum() / (raw * raw).sum().clamp(min=1e-30)).item()
+    if agrees(fitted):
+        return fitted
+    raise ValueError(
+        f"MRTPO replay computes logits from the last hidden state and the lm_head weight, but "
+        f"{type(model).__name__} transforms its logits non-linearly inside forward (e.g. soft-capping), so the "
+        "replay would not see the sampling distribution. Such models are not supported yet."
+    )
 
 
 @contextmanager
