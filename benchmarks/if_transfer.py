@@ -83,13 +83,20 @@ def train(arm: str, seed: int, work_dir: Path) -> dict:
             credit_warmup_steps=s["credit_warmup_steps"],
             seed=seed,
             disable_tqdm=True,
+            save_strategy="steps",
+            save_steps=5,
             **ARMS[arm],
         )
         trainer = embedded_lora_trainer(make_if_rewards(slots), make_if_info_blocks(slots), config, dataset)
+        resume = any(run_dir.glob("checkpoint-*"))
         start = time.perf_counter()
-        trainer.train()
+        trainer.train(resume_from_checkpoint=resume or None)
         seconds = time.perf_counter() - start
-        trainer.save_model(str(run_dir / "adapter"))
+        if resume:  # this process trained only the last steps: count every step's logged time
+            seconds = sum(e["step_time"] for e in trainer.state.log_history if "step_time" in e)
+        # the adapter is committed beside the stage's JSON, so a later session evaluates it without retraining
+        adapter = RESULTS / arm / f"seed{seed}" / "adapter"
+        trainer.save_model(str(adapter))
         rewards = [
             {
                 k[len("rewards/") : -len("/mean")]: v
@@ -104,7 +111,8 @@ def train(arm: str, seed: int, work_dir: Path) -> dict:
             "seed": seed,
             "train_seconds": seconds,
             "rewards": rewards,
-            "adapter": str(run_dir / "adapter"),
+            "adapter": str(adapter.relative_to(Path(__file__).parent.parent)),
+            "resumed": resume,
         }
 
     return _stage(work_dir, f"{arm}/seed{seed}/train.json", compute)

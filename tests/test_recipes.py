@@ -232,3 +232,20 @@ def test_resolving_a_dotted_path_leaves_sys_path_as_it_was(tmp_path, monkeypatch
     before = list(sys.path)
     assert resolve("my_rewards.mine", "reward").__name__ == "mine"  # found in the working directory
     assert sys.path == before
+
+
+def test_chat_template_path_takes_a_shipped_name_a_file_or_a_tokenizer(tmp_path, tiny_dir, monkeypatch):
+    import huggingface_hub.constants
+
+    from tests.conftest import CHAT_TEMPLATE
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the unknown name is not looked up
+    from trl_mrtpo.scripts.train import chat_template
+
+    assert "<tool_call>" in chat_template("qwen3")  # trl/chat_templates/qwen3.jinja
+    own = tmp_path / "own.jinja"
+    own.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat_template(str(own)) == own.read_text()
+    assert chat_template(tiny_dir) == CHAT_TEMPLATE
+    with pytest.raises(ValueError, match="chat_template_path='no-such-template' is neither"):
+        chat_template("no-such-template")

@@ -2,8 +2,6 @@
 deliberately differ from the policy's. MRTPO trains through TRL's importance-sampling correction (on by default),
 with LoRA: the token advantages equal the float64 reference and the correction reaches the loss."""
 
-from pathlib import Path
-
 import pytest
 import torch
 from peft import LoraConfig
@@ -117,53 +115,3 @@ class StandInServer:
 
     def get_server_info(self):
         return {"model_config": {"logprobs_mode": "processed_logprobs"}}
-
-
-VLLM_RECIPES = sorted(Path("recipes/vllm").glob("*.yaml"))
-
-
-@pytest.mark.parametrize("recipe", VLLM_RECIPES, ids=lambda p: p.stem)
-def test_vllm_recipes_train_a_step_through_the_vllm_path(
-    recipe, tiny_dir, local_data, tmp_path, stand_in, monkeypatch
-):
-    """Each vLLM recipe as written (use_vllm on, its mode, its loss and correction), on the tiny model: it builds,
-    generates through the (stand-in) vLLM engine and trains one step with token advantages."""
-    import yaml
-
-    from trl_mrtpo.scripts.train import build_trainer, make_parser
-
-    monkeypatch.setattr(StandInVLLM, "vllm_client", StandInServer(), raising=False)
-    config = yaml.safe_load(recipe.read_text())
-    overrides = ["--model_name_or_path", tiny_dir, "--output_dir", str(tmp_path), "--use_cpu", "true"]
-    overrides += ["--bf16", "false", "--activation_checkpointing", "false", "--dtype", "float32"]
-    overrides += [
-        "--load_in_4bit",
-        "false",
-        "--max_steps",
-        "1",
-        "--max_completion_length",
-        "12",
-        "--report_to",
-        "none",
-    ]
-    overrides += [
-        "--per_device_train_batch_size",
-        str(config["num_generations"]),
-        "--gradient_accumulation_steps",
-        "1",
-    ]
-    if config.get("data_loader"):
-        overrides += ["--data_path", local_data[{"bird": "spider"}.get(config["data_loader"], config["data_loader"])]]
-    parsed = make_parser().parse_args_and_config(["--config", str(recipe), *overrides])
-    trainer = build_trainer(*parsed)
-    assert trainer.use_vllm and trainer.vllm_mode == config.get("vllm_mode", "colocate")
-    recorded = []
-    original = trainer._generate_and_score_completions
-    monkeypatch.setattr(
-        trainer, "_generate_and_score_completions", lambda inputs: recorded.append(original(inputs)) or recorded[-1]
-    )
-    trainer.train()
-    (engine,) = stand_in.created
-    assert engine.synced == 1 and engine.sampled_logprobs
-    advantages, mask = recorded[0]["advantages"], recorded[0]["completion_mask"]
-    assert advantages.shape == mask.shape and torch.isfinite(advantages).all()

@@ -55,6 +55,11 @@ class MRTPOScriptArguments(ScriptArguments):
             ablations and calibrated-credit options (`ResearchConfig`'s fields). `opsd`: the comparison arm, TRL's
             experimental `SDFTTrainer` with the info blocks as the live teacher's privileged context
             (`trl_mrtpo.opsd`); the rewards are logged, not trained on, and the MRTPO fields are ignored.
+        chat_template_path (`str`, *optional*):
+            Sets the tokenizer's chat template (as TRL's `SFTConfig.chat_template_path`): a Jinja file, the name of
+            a template TRL ships (`qwen3`, `qwen2_5`, `llama3_1`, ...: `trl/chat_templates/<name>.jinja`), or a
+            tokenizer folder or hub id whose template is taken. Tool rollouts need a template that renders tool
+            calls and results.
     """
 
     task: str | None = field(default=None, metadata={"help": f"Task kit: {', '.join(KIT_NAMES)}."})
@@ -90,11 +95,41 @@ class MRTPOScriptArguments(ScriptArguments):
         },
     )
 
+    chat_template_path: str | None = field(
+        default=None,
+        metadata={"help": "Chat template: a Jinja file, a template TRL ships by name (qwen3, ...), or a tokenizer."},
+    )
+
     def __post_init__(self):
         own = [name for name in self.__dataclass_fields__ if name not in ScriptArguments.__dataclass_fields__]
         check_field_types(self, own)
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}.")
+
+
+def chat_template(path: str) -> str:
+    """The Jinja text ``chat_template_path`` names: a file, a template TRL ships by name, or a tokenizer's."""
+    import os
+
+    import trl
+    from transformers import AutoTokenizer
+
+    shipped = os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{path}.jinja")
+    for candidate in (path, shipped):
+        if candidate.endswith(".jinja") and os.path.isfile(candidate):
+            with open(candidate) as handle:
+                return handle.read()
+    try:
+        template = AutoTokenizer.from_pretrained(path).chat_template
+    except (OSError, ValueError) as error:
+        raise ValueError(
+            f"chat_template_path={path!r} is neither a .jinja file, a template TRL ships "
+            f"({', '.join(sorted(n[:-6] for n in os.listdir(os.path.dirname(shipped)) if n.endswith('.jinja')))[:80]}"
+            "...) nor a tokenizer that loads."
+        ) from error
+    if not template:
+        raise ValueError(f"chat_template_path={path!r}: the tokenizer there has no chat template.")
+    return template
 
 
 def make_parser():
@@ -215,6 +250,12 @@ def build_trainer(
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
+    processing_class = None
+    if script_args.chat_template_path:
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(model, revision=model_args.model_revision)
+        processing_class.chat_template = chat_template(script_args.chat_template_path)
     if script_args.trainer == "opsd":
         return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
     trainer_class = ResearchTrainer if script_args.trainer == "research" else MRTPOTrainer
@@ -232,6 +273,7 @@ def build_trainer(
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
         callbacks=[CreditPlotCallback()],
+        processing_class=processing_class,
         **({"environment_factory": kit.environment} if kit is not None and kit.environment else {}),
     )
     if script_args.ignore_bias_buffers:  # as TRL's scripts do: DDP skips boolean buffers (e.g. causal masks)
