@@ -127,9 +127,9 @@ def test_the_benchmark_resumes_and_writes_its_report(tiny_policy, tmp_path, monk
 @pytest.mark.slow
 def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     """On the agent gym, where the word that decides each reward is known: inspecting the supervised policy's own
-    trajectories, the verdict says token credit will move a reward's credit exactly for the rewards whose q peaks on
-    their deciding word (the first call's entity, the last call's entity, the answer's value) in at least 3 of 4
-    trajectories, and calls the others indistinguishable from the control."""
+    trajectories, the verdict says token credit will move a reward's credit only for rewards whose q peaks on their
+    deciding word (the first call's entity, the last call's entity, the answer's value) in at least 3 of 4
+    trajectories, on every CPU float path."""
     import torch
 
     from trl_mrtpo.gym.agent import agent_dataset
@@ -171,9 +171,17 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
             total += 1
             hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
         peaks[name] = (hits, total)
-    # measured (seed 0): answer 28/29 peaks on its value, q 2.25x the control's; first call 17/31, 0.59x; last call
-    # 2/31, 0.34x. The verdict says "will move" exactly where q peaks on the deciding word in most trajectories.
+    # The supervised policy differs with the CPU's float path (ATEN_CPU_CAPABILITY default / avx2 / avx512, seed 0):
+    # answer peaks on its value in 26/29, 29/29, 29/31 trajectories, q 2.4x, 4.8x, 7.7x the control's; last call in
+    # 2/31, 0/31, 0/32 at 0.46x, 0.80x, 0.76x; first call in 11/31, 16/31, 32/32 at 0.48x, 1.18x, 0.72x, where the
+    # control sentence's q peaks too (median cosine of the two profiles 0.54, 0.80, 0.77): its localisation is not
+    # specific to its block. What holds on every path: "will move" is said only for a reward whose q peaks on its
+    # deciding word in most trajectories, and it is said for the answer; never for the last call.
     for verdict in verdicts:
         hits, total = peaks[verdict.reward]
         assert total >= 8
-        assert verdict.verdict.startswith("token credit will move") == (hits / total >= 0.75), (verdict, peaks)
+        if verdict.verdict.startswith("token credit will move"):
+            assert hits / total >= 0.75, (verdict, peaks)
+    by_name = {v.reward: v.verdict for v in verdicts}
+    assert by_name["answer"].startswith("token credit will move"), (by_name, peaks)
+    assert not by_name["last_call"].startswith("token credit will move"), (by_name, peaks)
