@@ -138,6 +138,33 @@ ATTACKS = [
     "SELECT substr(printf('%.*c', 2000000000, 'x'), 1, 3)",
     "SELECT count(*) FROM customers WHERE name = printf('%.*c', 2000000000, 'x')",
 ]
+SIZE_BOMBS = [  # (query, what the error names)
+    ("SELECT printf('%.*c', 2000000000, 'x')", "width or precision from an argument"),
+    ("SELECT printf('%2000000000c', 'x')", "width or precision 2000000000"),
+    ("SELECT format('%.9999999s', name) FROM customers", "width or precision 9999999"),
+    ("SELECT printf(name, 1) FROM customers", "format must be a string literal"),
+    ("SELECT length(printf('%.*c', 20000000, 'x'))", "from an argument"),
+    ("SELECT zeroblob(2000000000)", "not authorized"),
+    ("SELECT " + "hex(" * 22 + "'abc'" + ")" * 22, "too big"),  # 3 x 2^22 bytes
+    (
+        "SELECT replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace("
+        "replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace('x', 'x', 'xx'),"
+        " 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'),"
+        " 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'),"
+        " 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx')",
+        "too big",
+    ),
+    (
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 100000) "
+        "SELECT group_concat(printf('%.900c', 'x')) FROM c",
+        "too big",
+    ),
+    (
+        "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 5000) "
+        "SELECT printf('%.900c', 'x') FROM c",
+        "more than 1000000 bytes",
+    ),
+]
 
 
 def file_digest(path):
@@ -236,27 +263,55 @@ def test_spider_and_bird_adapters(tmp_path, dbs):
 
 
 def test_timeouts_are_not_cached_but_results_are(dbs):
-    from trl_mrtpo.kits.sql_sandbox import _cached_query
+    from trl_mrtpo.kits.sql_sandbox import RESULTS
 
     endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c) SELECT max(x) FROM c"
-    size = _cached_query.cache_info().currsize
+    size = len(RESULTS)
     assert "longer than 0.2 s" in run_query(dbs["shop"], endless, timeout_s=0.2).error
-    assert _cached_query.cache_info().currsize == size
+    assert len(RESULTS) == size
     run_query(dbs["shop"], "SELECT 42")
-    hits = _cached_query.cache_info().hits
+    hits = RESULTS.hits
     assert run_query(dbs["shop"], "SELECT 42").rows == ((42,),)
-    assert _cached_query.cache_info().hits == hits + 1
+    assert RESULTS.hits == hits + 1
 
 
-def test_single_operation_bomb_is_a_clear_time_out(dbs):
+@pytest.mark.parametrize("bomb,named", SIZE_BOMBS, ids=[f"bomb{i}" for i in range(len(SIZE_BOMBS))])
+def test_size_bombs_are_refused_by_name_on_any_machine(dbs, bomb, named):
+    """A query that builds or returns more than the sandbox's sizes is refused with an error naming why, long before
+    a generous time limit: the outcome does not depend on how fast the machine builds it."""
     started = time.monotonic()
-    result = run_query(dbs["shop"], "SELECT printf('%.*c', 2000000000, 'x')", timeout_s=0.5)
-    assert time.monotonic() - started < 1.5
-    assert result.rows is None and "longer than 0.5 s" in result.error
-    # the reward sees a failure and the error info block a time-out, then the sandbox serves the next query
-    completion = "```sql\nSELECT printf('%.*c', 2000000000, 'x')\n```"
-    assert run_query(dbs["shop"], "SELECT count(*) FROM customers").rows == ((4,),)
+    result = run_query(dbs["shop"], bomb, timeout_s=30.0)
+    assert time.monotonic() - started < 10.0
+    assert result.rows is None and named in result.error, result.error
+    completion = f"```sql\n{bomb}\n```"
     assert sql_executable_reward([completion], db_path=[dbs["shop"]]) == [0.0]
+
+
+def test_an_operation_past_the_time_limit_kills_the_sandbox_child(dbs):
+    """One SQLite opcode that runs for seconds (a 2 GB printf, past the parser here) never returns to the progress
+    handler: the parent stops waiting at the limit, kills the child, and a fresh child serves the next query."""
+    from trl_mrtpo.kits.sql_sandbox import _WORKER, QueryTimeout
+
+    started = time.monotonic()
+    with pytest.raises(QueryTimeout, match="longer than 0.05 s"):
+        _WORKER.run(dbs["shop"], "SELECT printf('%.*c', 2000000000, 'x')", 0.05, 10)
+    assert time.monotonic() - started < 1.0
+    assert run_query(dbs["shop"], "SELECT count(*) FROM customers").rows == ((4,),)
+
+
+def test_the_result_cache_holds_a_bounded_number_of_bytes():
+    from trl_mrtpo.kits.sql_sandbox import CACHE_BYTES, RESULTS, QueryResult, ResultCache, result_bytes
+
+    assert RESULTS.capacity == CACHE_BYTES
+    cache = ResultCache(capacity=100)
+    rows = [QueryResult((("x" * 30,),), None) for _ in range(5)]
+    assert result_bytes(rows[0]) == 38
+    for i, result in enumerate(rows):
+        cache.put(("db", f"q{i}", 1.0, 10), result)
+        assert cache.size <= 100
+    assert len(cache) == 2 and cache.get(("db", "q0", 1.0, 10)) is None and cache.get(("db", "q4", 1.0, 10))
+    cache.put(("db", "big", 1.0, 10), QueryResult((("x" * 200,),), None))  # larger than the whole cache
+    assert cache.get(("db", "big", 1.0, 10)) is None and cache.size <= 100
 
 
 def test_sqlglot_fallback_warnings_stay_out_of_the_log(dbs, caplog):

@@ -1,8 +1,10 @@
 """The sandbox for model-written SQL: every such query runs through :func:`run_query`, in a separate sandbox
 process that is killed when a query outlives its time limit (even a single SQLite operation cannot hold a reward past
 it), on a fresh read-only connection (URI ``mode=ro``) with an authorizer that allows reads and nothing else (no
-writes, ATTACH, PRAGMA, extension loading), a progress-handler time limit, a value-size limit and a row cap.
-``sqlglot`` rejects anything that is not a single query before SQLite sees it.
+writes, ATTACH, PRAGMA, extension loading), a progress-handler time limit, a value-size limit, a row cap and a cap on
+the bytes a result holds. ``sqlglot`` rejects anything that is not a single query before SQLite sees it, and any
+``printf`` / ``format`` whose width or precision could build a value of any size in one step (SQLite's printf
+ignores the value-size limit). Results are cached in a byte-bounded cache.
 
 Security-critical: kept apart from the SQL kit's rewards and data so that it can be read and reviewed on its own.
 """
@@ -11,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import re
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,11 @@ from sqlglot import exp
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_ROWS = 10_000
 MAX_VALUE_BYTES = 10_000_000  # largest string or blob model SQL may build
+MAX_RESULT_BYTES = 1_000_000  # largest result (all rows' values) a query may return
+MAX_FORMAT_WIDTH = 1_000  # largest width or precision a printf / format conversion may ask for
+CACHE_BYTES = 64_000_000  # the result cache's size; the least recently used results leave first
+# a printf conversion: flags, width (digits or *), precision (. digits or .*), then the conversion letter
+_CONVERSION = re.compile(r"%[-+ 0#,!]*(\*|\d+)?(?:\.(\*|\d*))?[a-zA-Z%]")
 
 # Authorizer: reading is all model SQL may do. Functions are allowed except extension loading.
 _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
@@ -65,6 +73,28 @@ def check_single_query(sql: str) -> tuple[bool, str | None]:
         return False, f"expected exactly one statement, found {len(statements)}"
     if not isinstance(statements[0], exp.Query):
         return False, f"only queries are allowed, found {statements[0].key.upper()}"
+    return _check_formats(statements[0])
+
+
+def _check_formats(query: exp.Expression) -> tuple[bool, str | None]:
+    """Refuses a ``printf`` / ``format`` whose format is not a literal or asks for a width or precision from an
+    argument (``*``) or above :data:`MAX_FORMAT_WIDTH`: SQLite builds such a value in one opcode, past its value-size
+    limit (``printf('%.*c', 2000000000, 'x')`` is 2 GB)."""
+    for node in query.find_all(exp.Anonymous, exp.Format):
+        name = node.name.lower() if isinstance(node, exp.Anonymous) else "format"
+        if name not in ("printf", "format"):
+            continue
+        pattern = node.expressions[0] if isinstance(node, exp.Anonymous) and node.expressions else node.this
+        if not isinstance(pattern, exp.Literal) or not pattern.is_string:
+            return False, f"{name}'s format must be a string literal in model-written SQL"
+        for width, precision in _CONVERSION.findall(pattern.this):
+            for value in (width, precision):
+                if value == "*" or (value.isdigit() and int(value) > MAX_FORMAT_WIDTH):
+                    return False, (
+                        f"{name}'s format {pattern.this[:40]!r} asks for a width or precision "
+                        f"{'from an argument (*)' if value == '*' else value} (at most {MAX_FORMAT_WIDTH}): one call "
+                        "could build a value of any size"
+                    )
     return True, None
 
 
@@ -99,20 +129,70 @@ def run_query(
     Results are cached per (database, query, limits): the database is opened read-only, so a query's result cannot
     change while training runs. Time-outs are not cached.
     """
+    key = (str(db_path), sql, timeout_s, max_rows)
+    cached = RESULTS.get(key)
+    if cached is not None:
+        return cached
     try:
-        return _cached_query(str(db_path), sql, timeout_s, max_rows)
+        result = _uncached_query(*key)
     except QueryTimeout as timeout:
         return QueryResult(None, str(timeout))
+    RESULTS.put(key, result)
+    return result
 
 
-@lru_cache(maxsize=8192)
-def _cached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
+def _uncached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
     ok, reason = check_single_query(sql)
     if not ok:
         return QueryResult(None, reason)
     if not Path(db_path).is_file():
         return QueryResult(None, f"database not found: {db_path}")
     return _WORKER.run(db_path, sql, timeout_s, max_rows)
+
+
+def _value_bytes(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes)) else 8
+
+
+def result_bytes(result: QueryResult) -> int:
+    """What a result holds, counted as its values' lengths (8 per number or NULL) and its error text."""
+    rows = result.rows or ()
+    return sum(_value_bytes(v) for row in rows for v in row) + 8 * len(rows) + len(result.error or "")
+
+
+class ResultCache:
+    """Least-recently-used query results, at most ``capacity`` bytes in all (:func:`result_bytes`); ``hits`` counts
+    the lookups it answered."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.size, self.hits = capacity, 0, 0
+        self._entries: OrderedDict[tuple, tuple[QueryResult, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple) -> QueryResult | None:
+        with self._lock:
+            if key not in self._entries:
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return self._entries[key][0]
+
+    def put(self, key: tuple, result: QueryResult) -> None:
+        size = result_bytes(result)
+        with self._lock:
+            if key in self._entries or size > self.capacity:
+                return
+            self._entries[key] = (result, size)
+            self.size += size
+            while self.size > self.capacity:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self.size -= dropped
+
+
+RESULTS = ResultCache(CACHE_BYTES)
 
 
 def _timeout_message(timeout_s: float) -> str:
@@ -193,9 +273,14 @@ def _execute_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> Q
     except sqlite3.Error as error:
         return QueryResult(None, f"cannot open database: {error}")
     try:
-        rows = conn.execute(sql).fetchmany(max_rows + 1)
-        if len(rows) > max_rows:
-            return QueryResult(None, f"the result has more than {max_rows} rows")
+        rows, size = [], 0
+        for row in conn.execute(sql):  # row by row: a result past a cap is refused before it is all built
+            rows.append(row)
+            size += sum(_value_bytes(v) for v in row) + 8
+            if len(rows) > max_rows:
+                return QueryResult(None, f"the result has more than {max_rows} rows")
+            if size > MAX_RESULT_BYTES:
+                return QueryResult(None, f"the result holds more than {MAX_RESULT_BYTES} bytes")
         return QueryResult(tuple(tuple(_normalise(v) for v in row) for row in rows), None, _is_ordered(sql))
     except sqlite3.OperationalError as error:
         if time.monotonic() > deadline:
