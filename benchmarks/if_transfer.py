@@ -97,6 +97,8 @@ def train(arm: str, seed: int, work_dir: Path) -> dict:
         # the adapter is committed beside the stage's JSON, so a later session evaluates it without retraining
         adapter = RESULTS / arm / f"seed{seed}" / "adapter"
         trainer.save_model(str(adapter))
+        for extra in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "training_args.bin"):
+            (adapter / extra).unlink(missing_ok=True)  # the evaluation loads the embedded model's tokenizer
         rewards = [
             {
                 k[len("rewards/") : -len("/mean")]: v
