@@ -122,86 +122,49 @@ def test_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch)
         replay_divergence(torch.zeros(2, 4), torch.zeros(1, 2, 4), torch.zeros(8, 4), backend="triton")
 
 
-def test_automatic_triton_failure_falls_back_to_torch_once(monkeypatch):
-    """`auto` must never crash a training step on a GPU where the (interpreter-validated) kernel fails."""
-    from trl_mrtpo.ops import divergence
-
-    calls = []
-
-    def failing(*args, **kwargs):
-        calls.append(1)
-        raise RuntimeError("no kernel for this GPU")
-
-    monkeypatch.setattr(triton_divergence, "fused_replay_divergence", failing)
-    monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
-    divergence.triton_fallback.reset()
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend to be on a GPU
-    gen = torch.Generator().manual_seed(0)
-    args = (torch.randn(3, 8, generator=gen), torch.randn(2, 3, 8, generator=gen), torch.randn(20, 8, generator=gen))
-    with pytest.warns(RuntimeWarning, match="Triton JS kernel failed"):
-        q = replay_divergence(*args, backend="auto")
-    again = replay_divergence(*args, backend="auto")  # no second attempt, no second warning
-    assert len(calls) == 1 and not divergence.triton_fallback.enabled
-    torch.testing.assert_close(q, again)
-    torch.testing.assert_close(q, replay_divergence(*args, backend="torch"))
-    with pytest.raises(RuntimeError, match="no kernel"):
-        replay_divergence(*args, backend="triton")  # an explicit choice raises
-    divergence.triton_fallback.reset()  # the state is explicit: a reset tries the kernel again
-    with pytest.warns(RuntimeWarning, match="Triton JS kernel failed"):
-        replay_divergence(*args, backend="auto")
-    assert len(calls) == 3
-    divergence.triton_fallback.reset()
-
-
 def _pretend_triton(monkeypatch, kernel):
-    from trl_mrtpo.ops import divergence
-
     monkeypatch.setattr(triton_divergence, "fused_replay_divergence", kernel)
     monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend to be on a GPU
-    divergence.triton_fallback.reset()
-    gen = torch.Generator().manual_seed(0)
-    return (torch.randn(40, 8, generator=gen), torch.randn(2, 40, 8, generator=gen), torch.randn(20, 8, generator=gen))
 
 
-def test_auto_refuses_a_kernel_that_returns_wrong_numbers(monkeypatch):
-    """A kernel that runs but computes the wrong thing (a GPU-specific bug) must not reach the credit."""
+def test_an_explicit_kernel_is_checked_at_its_real_shape_and_a_partial_last_tile(monkeypatch):
+    """`triton` is validated once at start-up on 4,096 synthetic tokens at the lm_head's shape and one row fewer; a
+    kernel that computes the wrong thing (a GPU-specific bug) is refused there, naming the sizes."""
     from trl_mrtpo.ops import divergence
+
+    seen = []
+
+    def right(hidden_all, hidden_removed, weight, bias, temperature):
+        seen.append((hidden_all.shape[0], weight.shape[0]))
+        return divergence._torch_divergence(hidden_all, hidden_removed, weight, bias, temperature, None) + 1e-6
 
     def wrong(hidden_all, hidden_removed, weight, bias, temperature):
-        return divergence._torch_divergence(hidden_all, hidden_removed, weight, bias, temperature, None) * 1.5 + 0.01
+        q = divergence._torch_divergence(hidden_all, hidden_removed, weight, bias, temperature, None)
+        return q * (1.5 if weight.shape[0] % 2 else 1.0)  # only the partial tile's shape is wrong
 
-    args = _pretend_triton(monkeypatch, wrong)
-    with pytest.warns(
-        RuntimeWarning,
-        match=r"disagreed with the torch path on its first 16 tokens .*2 removed "
-        r"contexts x 40 tokens, hidden 8, vocabulary 20",
-    ):
-        q = replay_divergence(*args, backend="auto")
-    assert not divergence.triton_fallback.enabled
-    torch.testing.assert_close(q, replay_divergence(*args, backend="torch"))  # the torch result, whole
-    divergence.triton_fallback.reset()
+    weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
+    _pretend_triton(monkeypatch, right)
+    divergence.validate_triton_kernel(weight, None, 0.7)
+    assert seen == [(4096, 50), (4096, 49)]
+    _pretend_triton(monkeypatch, wrong)
+    with pytest.raises(ValueError, match=r"disagrees with the torch path on 4096 synthetic tokens .*vocabulary 49"):
+        divergence.validate_triton_kernel(weight, None, 0.7)
 
 
-def test_auto_validates_a_correct_kernel_once(monkeypatch):
+def test_the_trainer_checks_an_explicit_kernel_at_start_up(monkeypatch, tiny_model, tiny_tokenizer, tmp_path):
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
     from trl_mrtpo.ops import divergence
 
-    calls = {"kernel": 0, "reference": 0}
-    torch_path = divergence._torch_divergence
-
-    def right(*args):
-        calls["kernel"] += 1
-        return torch_path(*args, None) + 1e-6  # within the tolerance
-
-    def counted(*args):
-        calls["reference"] += 1
-        return torch_path(*args)
-
-    args = _pretend_triton(monkeypatch, right)
-    monkeypatch.setattr(divergence, "_torch_divergence", counted)
-    first = replay_divergence(*args, backend="auto")
-    replay_divergence(*args, backend="auto")
-    assert calls == {"kernel": 2, "reference": 1}  # checked on the first call only
-    assert divergence.triton_fallback.validated and divergence.triton_fallback.enabled
-    torch.testing.assert_close(first, torch_path(*args, None, 1.0, None) + 1e-6)
-    divergence.triton_fallback.reset()
+    _pretend_triton(monkeypatch, lambda a, r, w, b, t: divergence._torch_divergence(a, r, w, b, t, None) + 0.5)
+    with pytest.raises(ValueError, match="divergence_backend='triton': the fused kernel disagrees"):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path, divergence_backend="triton"),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+        )

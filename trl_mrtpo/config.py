@@ -56,8 +56,9 @@ class MRTPOConfig(GRPOConfig):
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
             Completion tokens per divergence chunk of the torch backend; `None` keeps about 2M logits at once.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
-            `"triton"` (fused kernel, CUDA, needs the `kernels` extra), `"torch"` (chunked), or `"auto"`: Triton
-            for CUDA models when it is installed, torch otherwise.
+            `"torch"` (chunked), `"triton"` (fused kernel, CUDA, needs the `kernels` extra; checked against the torch
+            path at start-up on synthetic tokens of the lm_head's shape), or `"auto"`: torch, until the kernel has
+            passed `benchmarks/gpu_check.py` on a GPU.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
         > Parameters that control process rewards

@@ -43,8 +43,9 @@ from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, wri
 from .diagnostics import CollapseMonitor, CreditRecord, q_statistics
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
+from .ops.divergence import validate_triton_kernel
 from .process_rewards import StepCredit, check_process_rewards
-from .replay import causal_lm_parts, logit_multiplier, placed_relevance, replay_relevance
+from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier, placed_relevance, replay_relevance
 from .strength import RewardStrength
 from .trajectories import check_tool_results
 from .utils import completion_text
@@ -187,6 +188,9 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             with gathered_for_probe(policy):
                 self._replay_temperature = self.temperature / logit_multiplier(policy)
+                if args.divergence_backend == "triton":  # an explicit kernel is checked before any step uses it
+                    with lm_head_parameters(policy) as (weight, bias):
+                        validate_triton_kernel(weight, bias, self._replay_temperature)
         self._scored: Scored | None = None
         self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
@@ -50,44 +49,11 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
     return ((0.5 / LN2) * larger.mul_(terms).sum(-1)).clamp_(0.0, 1.0)
 
 
-class TritonFallback:
-    """Whether ``backend="auto"`` may still choose the Triton kernel in this process, and whether it has been
-    validated here.
-
-    ``auto`` trusts the kernel only after its first call in the process agreed with the torch path on a slice of
-    the same inputs (:data:`VALIDATION_TOKENS` tokens). A failure or a mismatch warns once and turns the kernel off
-    for the rest of the process; :meth:`reset` turns it back on, unvalidated (tests; or after fixing the
-    environment in a long-lived session).
-    """
-
-    def __init__(self) -> None:
-        self.enabled = True
-        self.validated = False
-
-    def disable(self, reason: str) -> None:
-        self.enabled = False
-        warnings.warn(
-            f"The fused Triton JS kernel {reason}; using the chunked torch path from now on. Set "
-            "divergence_backend='torch' to silence this, or 'triton' to use the kernel unchecked.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-    def reset(self) -> None:
-        self.enabled = True
-        self.validated = False
-
-
-triton_fallback = TritonFallback()
-
-
-def chosen_backend(backend: str, is_cuda: bool, triton_installed: bool, triton_enabled: bool = True) -> str:
+def chosen_backend(backend: str) -> str:
     """The backend ``replay_divergence`` runs: an explicit ``"torch"`` or ``"triton"`` as given; ``"auto"`` is
-    ``"triton"`` only for CUDA tensors with Triton installed and not disabled by an earlier failure, else
-    ``"torch"``."""
-    if backend != "auto":
-        return backend
-    return "triton" if is_cuda and triton_installed and triton_enabled else "torch"
+    ``"torch"`` on every device until the Triton kernel has passed ``benchmarks/gpu_check.py`` on a GPU (it has run
+    in Triton's CPU interpreter only): one decision for every process, never a per-rank fallback."""
+    return "torch" if backend == "auto" else backend
 
 
 def replay_divergence(
@@ -109,11 +75,8 @@ def replay_divergence(
     - ``triton`` (CUDA): :func:`trl_mrtpo.ops.triton_divergence.fused_replay_divergence` tiles the vocabulary, with
       fp32 accumulation and one log-normaliser per context shared across rewards.
 
-    ``auto`` picks ``triton`` for CUDA tensors when Triton is installed, ``torch`` otherwise. The kernel has been
-    validated in Triton's interpreter, not yet on every GPU, so ``auto`` checks its first result in a process
-    against the torch path on the first tokens; if the kernel fails or disagrees, ``auto`` warns once (naming the
-    sizes) and uses ``torch`` for the rest of the process, while an explicit ``triton`` raises on failure and is
-    not checked.
+    ``auto`` is ``torch`` (:func:`chosen_backend`); ``triton`` is an explicit choice, checked once at start-up
+    (:func:`validate_triton_kernel`).
 
     Args:
         hidden_all: ``[N, H]`` last hidden states at the N completion positions after ``P_all``.
@@ -136,54 +99,38 @@ def replay_divergence(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if backend not in DIVERGENCE_BACKENDS:
         raise ValueError(f"backend must be one of {DIVERGENCE_BACKENDS}, got {backend!r}")
-    if (
-        chosen_backend(backend, hidden_all.is_cuda, triton_divergence.is_available(), triton_fallback.enabled)
-        == "triton"
-    ):
-        try:
-            fused = triton_divergence.fused_replay_divergence(
-                hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
-            )
-        except Exception as error:  # noqa: BLE001 - any compile/launch failure of an automatic choice
-            if backend == "triton":
-                raise
-            triton_fallback.disable(f"failed ({type(error).__name__}: {error})")
-        else:
-            if backend == "triton" or triton_fallback.validated:
-                return fused
-            mismatch = _kernel_mismatch(fused, hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
-            if mismatch is None:
-                triton_fallback.validated = True
-                return fused
-            triton_fallback.disable(mismatch)
+    if chosen_backend(backend) == "triton":
+        return triton_divergence.fused_replay_divergence(
+            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
+        )
     return _torch_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, chunk_size)
 
 
-def _kernel_mismatch(
-    fused: torch.Tensor,
-    hidden_all: torch.Tensor,
-    hidden_removed: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    lm_head_bias: torch.Tensor | None,
-    temperature: float,
-) -> str | None:
-    """Where the kernel's first result disagrees with the torch path on its first tokens (None: it agrees)."""
-    tokens = min(VALIDATION_TOKENS, hidden_all.shape[0])
-    reference = _torch_divergence(
-        hidden_all[:tokens], hidden_removed[:, :tokens], lm_head_weight, lm_head_bias, temperature, None
-    )
-    checked = fused[:, :tokens].float()
-    error = (checked - reference).abs().max().item() if checked.numel() else 0.0
-    bound = VALIDATION_ATOL + VALIDATION_RTOL * (reference.abs().max().item() if reference.numel() else 0.0)
-    if checked.shape == reference.shape and math.isfinite(error) and error <= bound:
-        return None
-    sizes = (
-        f"{hidden_removed.shape[0]} removed contexts x {hidden_all.shape[0]} tokens, hidden {hidden_all.shape[1]}, "
-        f"vocabulary {lm_head_weight.shape[0]}, {hidden_all.dtype}"
-    )
-    return (
-        f"disagreed with the torch path on its first {tokens} tokens (max |diff| {error:.3g} > {bound:.3g}; {sizes})"
-    )
+@torch.no_grad()
+def validate_triton_kernel(
+    lm_head_weight: torch.Tensor, lm_head_bias: torch.Tensor | None, temperature: float, seed: int = 0
+) -> None:
+    """The start-up check of an explicit ``divergence_backend="triton"``: the kernel against the torch path on
+    :data:`VALIDATION_TOKENS` synthetic tokens with two removed contexts, at the real lm_head's shape and one row
+    fewer (so the last vocabulary tile is partial whatever the tile size), in the weight's dtype and device. Raises
+    ``ValueError`` naming the sizes when they disagree beyond the tolerance."""
+    generator = torch.Generator(device=lm_head_weight.device).manual_seed(seed)
+    hidden_size = lm_head_weight.shape[1]
+    shape = (3, VALIDATION_TOKENS, hidden_size)
+    hidden = torch.randn(shape, generator=generator, device=lm_head_weight.device).to(lm_head_weight.dtype)
+    for rows in (lm_head_weight.shape[0], lm_head_weight.shape[0] - 1):
+        weight = lm_head_weight[:rows]
+        bias = None if lm_head_bias is None else lm_head_bias[:rows]
+        fused = triton_divergence.fused_replay_divergence(hidden[0], hidden[1:], weight, bias, temperature).float()
+        reference = _torch_divergence(hidden[0], hidden[1:], weight, bias, temperature, None)
+        error = (fused - reference).abs().max().item()
+        bound = VALIDATION_ATOL + VALIDATION_RTOL * reference.abs().max().item()
+        if not (fused.shape == reference.shape and math.isfinite(error) and error <= bound):
+            raise ValueError(
+                f"divergence_backend='triton': the fused kernel disagrees with the torch path on {VALIDATION_TOKENS} "
+                f"synthetic tokens (max |diff| {error:.3g} > {bound:.3g}; 2 removed contexts, hidden {hidden_size}, "
+                f"vocabulary {rows}, {lm_head_weight.dtype}). Use divergence_backend='torch' (or 'auto')."
+            )
 
 
 def _torch_divergence(
