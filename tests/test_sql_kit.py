@@ -146,14 +146,7 @@ SIZE_BOMBS = [  # (query, what the error names)
     ("SELECT length(printf('%.*c', 20000000, 'x'))", "from an argument"),
     ("SELECT zeroblob(2000000000)", "not authorized"),
     ("SELECT " + "hex(" * 22 + "'abc'" + ")" * 22, "too big"),  # 3 x 2^22 bytes
-    (
-        "SELECT replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace("
-        "replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace(replace('x', 'x', 'xx'),"
-        " 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'),"
-        " 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'),"
-        " 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx'), 'x', 'xx')",
-        "too big",
-    ),
+    ("SELECT " + "replace(" * 24 + "'x'" + ", 'x', 'xx')" * 24, "too big"),  # 2^24 bytes
     (
         "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 100000) "
         "SELECT group_concat(printf('%.900c', 'x')) FROM c",
