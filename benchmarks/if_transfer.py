@@ -202,9 +202,83 @@ def pilot(work_dir: Path) -> dict:
         "ifeval_trained_types_loose": {k: v["ifeval_trained_types_loose"] for k, v in {"base": base, **evals}.items()},
         "heldout_mean": {k: v["heldout_mean"] for k, v in {"base": base, **evals}.items()},
     }
+    summary["gate"] = gate(
+        summary, trained_instructions(), base_seconds=ifeval_full * base["ifeval_seconds_per_prompt"]
+    )
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "pilot.json").write_text(json.dumps(summary, indent=1))
+    (RESULTS / "pilot.md").write_text(pilot_table(summary))
     return summary
+
+
+BUDGET_HOURS = 24.0  # the protocol's background budget for the comparison: one core
+EVALUATION_SEEDS = 8
+
+
+def trained_instructions() -> int:
+    """How many of IFEval's instructions are of the 14 types the generator trains (the primary measure's count)."""
+    from trl_mrtpo.kits.instruction_following import GENERATOR_POOL, load_ifeval
+
+    return sum(c["id"] in GENERATOR_POOL for row in load_ifeval() for c in json.loads(row["constraints"]))
+
+
+def gate(summary: dict, instructions: int, base_seconds: float) -> dict:
+    """The protocol's two conditions from the pilot's figures: the budget (16 runs at the dearer arm's cost plus one
+    base evaluation, against :data:`BUDGET_HOURS`) and the smallest effect 8 seeds detect (2.5 x the paired
+    difference's standard deviation / sqrt(8); that deviation from the binomial noise of two adapters' scores on the
+    full IFEval's trained-type instructions and the development seed's |gdpo - mrtpo| / sqrt(2))."""
+    runs = 2 * EVALUATION_SEEDS
+    hours = (runs * max(summary["seconds_per_run_with_full_ifeval"].values()) + base_seconds) / 3600
+    scores = summary["ifeval_trained_types_loose"]
+    rate = statistics.fmean(scores[arm] for arm in ARMS)
+    binomial = math.sqrt(2 * rate * (1 - rate) / instructions)
+    spread = abs(scores["mrtpo"] - scores["gdpo"]) / math.sqrt(2)
+    deviation = math.sqrt(binomial**2 + spread**2)
+    detectable = 2.5 * deviation / math.sqrt(EVALUATION_SEEDS)
+    return {
+        "hours_for_the_comparison": hours,
+        "budget_hours": BUDGET_HOURS,
+        "budget_fits": hours <= BUDGET_HOURS,
+        "trained_type_instructions": instructions,
+        "binomial_sd": binomial,
+        "training_spread_sd": spread,
+        "detectable_effect_points": 100 * detectable,
+        "sensitivity_fits": 100 * detectable <= 1.5,
+        "passes": hours <= BUDGET_HOURS and 100 * detectable <= 1.5,
+    }
+
+
+def pilot_table(summary: dict) -> str:
+    """``pilot.md``: the pilot's cost and scores per model, and the gate's verdict."""
+    g, models = summary["gate"], ["base", *ARMS]
+    lines = [
+        "# IF transfer pilot (development seed 100)",
+        "",
+        "    OMP_NUM_THREADS=1 python benchmarks/if_transfer.py pilot",
+        "",
+        "| model | training (s) | IFEval s/prompt | IFEval trained types, instruction loose (first "
+        f"{SETTINGS['ifeval_limit']}) | held-out generated set, mean pass |",
+        "|---|---|---|---|---|",
+    ]
+    for model in models:
+        train = f"{summary['train_seconds'][model]:.0f}" if model in ARMS else "-"
+        lines.append(
+            f"| {model} | {train} | {summary['ifeval_seconds_per_prompt'][model]:.2f} "
+            f"| {summary['ifeval_trained_types_loose'][model]:.3f} | {summary['heldout_mean'][model]:.3f} |"
+        )
+    verdict = (
+        "passes: the comparison runs" if g["passes"] else "fails: the comparison does not run; the mechanism test does"
+    )
+    lines += [
+        "",
+        f"Gate ({verdict}): 16 runs and the base evaluation need {g['hours_for_the_comparison']:.1f} h of one core "
+        f"(budget {g['budget_hours']:.0f} h: {'fits' if g['budget_fits'] else 'does not fit'}); the smallest effect "
+        f"8 seeds detect is {g['detectable_effect_points']:.2f} points (binomial sd {g['binomial_sd']:.4f} over "
+        f"{g['trained_type_instructions']} instructions, training spread sd {g['training_spread_sd']:.4f}; "
+        f"{'within' if g['sensitivity_fits'] else 'above'} 1.5 points).",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
