@@ -17,12 +17,14 @@ import torch
 from peft import LoraConfig
 
 import trl_mrtpo.trainer
+from tests.conftest import needs_bf16_attention
 from tests.helpers import ResearchRecordingTrainer, make_args
 from tests.reference import reference_strength_betas, reference_token_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.replay import replay_relevance
 
+pytestmark = needs_bf16_attention
 BF16_NOISE_FLOOR = 0.087  # benchmarks/bf16_replay.md: the largest noise floor / median signal measured (SmolLM2, if)
 ARCHITECTURES = {  # (config class, the family's tie_word_embeddings as in its recipes' models)
     "llama": ("LlamaConfig", False),  # Llama-3.1-8B

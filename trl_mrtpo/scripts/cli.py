@@ -15,6 +15,25 @@ from .evaluation import BENCHMARKS
 THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1-minute load average, at least 1)"
 
 
+def counting(minimum: int):
+    """An argparse type for a count of at least ``minimum``; argparse names the flag in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+positive = counting(1)
+
+
 def _pin_threads(threads: int | None) -> None:
     import torch
 
@@ -136,18 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
         "text-to-SQL kit; if: instruction following (13 constraint slots); tools: tool calling",
     )
     for flag, kind, what in (
-        ("steps", int, "optimizer steps"),
-        ("num-generations", int, "responses per prompt"),
-        ("prompts-per-step", int, "prompts per step"),
-        ("max-completion-length", int, "tokens per response"),
+        ("steps", positive, "optimizer steps"),
+        ("num-generations", counting(2), "responses per prompt"),
+        ("prompts-per-step", positive, "prompts per step"),
+        ("max-completion-length", positive, "tokens per response"),
         ("learning-rate", float, "LoRA learning rate"),
         ("temperature", float, "sampling temperature"),
-        ("warmup-steps", int, "credit_beta warm-up steps"),
+        ("warmup-steps", counting(0), "credit_beta warm-up steps"),
     ):
         default = DEMO_SETTINGS[flag.replace("-", "_")]
         demo.add_argument(f"--{flag}", type=kind, default=default, help=f"{what} (default {default})")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    demo.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter, card, curves and heatmap go")
     demo.add_argument("--method", choices=("mrtpo", "gdpo"), default="mrtpo", help="credit assignment (default mrtpo)")
     demo.add_argument(
@@ -169,14 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "--benchmarks", nargs="+", default=["bfcl_simple_python", "ifeval", "ifbench"], choices=BENCHMARKS
     )
-    evaluate.add_argument("--limit", type=int, default=None, help="first N prompts of each benchmark")
-    evaluate.add_argument("--max-new-tokens", type=int, default=256)
-    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--limit", type=positive, default=None, help="first N prompts of each benchmark")
+    evaluate.add_argument("--max-new-tokens", type=positive, default=256)
+    evaluate.add_argument("--batch-size", type=positive, default=8)
     evaluate.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
     evaluate.add_argument("--sql-path", default=None, help="Spider/BIRD folder")
     evaluate.add_argument("--sql-split-file", default=None, help="e.g. dev.json (Spider) or dev/dev.json (BIRD)")
     evaluate.add_argument("--database-dir", default="database", help="databases folder inside --sql-path")
-    evaluate.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    evaluate.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     evaluate.add_argument("--output", default=None, help="write the results as JSON here")
     evaluate.set_defaults(func=run_eval)
 
@@ -198,13 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="replay existing responses instead of sampling: JSONL, one line per response with prompt, completion "
         "and the row fields the task reads (the same number of responses per prompt)",
     )
-    inspect.add_argument("--num-prompts", type=int, default=4)
-    inspect.add_argument("--num-generations", type=int, default=4)
-    inspect.add_argument("--max-new-tokens", type=int, default=64)
+    inspect.add_argument("--num-prompts", type=positive, default=4, help="prompts to sample (default 4)")
+    inspect.add_argument("--num-generations", type=counting(2), default=4, help="responses per prompt (default 4)")
+    inspect.add_argument("--max-new-tokens", type=positive, default=64, help="tokens per response (default 64)")
     inspect.add_argument("--temperature", type=float, default=1.0)
     inspect.add_argument("--beta", type=float, default=0.5, help="credit_beta for the weights shown")
     inspect.add_argument("--seed", type=int, default=0)
-    inspect.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+    inspect.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")
     inspect.add_argument("--report", default=None, help="write the localisation report as CSV here")
     inspect.set_defaults(func=run_inspect)
@@ -221,11 +240,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the GPU grid: 16 seeds, K=6, a 4-layer policy of width 128, on CUDA (benchmarks/gpu_gym.sh)",
     )
     gym.add_argument("--sweeps", action="store_true", help="also run the gdpo vs mrtpo sweeps (K, placement, ...)")
-    gym.add_argument("--seeds", type=int, default=None, help="number of seeds (default 8; --quick: 2)")
-    gym.add_argument("--sweep-seeds", type=int, default=4, help="seeds per sweep point (default 4)")
+    gym.add_argument("--seeds", type=positive, default=None, help="number of seeds (default 8; --quick: 2)")
+    gym.add_argument("--sweep-seeds", type=positive, default=4, help="seeds per sweep point (default 4)")
     methods = (*CREDIT_ASSIGNMENTS, *RESEARCH_CREDIT_ASSIGNMENTS)
     gym.add_argument("--methods", nargs="+", default=None, choices=methods, help="default: all six modes")
-    gym.add_argument("--jobs", type=int, default=2, help="parallel runs, one core each (default 2)")
+    gym.add_argument("--jobs", type=positive, default=2, help="parallel runs, one core each (default 2)")
     gym.add_argument("--work-dir", default="gym_runs", help="finished runs and cached supervised policies (resumable)")
     gym.add_argument(
         "--output-dir",
