@@ -31,3 +31,48 @@ def test_a_count_flag_below_its_minimum_is_refused_naming_the_flag(argv, flag, m
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert f"argument {flag}: must be an integer {minimum}, got {argv[-1]!r}" in error, error
+
+
+# trajectory views: builders share them, so they are read-only all the way down (one builder's edit reached the next
+# builder's view), and hashable (Turn and ToolCall as dict keys raised "unhashable type: 'dict'")
+VIEW_EDITS = [
+    ("set", lambda call: call.arguments.__setitem__("city", "Rome")),
+    ("delete", lambda call: call.arguments.pop("city")),
+    ("update", lambda call: call.arguments.update(city="Rome")),
+    ("nested list", lambda call: call.arguments["stops"].append("Rome")),
+    ("nested dict", lambda call: call.arguments["options"].__setitem__("fast", False)),
+]
+
+
+def _view():
+    from trl_mrtpo.trajectories import trajectory
+
+    arguments = {"city": "Oslo", "stops": ["Bergen"], "options": {"fast": True}}
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "go", "arguments": arguments}}]},
+        {"role": "tool", "content": "ok"},
+        {"role": "assistant", "content": "done"},
+    ]
+    return trajectory(messages, [1, 1, 0, 1]), arguments
+
+
+@pytest.mark.parametrize("edit", [e for _, e in VIEW_EDITS], ids=[name for name, _ in VIEW_EDITS])
+def test_a_builder_cannot_edit_the_trajectory_view_the_next_builder_reads(edit):
+    view, original = _view()
+    (call,) = view.calls
+    with pytest.raises((TypeError, AttributeError)):
+        edit(call)
+    assert call.arguments == {"city": "Oslo", "stops": ("Bergen",), "options": {"fast": True}}
+    assert original == {"city": "Oslo", "stops": ["Bergen"], "options": {"fast": True}}  # the conversation too
+
+
+def test_trajectory_views_are_hashable_and_serialise_as_json():
+    import copy
+    import json
+    import pickle
+
+    view, original = _view()
+    (call,) = view.calls
+    assert {call: 1, view.turns[0]: 2, view: 3}[view] == 3 and len({call, view.turns[0]}) == 2
+    assert json.loads(json.dumps(call.arguments)) == original
+    assert copy.deepcopy(view) == view and pickle.loads(pickle.dumps(call.arguments)) == call.arguments

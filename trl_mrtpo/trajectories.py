@@ -5,19 +5,52 @@ rollouts"). Built from what TRL's tool loop leaves: the completion's messages an
 from __future__ import annotations
 
 import ast
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+
+class FrozenDict(dict):
+    """A read-only, hashable dict: what a view's tool-call arguments are, so that one builder cannot change what the
+    next sees and views can be dict keys. ``json.dumps`` writes it as the dict it is."""
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a trajectory view is read-only: copy its arguments (dict(call.arguments)) to change them")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = __ior__ = _read_only
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self.items()))
+
+    def __copy__(self) -> FrozenDict:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> FrozenDict:
+        return self
+
+    def __reduce__(self):
+        return FrozenDict, (dict(self),)
+
+
+def frozen(value: Any) -> Any:
+    """``value`` made immutable all the way down: dicts as :class:`FrozenDict`, lists and tuples as tuples (JSON
+    writes them as lists)."""
+    if isinstance(value, Mapping):
+        return FrozenDict({key: frozen(item) for key, item in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(frozen(item) for item in value)
+    return value
 
 
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model made: ``result`` is what the tool returned as TRL put it in the conversation, None when the
     call was never run (the rollout reached the length limit or ``max_tool_calling_iterations`` first); ``error`` is
-    the message when the call failed (TRL records ``{"error": ...}`` as its result), else None."""
+    the message when the call failed (TRL records ``{"error": ...}`` as its result), else None. ``arguments`` are
+    read-only all the way down (:func:`frozen`): views are shared by every builder, and hashable."""
 
     name: str
-    arguments: dict
+    arguments: Mapping[str, Any]
     result: str | None
     error: str | None
 
@@ -72,7 +105,7 @@ def _runs(mask: Sequence[int]) -> tuple[list[tuple[int, int]], list[tuple[int, i
 
 def message_calls(message: dict) -> list[dict]:
     """The calls of one assistant message as ``{"name", "arguments"}`` (TRL's parsed ``tool_calls``, read
-    defensively: arguments that are not a dict count as none; a copy, so a builder cannot edit the conversation)."""
+    defensively: arguments that are not a dict count as none; a read-only copy, so no builder can edit them)."""
     calls = []
     for call in message.get("tool_calls") or []:
         function = call.get("function", call) if isinstance(call, dict) else None
@@ -81,7 +114,7 @@ def message_calls(message: dict) -> list[dict]:
             calls.append(
                 {
                     "name": str(function.get("name")),
-                    "arguments": dict(arguments) if isinstance(arguments, dict) else {},
+                    "arguments": frozen(arguments) if isinstance(arguments, dict) else FrozenDict(),
                 }
             )
     return calls
