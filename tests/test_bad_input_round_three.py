@@ -76,3 +76,13 @@ def test_trajectory_views_are_hashable_and_serialise_as_json():
     assert {call: 1, view.turns[0]: 2, view: 3}[view] == 3 and len({call, view.turns[0]}) == 2
     assert json.loads(json.dumps(call.arguments)) == original
     assert copy.deepcopy(view) == view and pickle.loads(pickle.dumps(call.arguments)) == call.arguments
+
+
+@pytest.mark.parametrize("iterations", [-1, 2.5, "2", True, float("nan")])
+def test_max_tool_calling_iterations_is_checked_at_start_up(iterations, tmp_path):
+    """TRL passes it through unchecked (-1 ran no tool at all, 2.5 ran three rounds)."""
+    from trl_mrtpo import MRTPOConfig
+
+    with pytest.raises(ValueError, match=r"max_tool_calling_iterations must be None \(no limit\) or an integer >= 0"):
+        MRTPOConfig(output_dir=str(tmp_path), max_tool_calling_iterations=iterations, use_cpu=True, bf16=False)
+    assert MRTPOConfig(output_dir=str(tmp_path), max_tool_calling_iterations=0, use_cpu=True, bf16=False)

@@ -159,6 +159,14 @@ class MRTPOConfig(GRPOConfig):
             )
             self.activation_checkpointing = self.gradient_checkpointing
         super().__post_init__()
+        iterations = self.max_tool_calling_iterations
+        # TRL compares it with a counter: -1 runs no tool at all and 2.5 runs three rounds, without a word
+        if iterations is not None and (
+            isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0
+        ):
+            raise ValueError(
+                f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {iterations!r}."
+            )
         if self.credit_assignment not in self.credit_assignments:
             research = " (the sibling methods and ablations are in trl_mrtpo.research.ResearchConfig)"
             raise ValueError(
