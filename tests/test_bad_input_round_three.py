@@ -86,3 +86,32 @@ def test_max_tool_calling_iterations_is_checked_at_start_up(iterations, tmp_path
     with pytest.raises(ValueError, match=r"max_tool_calling_iterations must be None \(no limit\) or an integer >= 0"):
         MRTPOConfig(output_dir=str(tmp_path), max_tool_calling_iterations=iterations, use_cpu=True, bf16=False)
     assert MRTPOConfig(output_dir=str(tmp_path), max_tool_calling_iterations=0, use_cpu=True, bf16=False)
+
+
+@pytest.mark.parametrize("names", ["alt", ["alt", 3], [None]])
+def test_credit_plot_callback_takes_a_list_of_names(names):
+    """A string plotted one reward per character ('a', 'l', 't')."""
+    from trl_mrtpo.callbacks import CreditPlotCallback
+
+    with pytest.raises(TypeError, match="takes a list of reward names"):
+        CreditPlotCallback(reward_names=names)
+
+
+@pytest.mark.parametrize(
+    "names,history,said",
+    [
+        (["alt"], [{"rewards/a/mean": 1.0, "mrtpo/beta": 0.5}], "no reward named 'alt' was logged (logged: a)"),
+        (None, [{"rewards/a/mean": 1.0, "loss": 0.1}], "logged no MRTPO credit metrics (a `grpo` run"),
+    ],
+    ids=["unknown reward", "grpo run"],
+)
+def test_credit_plot_callback_says_why_it_wrote_no_picture(names, history, said, tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from trl_mrtpo.callbacks import CreditPlotCallback
+
+    state = SimpleNamespace(is_world_process_zero=True, log_history=history)
+    args = SimpleNamespace(output_dir=str(tmp_path), credit_warmup_steps=0)
+    with caplog.at_level("WARNING"):
+        CreditPlotCallback(reward_names=names).on_train_end(args, state, None)
+    assert said in caplog.text and not (tmp_path / "mrtpo_curves.png").exists()

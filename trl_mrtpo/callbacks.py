@@ -32,6 +32,13 @@ class CreditPlotCallback(TrainerCallback):
     """
 
     def __init__(self, reward_names: Sequence[str] | None = None):
+        if isinstance(reward_names, str) or (
+            reward_names is not None and not all(isinstance(name, str) for name in reward_names)
+        ):
+            raise TypeError(
+                f"CreditPlotCallback(reward_names=...) takes a list of reward names, got {reward_names!r}"
+                + (f" (write [{reward_names!r}] for one reward)" if isinstance(reward_names, str) else "")
+            )
         self.reward_names = None if reward_names is None else list(reward_names)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -45,6 +52,18 @@ class CreditPlotCallback(TrainerCallback):
             return
         from .viz import plot_credit_curves
 
-        names = self.reward_names if self.reward_names is not None else logged_reward_names(state.log_history)
+        logged = logged_reward_names(state.log_history)
+        unknown = [name for name in self.reward_names or () if name not in logged]
+        if unknown:  # an empty plot would be written otherwise
+            logger.warning(
+                f"CreditPlotCallback: no reward named {', '.join(map(repr, unknown))} was logged (logged: "
+                f"{', '.join(logged) or 'none'}); mrtpo_curves.png was not written."
+            )
+            return
+        names = self.reward_names if self.reward_names is not None else logged
         path = os.path.join(args.output_dir, "mrtpo_curves.png")
-        plot_credit_curves(state.log_history, names, path, args.credit_warmup_steps)
+        if plot_credit_curves(state.log_history, names, path, getattr(args, "credit_warmup_steps", None)) is None:
+            logger.warning(
+                "CreditPlotCallback: the run logged no MRTPO credit metrics (a `grpo` run, or no step finished); "
+                "mrtpo_curves.png was not written."
+            )
