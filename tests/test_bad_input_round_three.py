@@ -115,3 +115,36 @@ def test_credit_plot_callback_says_why_it_wrote_no_picture(names, history, said,
     with caplog.at_level("WARNING"):
         CreditPlotCallback(reward_names=names).on_train_end(args, state, None)
     assert said in caplog.text and not (tmp_path / "mrtpo_curves.png").exists()
+
+
+class ScoresWithThePolicy:
+    """A reward that runs the policy, saying so on its class (as MathShepherd does)."""
+
+    runs_policy_forwards = True
+    __name__ = "scores_with_the_policy"
+
+    def __call__(self, completions, **kwargs):
+        return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("engine", ["DeepSpeed ZeRO-3", "FSDP2"])
+def test_a_class_level_runs_policy_forwards_is_seen_under_sharding(engine, tiny_model, tiny_tokenizer, tmp_path):
+    """The refusal read the flag after the reward check had wrapped the function (which copies only the instance's
+    attributes): a reward that runs the policy trained under ZeRO-3 / FSDP, where its forwards can deadlock."""
+    from unittest.mock import patch
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    with patch("trl_mrtpo.trainer.sharding_engine", lambda trainer: engine):
+        with pytest.raises(ValueError, match=f"'scores_with_the_policy' run the policy .* {engine} does not support"):
+            MRTPOTrainer(
+                model=tiny_model,
+                reward_funcs=[*BASIC.rewards, ScoresWithThePolicy()],
+                info_blocks=[*BASIC.info_blocks, None],
+                args=make_args(tmp_path, credit_assignment="gdpo"),
+                train_dataset=make_basic_dataset(4),
+                processing_class=tiny_tokenizer,
+            )

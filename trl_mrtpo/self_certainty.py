@@ -26,8 +26,9 @@ class SelfCertaintyReward:
         batch_size: sequences per no-grad forward.
     """
 
+    runs_policy_forwards = True  # it scores with the policy (refused under parameter sharding)
+
     def __init__(self, batch_size: int = REPLAY_BATCH_SIZE):
-        self.runs_policy_forwards = True  # on the instance: the trainer's reward check copies its __dict__
         self.__name__ = "self_certainty"  # TRL names reward functions by __name__
         self.batch_size = batch_size
         self._trainer = None

@@ -162,6 +162,9 @@ class MRTPOTrainer(GRPOTrainer):
         for func in [*process_rewards, *self.reward_funcs]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
+        # read from the functions as given: the wrapper below copies an instance's __dict__, not its class's attributes
+        named = [*zip(self.reward_func_names, self.reward_funcs), *((type(f).__name__, f) for f in process_rewards)]
+        runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
         # every value a reward function returns is checked where it returns, naming the function and the sample
         self.reward_funcs = [
             func if isinstance(func, torch.nn.Module) else checked_reward(func, name)
@@ -177,9 +180,6 @@ class MRTPOTrainer(GRPOTrainer):
         # what gives tokens different advantages, and what runs extra forwards of the policy, named for the errors
         replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
         extra = self._extra_policy_forwards()
-        named = [*zip(self.reward_func_names, self.reward_funcs)]
-        named += [(type(f).__name__, f) for f in process_rewards]
-        runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
         check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *extra])
         check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
