@@ -2,6 +2,7 @@
 error naming what is wrong, before any model is loaded or any step runs."""
 
 import pytest
+import torch
 
 from trl_mrtpo.scripts.cli import main
 
@@ -148,3 +149,17 @@ def test_a_class_level_runs_policy_forwards_is_seen_under_sharding(engine, tiny_
                 train_dataset=make_basic_dataset(4),
                 processing_class=tiny_tokenizer,
             )
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), -0.25, 1.5])
+def test_a_checkpointed_strength_outside_its_range_is_refused_naming_the_file(value, tmp_path):
+    """Resumed without a word, inf kept a reward at full beta for good and -inf rested it for good."""
+    from tests.test_bad_input import IDENTITY, STATE_ENTRIES, _state
+    from trl_mrtpo.credit_state import read_credit_state
+
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(reward_specificity=torch.tensor([0.2, value], dtype=torch.float64)), path)
+    with pytest.raises(ValueError, match=rf"{path}: entry reward_specificity is .* \(each in \[0, 1\], or NaN"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    torch.save(_state(reward_specificity=torch.tensor([0.2, float("nan")], dtype=torch.float64)), path)
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_specificity"][0] == 0.2

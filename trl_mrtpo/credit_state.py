@@ -30,14 +30,19 @@ def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
 
 
 def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
-    """The per-reward strength's running specificity: one float per reward (NaN: no reading yet)."""
-    if (
+    """The per-reward strength's running specificity: one float per reward in [0, 1] (a mean of ``1 - cos`` of
+    non-negative profiles), NaN for no reading yet. Anything else would hold a reward at full beta or at rest for
+    good."""
+    if not (
         isinstance(specificity, torch.Tensor)
         and specificity.is_floating_point()
         and tuple(specificity.shape) == (num_rewards,)
     ):
-        return None
-    return f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})"
+        return f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})"
+    read = specificity[~torch.isnan(specificity)]
+    if ((read < 0) | (read > 1)).any():  # inf and -inf included
+        return f"{specificity.tolist()} (each in [0, 1], or NaN before a first reading)"
+    return None
 
 
 CORE_STATE_ENTRIES: dict[str, StateCheck] = {
