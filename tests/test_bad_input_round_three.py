@@ -163,3 +163,61 @@ def test_a_checkpointed_strength_outside_its_range_is_refused_naming_the_file(va
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
     torch.save(_state(reward_specificity=torch.tensor([0.2, float("nan")], dtype=torch.float64)), path)
     assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_specificity"][0] == 0.2
+
+
+def test_self_certainty_scores_the_sampling_distribution_of_a_model_that_scales_its_logits(tmp_path, tiny_tokenizer):
+    """Granite divides its logits by 4 in forward: self-certainty is KL(U || p) of what the model samples from,
+    computed here from ``model(x).logits / T`` in float64 (it scored at T, as if the logits were unscaled)."""
+    import math
+
+    from tests.test_replay import _scaled_model
+    from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+    from trl_mrtpo.self_certainty import SelfCertaintyReward
+
+    model, _ = _scaled_model("granite")
+    model.resize_token_embeddings(len(tiny_tokenizer))
+    reward = SelfCertaintyReward()
+    MRTPOTrainer(
+        model=model,
+        reward_funcs=[*BASIC.rewards, reward],
+        info_blocks=[*BASIC.info_blocks, None],
+        args=MRTPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", temperature=0.8,
+            credit_assignment="gdpo",
+        ),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    prompt = [{"role": "user", "content": "Say hi."}]
+    completion_ids = [5, 9, 17, 30]
+    (score,) = reward([prompt], ["x"], [completion_ids])
+    text = tiny_tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([prompt_ids + completion_ids])).logits.double()[0]
+    logprobs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / 0.8, -1)
+    expected = (-math.log(logits.shape[-1]) - logprobs.mean(-1)).mean().item()
+    assert score == pytest.approx(expected, abs=2e-6)  # fp32: -log V - mean log p cancels to ~5e-4
+
+
+def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_model, tiny_tokenizer, tmp_path):
+    """What ``inspect`` calls: it read the batch into the running strength and left the model in train mode."""
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, reward_strength_floor=0.25),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.model.eval()
+    record = trainer.sample_credit([dict(make_basic_dataset(1)[0])], 4)
+    assert record.replayed.any()
+    assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()

@@ -20,7 +20,7 @@ class SelfCertaintyReward:
 
     It needs the policy: :class:`trl_mrtpo.MRTPOTrainer` binds itself at init; with another trainer call
     ``reward.bind(trainer)`` after building it. Scored with the current weights, no grad, dropout off, at the
-    trainer's sampling temperature.
+    trainer's sampling temperature (divided by the logit multiplier of a model that scales its logits in forward).
 
     Args:
         batch_size: sequences per no-grad forward.
@@ -56,7 +56,8 @@ class SelfCertaintyReward:
         if not owners:
             return scores
         with lm_head_parameters(model) as (weight, bias):
-            certainty = self_certainty(torch.cat(hidden), weight, bias, trainer.temperature)
+            # the sampling distribution: a model that scales its logits in forward is scored at T / m, as replayed
+            certainty = self_certainty(torch.cat(hidden), weight, bias, trainer._replay_temperature)
         for (j, _, _), part in zip(owners, certainty.split([len(h) for h in hidden])):
             scores[j] = part.mean().item()
         return scores

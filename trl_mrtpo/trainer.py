@@ -184,7 +184,7 @@ class MRTPOTrainer(GRPOTrainer):
         check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
-        if self._replays or extra:
+        if self._replays or extra or runs_policy:
             policy = self.accelerator.unwrap_model(self.model)
             with gathered_for_probe(policy):
                 self._replay_temperature = self.temperature / logit_multiplier(policy)
@@ -289,8 +289,13 @@ class MRTPOTrainer(GRPOTrainer):
         """Generate ``num_generations`` responses per row with the policy, score, replay, and return the batch's
         :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
         inputs = [dict(row) for row in rows for _ in range(num_generations)]
+        was_training, specificity = self.model.training, self.reward_strength.specificity.clone()
         self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
-        self._generate_and_score_completions(inputs)
+        try:
+            self._generate_and_score_completions(inputs)
+        finally:  # an inspection trains nothing: the module's mode and the strength state are as they were
+            self.model.train(was_training)
+            self.reward_strength.specificity = specificity
         return self.last_credit
 
     def _announce_first_generation(self, inputs) -> None:
