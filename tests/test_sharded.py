@@ -1,6 +1,7 @@
-"""Two CPU processes under DeepSpeed ZeRO-3 and FSDP2 run 2 MRTPO steps in which one rank replays and the other has
-nothing to replay: no deadlock, the parameters stay sharded between steps, q equals an unsharded one-process replay
-and every rank's token advantages equal one process's on the merged batch."""
+"""Two CPU processes under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 run 2 MRTPO steps in which one rank replays and the
+other has nothing to replay: no deadlock, the parameters stay sharded between steps (ZeRO-3, FSDP2; ZeRO-2 shards
+only gradients and optimizer states), q equals an unsharded one-process replay and every rank's token advantages
+equal one process's on the merged batch."""
 
 import json
 import os
@@ -16,7 +17,12 @@ from trl_mrtpo.replay import replay_relevance
 
 pytestmark = pytest.mark.slow
 
-ENGINES = {"DeepSpeed ZeRO-3": "tests/accelerate/cpu_zero3.yaml", "FSDP2": "tests/accelerate/cpu_fsdp2.yaml"}
+ENGINES = {
+    "DeepSpeed ZeRO-2": "tests/accelerate/cpu_zero2.yaml",  # what the full fine-tuning recipes launch with
+    "DeepSpeed ZeRO-3": "tests/accelerate/cpu_zero3.yaml",
+    "FSDP2": "tests/accelerate/cpu_fsdp2.yaml",
+}
+PARAMETERS_SHARDED = {"DeepSpeed ZeRO-2": False, "DeepSpeed ZeRO-3": True, "FSDP2": True}
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +56,11 @@ def test_sharded_replay_with_unequal_work_per_rank(tmp_path, tiny_model_dir, eng
     assert result.returncode == 0, result.stderr[-8000:]
     for rank in (0, 1):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert report == {"rank": rank, "engine": engine, "global_step": 2}
+        # the engine that shards parameters, as the trainer's start-up checks read it (none under ZeRO-2)
+        assert report == {"rank": rank, "engine": engine if PARAMETERS_SHARDED[engine] else None, "global_step": 2}
     generations = [[torch.load(tmp_path / f"rank{r}_generation{g}.pt") for r in (0, 1)] for g in (0, 1)]
     for parts in generations:
-        assert all(p["sharded_between_steps"] for p in parts)  # really sharded outside the replay
+        assert all(p["sharded_between_steps"] == PARAMETERS_SHARDED[engine] for p in parts)  # outside the replay
         check_merged_advantages(parts)
     # the unequal work that deadlocked: a generation where one rank replays and the other has nothing to replay
     assert any(sorted(bool(any(p["wanted"])) for p in parts) == [False, True] for parts in generations), [
