@@ -112,13 +112,26 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         torch.save(generations[-1], Path(report_dir, f"rank{rank}_generation{len(generations) - 1}.pt"))
         return output
 
+    import trl_mrtpo.trainer
+
+    means = trl_mrtpo.trainer.process_means
+    metrics = []
+
+    def recording_means(gathered):
+        metrics.append({"gathered": gathered, "logged": means(gathered)})
+        return metrics[-1]["logged"]
+
+    trl_mrtpo.trainer.process_means = recording_means
     trainer._replay_inputs = recording_inputs
     trainer._generate_and_score_completions = recording
     trainer.train()
+    logged = [{k: v for k, v in entry.items() if k.startswith("mrtpo/")} for entry in trainer.state.log_history]
     report = {
         "rank": rank,
         "engine": sharding_engine(trainer),
         "global_step": trainer.state.global_step,
+        "metrics": metrics,
+        "logged": [entry for entry in logged if entry],
     }
     Path(report_dir, f"rank{rank}.json").write_text(json.dumps(report))
     trainer.accelerator.end_training()

@@ -22,3 +22,14 @@ def test_collapse_monitor_reports_once_per_streak():
     assert monitor.update({"a": 0.0}) == []  # already reported for this streak
     assert monitor.update({"a": 0.5}) == [] and monitor.streaks["a"] == 0
     assert monitor.update({"a": 0.0}) == [] and monitor.update({"a": 0.0}) == ["a"]
+
+
+def test_process_means_average_each_metric_over_the_processes_that_logged_it():
+    from trl_mrtpo.diagnostics import process_means
+
+    gathered = [
+        {"mrtpo/beta": 0.5, "mrtpo/replay_seconds": 2.0, "mrtpo/q_mean/a": 0.3},
+        {"mrtpo/beta": 0.5, "mrtpo/replay_seconds": 0.0},  # a process with nothing of reward a to replay
+    ]
+    assert process_means(gathered) == {"mrtpo/beta": 0.5, "mrtpo/replay_seconds": 1.0, "mrtpo/q_mean/a": 0.3}
+    assert process_means([{"x": 1.0}]) == {"x": 1.0}

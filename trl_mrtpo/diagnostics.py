@@ -25,6 +25,18 @@ def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
     return min(needed, values.numel()) / values.numel()
 
 
+def process_means(gathered: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the processes that logged it, from one dict per process (what ``gather_object``
+    returns), so that every process logs the same values, as TRL logs its own metrics. A process can lack a key
+    (a reward it replayed nothing of has no q statistics): the mean is then over the processes that have it."""
+    keys = list(dict.fromkeys(key for metrics in gathered for key in metrics))
+    return {
+        key: sum(values) / len(values)
+        for key in keys
+        for values in [[metrics[key] for metrics in gathered if key in metrics]]
+    }
+
+
 def q_statistics(
     relevance: torch.Tensor, with_q: torch.Tensor, mask: torch.Tensor, names: list[str]
 ) -> tuple[dict[str, float], dict[str, float]]:

@@ -40,7 +40,7 @@ from .config import MRTPOConfig
 from .constants import MIN_SHARED_PREFIX
 from .credit import TokenCredit, group_advantages, token_advantages, warmup_beta
 from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, write_credit_state
-from .diagnostics import CollapseMonitor, CreditRecord, q_statistics
+from .diagnostics import CollapseMonitor, CreditRecord, process_means, q_statistics
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
 from .ops.divergence import validate_triton_kernel
@@ -465,23 +465,28 @@ class MRTPOTrainer(GRPOTrainer):
         return relevance
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
-        log_metric(self, mode, "mrtpo/beta", beta)
-        for key, value in self.reward_strength.logged_betas(beta, self.reward_func_names).items():
-            log_metric(self, mode, key, value)
-        log_metric(self, mode, "mrtpo/replayed_fraction", replayed.float().mean().item())
-        log_metric(self, mode, "mrtpo/cap_factor", credit.cap_factor)
-        log_metric(self, mode, "mrtpo/replay_seconds", replay_seconds)
-        log_metric(self, mode, "mrtpo/replay_share", replay_seconds / total_seconds if total_seconds > 0 else 0.0)
         # CoRT replays without computing q (its weights come from a log-likelihood contrast): no q statistics.
         with_q = torch.zeros_like(replayed) if self._credit_mode.contrast else replayed
         q_means, concentration = q_statistics(relevance, with_q, mask, self.reward_func_names)
-        for name, value in q_means.items():
-            log_metric(self, mode, f"mrtpo/q_mean/{name}", value)
-        for name, value in concentration.items():
-            log_metric(self, mode, f"mrtpo/q_mass80_token_share/{name}", value)
+        local = {
+            "mrtpo/beta": beta,
+            **self.reward_strength.logged_betas(beta, self.reward_func_names),
+            "mrtpo/replayed_fraction": replayed.float().mean().item(),
+            "mrtpo/cap_factor": credit.cap_factor,
+            "mrtpo/replay_seconds": replay_seconds,
+            "mrtpo/replay_share": replay_seconds / total_seconds if total_seconds > 0 else 0.0,
+            **{f"mrtpo/q_mean/{name}": value for name, value in q_means.items()},
+            **{f"mrtpo/q_mass80_token_share/{name}": value for name, value in concentration.items()},
+        }
+        # one collective per generation batch, entered by every process: each logs the processes' mean
+        metrics = process_means(gather_object([local]))
+        for key, value in metrics.items():
+            log_metric(self, mode, key, value)
 
-        if mode == "train" and self._collapse_monitor is not None:
-            for warning in self._collapse_monitor.warnings(q_means):
+        if mode == "train" and self._collapse_monitor is not None:  # every process reads the same q means
+            prefix = "mrtpo/q_mean/"
+            means = {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
+            for warning in self._collapse_monitor.warnings(means):
                 logger.warning(warning)
 
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
