@@ -10,8 +10,9 @@ model's weights is (docs/method.md step 4; ``trl_mrtpo.replay``, ``trl_mrtpo.ops
   batch's key/value cache, the widest layer's activations (the MLP's gate and up projections and their product) and,
   for the attention, the keys and values repeated to every head and one layer's scores and weights
   (``batch x heads x width x (prefix + width)`` each), and the batch's last hidden states;
-- **the divergence**: the lm_head upcast to fp32 (``V x H x 4`` bytes, nothing when the model is fp32) and one token
-  chunk's fp32 log-probabilities for the ``M + 1`` contexts with the JS's three vocabulary-sized temporaries.
+- **the divergence**: one token chunk's fp32 log-probabilities for the ``M + 1`` contexts with the JS's three
+  temporaries, over the whole vocabulary for an fp32 model, and over one vocabulary tile (``VOCAB_TILE`` rows, with
+  that tile of the lm_head cast to fp32) for a bf16 / fp16 one: never an fp32 copy of the whole lm_head.
 
 ``--measure`` checks the model on CPU: random-weight models of the real hidden size and vocabulary at reduced depth,
 one replay in a fresh process each, the peak resident memory above the loaded model (``/proc``'s high-water mark,
@@ -79,7 +80,7 @@ class Replay:
 
 def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
     """The replay's peak memory beyond the weights, by part (bytes)."""
-    from trl_mrtpo.constants import DEFAULT_CHUNK_ELEMENTS, MIN_CHUNK_TOKENS
+    from trl_mrtpo.constants import DEFAULT_CHUNK_ELEMENTS, MIN_CHUNK_TOKENS, VOCAB_TILE
 
     b = replay.dtype_bytes
     sequences = replay.responses * (1 + replay.removed)
@@ -96,10 +97,13 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
         + replay.batch * width * shape.hidden * b  # the batch's last hidden states
     )
     contexts = replay.removed + 1
-    chunk = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // (contexts * shape.vocab))
-    upcast = shape.vocab * shape.hidden * 4 if b < 4 else 0
+    # fp32 weights: token chunks over the whole vocabulary; a low-precision lm_head: vocabulary tiles cast to fp32
+    # one at a time (one fp32 tile, never the whole lm_head), token chunks within a tile
+    columns = shape.vocab if b == 4 else min(VOCAB_TILE, shape.vocab)
+    chunk = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // (contexts * columns))
+    weight_tile = 0 if b == 4 else columns * shape.hidden * 4
     divergence = (
-        upcast + (contexts + 3 * replay.removed) * chunk * shape.vocab * 4 + contexts * chunk * shape.hidden * 4
+        weight_tile + (contexts + 3 * replay.removed) * chunk * columns * 4 + contexts * chunk * shape.hidden * (4 + b)
     )
     return {"kept_states": kept, "forward": forward, "divergence": divergence, "peak": kept + max(forward, divergence)}
 
@@ -189,6 +193,10 @@ def main(argv: list[str] | None = None) -> None:
             ("smollm2-135m", Replay(16, 4, 200, 128, dtype_bytes=2), 4),
             ("qwen2.5-1.5b", Replay(8, 3, 200, 96, dtype_bytes=2), 2),
             ("qwen2.5-1.5b", Replay(4, 8, 300, 64, dtype_bytes=4), 2),
+            # the replay at the recipes' shapes: 1,024-token completions at Qwen2.5-1.5B's width, and the 7B's
+            # lm_head (V 152,064 x H 3,584), both bf16
+            ("qwen2.5-1.5b", Replay(2, 1, 200, 1024, dtype_bytes=2), 1),
+            ("qwen2.5-7b", Replay(4, 2, 100, 64, dtype_bytes=2), 1),
         ]
         for name, replay, layers in checks:
             shape = SHAPES[name]

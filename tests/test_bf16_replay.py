@@ -48,4 +48,30 @@ def test_logits_and_js_are_fp32_from_bf16_hidden_states():
     q = replay_divergence(hidden, removed, weight, None, 0.7, backend="torch")
     expected = replay_divergence(hidden.float(), removed.float(), weight.float(), None, 0.7, backend="torch")
     assert q.dtype == torch.float32
-    torch.testing.assert_close(q, expected, rtol=0, atol=0)
+    torch.testing.assert_close(q, expected, rtol=0, atol=1e-6)  # the same fp32 sums, in vocabulary tiles
+
+
+def test_the_replay_never_holds_an_fp32_copy_of_the_whole_lm_head(monkeypatch):
+    """A bf16 lm_head reaches fp32 one vocabulary tile at a time (each tile twice: normalisers, then the JS terms),
+    with the last tile partial; q equals the fp32 computation on the same rounded weights."""
+    from trl_mrtpo.constants import VOCAB_TILE
+
+    gen = torch.Generator().manual_seed(2)
+    vocab, hidden_size = 2 * VOCAB_TILE + 37, 16
+    hidden = torch.randn(5, hidden_size, generator=gen).bfloat16()
+    removed = (hidden.float() + 0.05 * torch.randn(3, 5, hidden_size, generator=gen)).bfloat16()
+    weight = torch.randn(vocab, hidden_size, generator=gen).bfloat16()
+    bias = torch.randn(vocab, generator=gen).bfloat16()
+    converted, upcast = [], torch.Tensor.float
+
+    def spy(self, *args, **kwargs):
+        if self.dtype == torch.bfloat16 and self.dim() == 2 and self.shape[1] == hidden_size:
+            converted.append(self.shape[0])
+        return upcast(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", spy)
+    q = replay_divergence(hidden, removed, weight, bias, 0.7, backend="torch")
+    monkeypatch.setattr(torch.Tensor, "float", upcast)
+    assert max(converted) <= VOCAB_TILE and sum(converted) == 2 * vocab, converted
+    expected = replay_divergence(hidden.float(), removed.float(), weight.float(), bias.float(), 0.7, backend="torch")
+    torch.testing.assert_close(q, expected, rtol=0, atol=1e-6)

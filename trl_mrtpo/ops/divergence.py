@@ -15,6 +15,7 @@ from ..constants import (
     VALIDATION_ATOL,
     VALIDATION_RTOL,
     VALIDATION_TOKENS,
+    VOCAB_TILE,
 )
 from . import triton_divergence
 
@@ -39,6 +40,12 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
     Returns:
         ``[...]`` divergence in bits.
     """
+    return ((0.5 / LN2) * _js_terms(logprobs_p, logprobs_q)).clamp_(0.0, 1.0)
+
+
+def _js_terms(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
+    """``sum_v b ((1 + u)(ln 2 - log1p(u)) - u a)`` over the last dimension (twice JS in nats, before the clamp): a
+    sum over vocabulary entries, so vocabulary tiles add up."""
     # In-place steps: at most three vocabulary-sized temporaries are alive at once (replay memory is bounded by them).
     gap = (logprobs_q - logprobs_p).nan_to_num_(0.0, MAX_LOG_RATIO, -MAX_LOG_RATIO).abs_().clamp_(max=MAX_LOG_RATIO)
     smaller_share = gap.neg().exp_()  # u = min(p, q) / max(p, q)
@@ -46,7 +53,7 @@ def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.T
     terms.addcmul_(terms, smaller_share).sub_(smaller_share.mul_(gap))  # (1 + u)(log b - log m) - u a
     del gap, smaller_share
     larger = torch.maximum(logprobs_p, logprobs_q).exp_()
-    return ((0.5 / LN2) * larger.mul_(terms).sum(-1)).clamp_(0.0, 1.0)
+    return larger.mul_(terms).sum(-1)
 
 
 def chosen_backend(backend: str) -> str:
@@ -141,7 +148,10 @@ def _torch_divergence(
     temperature: float,
     chunk_size: int | None,
 ) -> torch.Tensor:
-    """The chunked torch path of :func:`replay_divergence`: fp32 lm_head and JS over token chunks."""
+    """The chunked torch path of :func:`replay_divergence`: fp32 lm_head and JS over token chunks (a weight in
+    another dtype goes to :func:`_tiled_divergence`, which never holds an fp32 copy of the whole lm_head)."""
+    if lm_head_weight.dtype != torch.float32:
+        return _tiled_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
     num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
@@ -159,3 +169,39 @@ def _torch_divergence(
         del logits
         out[:, start:end] = js_divergence(logprobs[0], logprobs[1:])
     return out
+
+
+def _tiled_divergence(
+    hidden_all: torch.Tensor,
+    hidden_removed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
+    """The torch path for a low-precision lm_head (bf16, fp16): fp32 logits from vocabulary tiles of
+    :data:`VOCAB_TILE` rows cast to fp32 one at a time, in two passes over the tiles (each context's log-normaliser,
+    then the JS terms tile by tile, which add up over the vocabulary). The extra memory is one fp32 tile and
+    ``[M + 1, tokens, tile]`` logits, never ``V x H`` in fp32; each tile is cast twice per call. Logits are never
+    rounded to the weight's dtype."""
+    num_removed, num_tokens = hidden_removed.shape[:2]
+    vocab, device = lm_head_weight.shape[0], hidden_all.device
+    tokens = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // ((num_removed + 1) * VOCAB_TILE))
+
+    def tiled_logits():
+        """``(token rows, [M + 1, rows, tile] fp32 logits)``, one tile's weight cast at a time, one chunk alive."""
+        for start in range(0, vocab, VOCAB_TILE):
+            weight = lm_head_weight[start : start + VOCAB_TILE].float()
+            bias = None if lm_head_bias is None else lm_head_bias[start : start + VOCAB_TILE].float()
+            for first in range(0, num_tokens, tokens):
+                rows = slice(first, min(first + tokens, num_tokens))
+                stacked = torch.cat([hidden_all[None, rows], hidden_removed[:, rows]]).float()
+                yield rows, torch.nn.functional.linear(stacked, weight, bias).div_(temperature)
+
+    normaliser = torch.full((num_removed + 1, num_tokens), -math.inf, device=device)
+    for rows, logits in tiled_logits():
+        normaliser[:, rows] = torch.logaddexp(normaliser[:, rows], torch.logsumexp(logits, dim=-1))
+    total = torch.zeros(num_removed, num_tokens, dtype=torch.float32, device=device)
+    for rows, logits in tiled_logits():
+        logprobs = logits.sub_(normaliser[:, rows, None])
+        total[:, rows] += _js_terms(logprobs[0], logprobs[1:])
+    return ((0.5 / LN2) * total).clamp_(0.0, 1.0)
