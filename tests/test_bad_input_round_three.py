@@ -221,3 +221,21 @@ def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_
     record = trainer.sample_credit([dict(make_basic_dataset(1)[0])], 4)
     assert record.replayed.any()
     assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()
+
+
+@pytest.mark.parametrize("kind", ["encoder", "classifier"])
+def test_demo_refuses_a_checkpoint_that_is_not_a_causal_lm(kind, tmp_path, tiny_tokenizer):
+    """``demo --model`` on an encoder or a classifier checkpoint never said it was not a causal LM."""
+    from transformers import BertConfig, BertModel, LlamaConfig, LlamaForSequenceClassification
+
+    from trl_mrtpo.scripts.demo import check_causal_lm
+
+    if kind == "encoder":
+        model = BertModel(BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2))
+    else:
+        config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, pad_token_id=0)  # fmt: skip
+        model = LlamaForSequenceClassification(config)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"--model .* not a causal language model"):
+        check_causal_lm(str(tmp_path))

@@ -139,10 +139,30 @@ def demo_device() -> tuple[dict, str]:
     return {"use_cpu": True, "bf16": False}, "CPU, fp32"
 
 
+def check_causal_lm(model: str) -> None:
+    """Refuses, naming ``--model``, a checkpoint that is not a causal language model (an encoder, a classifier): the
+    demo samples from it and replays its lm_head."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(model)
+    architectures = config.architectures or []
+    generative = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (
+        architectures and not any(name.endswith(generative) for name in architectures)
+    ):
+        raise ValueError(
+            f"--model {model!r} is a {config.model_type} checkpoint ({', '.join(architectures) or 'no architecture'}),"
+            " not a causal language model: the demo samples responses from it and replays its lm_head. Pass a causal"
+            " LM (a *ForCausalLM checkpoint) or 'embedded'."
+        )
+
+
 def demo_model(model: str) -> tuple[str, str]:
     """``(path or id, display name)``: ``embedded`` is the packaged SmolLM2-135M-Instruct (offline); anything else
     is a Hub id or a local folder, loaded as ``from_pretrained`` loads it."""
     if model != "embedded":
+        check_causal_lm(model)
         return model, model.rstrip("/").split("/")[-1]
     from .embedded import embedded_model_path
 
