@@ -455,10 +455,21 @@ def test_a_tool_returning_a_non_string_is_read_as_trl_wrote_it(tiny_tokenizer, t
     check_credit_on_model_tokens(trainer)
 
 
+LIST_RESULTS = {
+    "values": (lambda city: [city, 42], r"\['Paris', 42\]"),
+    "empty": (lambda city: [], r"\[\]"),
+    "records": (lambda city: [{"type": "record", "city": city}], r"\[\{'type': 'record'"),
+    "text parts": (lambda city: [{"type": "text", "text": city}], r"\[\{'type': 'text'"),
+}
+
+
+@pytest.mark.parametrize("result", list(LIST_RESULTS))
 @pytest.mark.parametrize("mode", ["mrtpo", "gdpo"])  # gdpo here builds no trajectory view: checked all the same
-def test_a_tool_returning_a_list_that_is_not_content_parts_is_named(tiny_tokenizer, tmp_path, mode):
-    """TRL passes a list result through as multimodal content parts: a text model would read nothing where the
-    result should be, and the view would disagree with the tokens. Refused, naming the tool and the sample."""
+def test_a_tool_returning_a_list_is_named(tiny_tokenizer, tmp_path, mode, result):
+    """TRL passes a list result through as multimodal content parts, which a text model's template renders as an
+    empty tool response (an empty list and well-formed text parts too): the model would read nothing where the result
+    should be, and the view would disagree with the tokens. Refused, naming the tool and the sample."""
+    value, shown = LIST_RESULTS[result]
 
     def lookup(city: str) -> list:
         """Look up the code of a city.
@@ -466,12 +477,10 @@ def test_a_tool_returning_a_list_that_is_not_content_parts_is_named(tiny_tokeniz
         Args:
             city: the city's name.
         """
-        return [city, 42]
+        return value(city)
 
     tokenizer = tool_tokenizer(tiny_tokenizer)
     dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
     trainer = scripted_trainer(tokenizer, tmp_path, dataset, credit_assignment=mode, tools=[lookup])
-    with pytest.raises(
-        ValueError, match="Tool 'lookup' returned the list \\['Paris', 42\\] on sample 0: .*Return a string"
-    ):
+    with pytest.raises(ValueError, match=f"Tool 'lookup' returned the list {shown}.* on sample 0: .*Return a string"):
         trainer.train()

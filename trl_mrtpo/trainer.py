@@ -268,7 +268,7 @@ class MRTPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         batch = self._weighted_batch(scored, output, mode)
         if "tool_mask" in output:  # every tool batch, whether or not a view of it is built
-            check_tool_results(batch.completions)
+            check_tool_results(batch.completions, multimodal=self._is_vlm)
         beta = self._beta()
         self._replay_seconds = 0.0
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)

@@ -145,22 +145,26 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
     )
 
 
-def check_tool_results(completions: Sequence[Any]) -> None:
-    """Refuse a tool result TRL would not render as text: a list whose entries are not content parts (``{"type":
-    ...}``). TRL passes a list through as multimodal parts, so a tool returning, say, ``[1, 2]`` leaves the model
-    reading nothing where its result should be, and its view would disagree with the tokens."""
+def check_tool_results(completions: Sequence[Any], multimodal: bool = False) -> None:
+    """Refuse a tool result a text model would not read: any list. TRL passes a list through as multimodal content
+    parts, which a text model's chat template renders as an empty tool response (an empty list, records, even
+    well-formed ``{"type": "text", ...}`` parts), so the model would read nothing where its result should be and its
+    view would disagree with the tokens. A vision-language model (``multimodal``) may take content parts."""
     for i, completion in enumerate(completions):
         for message in completion if isinstance(completion, list) else []:
             if not isinstance(message, dict) or message.get("role") != "tool":
                 continue
             content = message.get("content")
-            if isinstance(content, list):
-                if not all(isinstance(part, dict) and "type" in part for part in content):
-                    raise ValueError(
-                        f"Tool '{message.get('name')}' returned the list {content!r:.80} on sample {i}: TRL passes a "
-                        'list through as content parts ({"type": "text" or "image", ...}), which a text model '
-                        "does not read as the result. Return a string (TRL converts other values with str)."
-                    )
+            if not isinstance(content, list):
+                continue
+            if multimodal and content and all(isinstance(part, dict) and "type" in part for part in content):
+                continue
+            parts = " (a vision-language model takes a list of content parts)" if multimodal else ""
+            raise ValueError(
+                f"Tool '{message.get('name')}' returned the list {content!r:.80} on sample {i}: TRL passes a list "
+                "through as content parts, which a text model's chat template renders as an empty tool response: "
+                f"the model would read nothing{parts}. Return a string (TRL converts other values with str)."
+            )
 
 
 def tool_views(output: dict, completions: Sequence[Any]) -> list[Trajectory | None]:
