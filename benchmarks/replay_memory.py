@@ -84,17 +84,18 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
 
     b = replay.dtype_bytes
     sequences = replay.responses * (1 + replay.removed)
+    batch = min(replay.batch, sequences)  # a forward holds at most the sequences there are
     kept = sequences * replay.completion * shape.hidden * b
     width = replay.block + replay.completion  # new tokens per sequence after the shared prompt's cache
     total = replay.prompt + width
     kv_per_token = shape.layers * 2 * shape.kv_heads * shape.head_dim * b
     forward = (
         replay.prompt * kv_per_token  # the shared prefix's cache
-        + replay.batch * total * kv_per_token  # its copy for the batch, grown by the batch's tokens
-        + replay.batch * width * (3 * shape.intermediate + 4 * shape.hidden) * b  # the MLP's gate, up, their product
-        + 2 * replay.batch * shape.heads * total * shape.head_dim * b  # keys and values repeated to every head
-        + 2 * replay.batch * shape.heads * width * total * b  # one layer's attention scores and weights
-        + replay.batch * width * shape.hidden * b  # the batch's last hidden states
+        + batch * total * kv_per_token  # its copy for the batch, grown by the batch's tokens
+        + batch * width * (3 * shape.intermediate + 4 * shape.hidden) * b  # the MLP's gate, up, their product
+        + 2 * batch * shape.heads * total * shape.head_dim * b  # keys and values repeated to every head
+        + 2 * batch * shape.heads * width * total * b  # one layer's attention scores and weights
+        + batch * width * shape.hidden * b  # the batch's last hidden states
     )
     contexts = replay.removed + 1
     # fp32 weights: token chunks over the whole vocabulary; a low-precision lm_head: vocabulary tiles cast to fp32
