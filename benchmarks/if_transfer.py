@@ -14,6 +14,8 @@ Stages, each resumable (a finished stage leaves a JSON in ``--work-dir`` that la
 ``pilot.md``: the cost per run, the arms' difference, and the gate of ``benchmarks/if_transfer_protocol.md``.
 
     OMP_NUM_THREADS=1 python benchmarks/if_transfer.py pilot            # about 2 h on one core
+    OMP_NUM_THREADS=1 python benchmarks/if_transfer.py pilot --work-dir benchmarks/results/if_transfer
+                                                          # the committed stages, reused: the report in seconds
 """
 
 from __future__ import annotations
