@@ -239,3 +239,15 @@ def test_demo_refuses_a_checkpoint_that_is_not_a_causal_lm(kind, tmp_path, tiny_
     model.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"--model .* not a causal language model"):
         check_causal_lm(str(tmp_path))
+
+
+def test_calls_that_never_ran_are_in_the_view_with_no_result():
+    """With max_tool_calling_iterations=0 (or a rollout that ends first) a completion holds calls and no tool message:
+    builders got trajectory=None where docs/agents.md promises the calls with result=None."""
+    from trl_mrtpo.trajectories import trajectory
+
+    call = {"function": {"name": "lookup", "arguments": {"city": "Oslo"}}}
+    view = trajectory([{"role": "assistant", "content": "", "tool_calls": [call]}], [1, 1, 1])
+    assert view is not None and [(c.name, c.result, c.error) for c in view.calls] == [("lookup", None, None)]
+    assert view.turns[0].tokens == (0, 3) and view.results == ()
+    assert trajectory([{"role": "assistant", "content": "no calls"}], [1, 1]) is None

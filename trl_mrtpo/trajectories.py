@@ -122,8 +122,12 @@ def message_calls(message: dict) -> list[dict]:
 
 def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
     """The structured view of one completion (TRL's list of messages) over its ``tool_mask`` (unpadded), or None for a
-    completion that is not a tool rollout (a string, or no tool message)."""
-    if not isinstance(messages, list) or not any(isinstance(m, dict) and m.get("role") == "tool" for m in messages):
+    completion that is not a tool rollout (a string, or neither a tool message nor a call). Calls that never ran
+    (``max_tool_calling_iterations`` reached, or the rollout ended first) are in the view with ``result=None``."""
+    if not isinstance(messages, list) or not any(
+        isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant" and message_calls(m)))
+        for m in messages
+    ):
         return None
     model_runs, result_runs = _runs(list(tool_mask))
     turns, pending = [], []
