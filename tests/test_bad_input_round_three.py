@@ -251,3 +251,19 @@ def test_calls_that_never_ran_are_in_the_view_with_no_result():
     assert view is not None and [(c.name, c.result, c.error) for c in view.calls] == [("lookup", None, None)]
     assert view.turns[0].tokens == (0, 3) and view.results == ()
     assert trajectory([{"role": "assistant", "content": "no calls"}], [1, 1]) is None
+
+
+NOT_CALLABLE = 0.5  # what a recipe's dotted path may name by mistake
+A_MODEL_ID = "some-org/some-reward-model"
+
+
+@pytest.mark.parametrize("attribute,kind", [("NOT_CALLABLE", "float"), ("A_MODEL_ID", "str")])
+@pytest.mark.parametrize("role", ["reward", "info_block", "process reward"])
+def test_a_dotted_path_to_something_not_callable_is_refused_by_name(attribute, kind, role):
+    """A float failed inside TRL ("'float' object has no attribute '__call__'"); a string was fetched from the Hub
+    as a reward model."""
+    from trl_mrtpo.kits import resolve
+
+    path = f"tests.test_bad_input_round_three.{attribute}"
+    with pytest.raises(ValueError, match=rf"{role} '{path}' is a {kind} .*not a function"):
+        resolve(path, role)

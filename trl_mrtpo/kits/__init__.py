@@ -142,9 +142,16 @@ def _import_path(name: str, kind: str) -> Callable:
     if added:
         sys.path.insert(0, os.getcwd())
     try:
-        return getattr(importlib.import_module(module_path), attribute)
+        value = getattr(importlib.import_module(module_path), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
     finally:
         if added:
             sys.path.remove(os.getcwd())
+    # TRL would call a number ("'float' object has no attribute '__call__'") and load a string as a Hub reward model
+    if not callable(value):
+        raise ValueError(
+            f"{kind} {name!r} is a {type(value).__name__} ({value!r:.60}), not a function: name a callable (a {kind} "
+            "function, or a class for a process reward)."
+        )
+    return value
