@@ -249,3 +249,11 @@ def test_chat_template_path_takes_a_shipped_name_a_file_or_a_tokenizer(tmp_path,
     assert chat_template(tiny_dir) == CHAT_TEMPLATE
     with pytest.raises(ValueError, match="chat_template_path='no-such-template' is neither"):
         chat_template("no-such-template")
+
+
+def test_chat_template_path_is_refused_for_the_opsd_arm(tmp_path, tiny_dir, local_data):
+    """The OPSD arm loads its own tokenizer: a template given for it would be dropped without a word."""
+    argv = ["--config", "recipes/opsd/basic-smollm2.yaml", "--model_name_or_path", tiny_dir,
+            "--output_dir", str(tmp_path), "--chat_template_path", "qwen3"]  # fmt: skip
+    with pytest.raises(ValueError, match="chat_template_path is not passed to the OPSD arm"):
+        build_trainer(*make_parser().parse_args_and_config(argv))

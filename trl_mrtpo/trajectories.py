@@ -124,13 +124,10 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
     """The structured view of one completion (TRL's list of messages) over its ``tool_mask`` (unpadded), or None for a
     completion that is not a tool rollout (a string, or neither a tool message nor a call). Calls that never ran
     (``max_tool_calling_iterations`` reached, or the rollout ended first) are in the view with ``result=None``."""
-    if not isinstance(messages, list) or not any(
-        isinstance(m, dict) and (m.get("role") == "tool" or (m.get("role") == "assistant" and message_calls(m)))
-        for m in messages
-    ):
+    if not isinstance(messages, list):
         return None
     model_runs, result_runs = _runs(list(tool_mask))
-    turns, pending = [], []
+    turns, pending, tool_messages = [], [], 0
     for message in messages:
         if not isinstance(message, dict):
             continue
@@ -138,12 +135,16 @@ def trajectory(messages: Any, tool_mask: Sequence[int]) -> Trajectory | None:
             pending = message_calls(message)
             span = model_runs[len(turns)] if len(turns) < len(model_runs) else (len(tool_mask), len(tool_mask))
             turns.append({"text": str(message.get("content") or ""), "calls": [], "tokens": span, "pending": pending})
-        elif message.get("role") == "tool" and turns and turns[-1]["pending"]:
-            call = turns[-1]["pending"].pop(0)
-            content = message.get("content")
-            turns[-1]["calls"].append(ToolCall(call["name"], call["arguments"], str(content), tool_error(content)))
+        elif message.get("role") == "tool":
+            tool_messages += 1
+            if turns and turns[-1]["pending"]:
+                call = turns[-1]["pending"].pop(0)
+                content = message.get("content")
+                turns[-1]["calls"].append(ToolCall(call["name"], call["arguments"], str(content), tool_error(content)))
     for turn in turns:  # calls left without a result were never run
         turn["calls"] += [ToolCall(call["name"], call["arguments"], None, None) for call in turn["pending"]]
+    if not tool_messages and not any(turn["calls"] for turn in turns):
+        return None
     return Trajectory(
         turns=tuple(Turn(t["text"], tuple(t["calls"]), t["tokens"]) for t in turns), results=tuple(result_runs)
     )

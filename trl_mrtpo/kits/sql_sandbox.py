@@ -150,14 +150,14 @@ def _uncached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> 
     return _WORKER.run(db_path, sql, timeout_s, max_rows)
 
 
-def _value_bytes(value: Any) -> int:
-    return len(value) if isinstance(value, (str, bytes)) else 8
+def _row_bytes(row: tuple) -> int:
+    """What one result row holds: its strings' and blobs' lengths, 8 per number or NULL, 8 for the row itself."""
+    return sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in row) + 8
 
 
 def result_bytes(result: QueryResult) -> int:
-    """What a result holds, counted as its values' lengths (8 per number or NULL) and its error text."""
-    rows = result.rows or ()
-    return sum(_value_bytes(v) for row in rows for v in row) + 8 * len(rows) + len(result.error or "")
+    """What a result holds: its rows (:func:`_row_bytes`) and its error text."""
+    return sum(_row_bytes(row) for row in result.rows or ()) + len(result.error or "")
 
 
 class ResultCache:
@@ -276,7 +276,7 @@ def _execute_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> Q
         rows, size = [], 0
         for row in conn.execute(sql):  # row by row: a result past a cap is refused before it is all built
             rows.append(row)
-            size += sum(_value_bytes(v) for v in row) + 8
+            size += _row_bytes(row)
             if len(rows) > max_rows:
                 return QueryResult(None, f"the result has more than {max_rows} rows")
             if size > MAX_RESULT_BYTES:

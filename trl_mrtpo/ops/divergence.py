@@ -156,13 +156,12 @@ def _torch_divergence(
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
         chunk_size = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // ((num_removed + 1) * vocab))
-    weight = lm_head_weight.float()
     bias = None if lm_head_bias is None else lm_head_bias.float()
     out = torch.empty(num_removed, num_tokens, dtype=torch.float32, device=hidden_all.device)
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
         stacked = torch.cat([hidden_all[None, start:end], hidden_removed[:, start:end]]).float()
-        logits = torch.nn.functional.linear(stacked, weight, bias)
+        logits = torch.nn.functional.linear(stacked, lm_head_weight, bias)
         if temperature != 1.0:
             logits.div_(temperature)
         logprobs = torch.log_softmax(logits, dim=-1)

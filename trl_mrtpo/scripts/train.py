@@ -122,10 +122,11 @@ def chat_template(path: str) -> str:
     try:
         template = AutoTokenizer.from_pretrained(path).chat_template
     except (OSError, ValueError) as error:
+        files = os.listdir(os.path.dirname(shipped))
+        names = sorted(name.removesuffix(".jinja") for name in files if name.endswith(".jinja"))
         raise ValueError(
-            f"chat_template_path={path!r} is neither a .jinja file, a template TRL ships "
-            f"({', '.join(sorted(n[:-6] for n in os.listdir(os.path.dirname(shipped)) if n.endswith('.jinja')))[:80]}"
-            "...) nor a tokenizer that loads."
+            f"chat_template_path={path!r} is neither a .jinja file, a template TRL ships ({', '.join(names)[:80]}...) "
+            "nor a tokenizer that loads."
         ) from error
     if not template:
         raise ValueError(f"chat_template_path={path!r}: the tokenizer there has no chat template.")
@@ -250,14 +251,14 @@ def build_trainer(
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
+    if script_args.trainer == "opsd":
+        return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
     processing_class = None
     if script_args.chat_template_path:
         from transformers import AutoTokenizer
 
         processing_class = AutoTokenizer.from_pretrained(model, revision=model_args.model_revision)
         processing_class.chat_template = chat_template(script_args.chat_template_path)
-    if script_args.trainer == "opsd":
-        return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
     trainer_class = ResearchTrainer if script_args.trainer == "research" else MRTPOTrainer
     trainer = trainer_class(
         model=model,
@@ -293,6 +294,8 @@ def _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks
 
     if script_args.process_rewards or script_args.failure_masking:
         raise ValueError("process_rewards and failure_masking are MRTPOTrainer's credit rules; OPSD has no credit.")
+    if script_args.chat_template_path:  # the OPSD arm loads its own tokenizer: the template would be dropped
+        raise ValueError("chat_template_path is not passed to the OPSD arm (trainer: opsd); leave it out there.")
     return opsd_trainer_class()(
         model,
         rewards,
