@@ -54,6 +54,9 @@ COLUMNS = [
     "bf16_vs_fp32_mean_abs",
     "bf16_vs_fp32_corr",
     "advantage_rel_l2",
+    "signal_q_median_fp32",
+    "noise_over_median_bf16",
+    "advantage_rel_l2_routes_bf16",
 ]
 
 
@@ -80,7 +83,9 @@ def build_model(name: str, tokenizer):
     return LlamaForCausalLM(config)
 
 
-def recorded_batch(model_name: str, task: str, prompts: int, generations: int, tokens: int, seed: int):
+def recorded_batch(
+    model_name: str, task: str, prompts: int, generations: int, tokens: int, seed: int, force_length: bool = False
+):
     """Sample, score and replay one batch in fp32; return the trainer, its credit record and the replay's inputs."""
     from transformers import AutoTokenizer
 
@@ -101,6 +106,8 @@ def recorded_batch(model_name: str, task: str, prompts: int, generations: int, t
         seed=seed,
         credit_warmup_steps=0,
         replay_only_varying=False,
+        # the recipes' lengths: a completion may not stop before ``tokens`` (the embedded model's answers are short)
+        generation_kwargs={"min_new_tokens": tokens} if force_length else None,
     )
     trainer = MRTPOTrainer(
         model=build_model(model_name, tokenizer),
@@ -150,18 +157,22 @@ def noise_floor(model, contexts, completions, temperature) -> list[torch.Tensor]
 
 
 def measure(model_name: str, task: str, args) -> list[dict]:
-    trainer, records, calls = recorded_batch(model_name, task, args.prompts, args.generations, args.tokens, args.seed)
+    trainer, records, calls = recorded_batch(
+        model_name, task, args.prompts, args.generations, args.tokens, args.seed, args.force_length
+    )
     fp32 = trainer.accelerator.unwrap_model(trainer.model).eval()
     bf16 = copy.deepcopy(fp32).to(torch.bfloat16).eval()
     names = trainer.reward_func_names
     per_reward = {
         k: {"signal": [], "noise32": [], "noise16": [], "diff": [], "a": [], "b": []} for k in range(len(names))
     }
-    adv_diff, adv_norm = 0.0, 0.0
+    adv_diff, adv_norm, route_diff, route_norm = 0.0, 0.0, 0.0, 0.0
     generator = torch.Generator().manual_seed(args.seed)
     for record, (contexts, completions, temperature) in zip(records, calls):
         q32 = replay_relevance(fp32, contexts, completions, temperature)
         q16 = replay_relevance(bf16, contexts, completions, temperature)
+        # the same bf16 q along the second route (each sequence alone, no prefix reuse): what arithmetic alone moves
+        q16_alone = replay_relevance(bf16, contexts, completions, temperature, batch_size=1, min_shared_prefix=None)
         noise32 = noise_floor(fp32, contexts, completions, temperature)
         noise16 = noise_floor(bf16, contexts, completions, temperature)
         replayed_rows = [j for j, c in enumerate(contexts) if len(c) >= 2]
@@ -175,15 +186,20 @@ def measure(model_name: str, task: str, args) -> list[dict]:
                 entry["noise32"].append(noise32[position])
                 entry["noise16"].append(noise16[position])
         rel32, rel16 = relevance_tensor(record, q32), relevance_tensor(record, q16)
+        rel16_alone = relevance_tensor(record, q16_alone)
         weights = torch.ones(len(names))
         # every reward varying (a random, group-centred advantage): how q's error reaches A, whichever rewards vary
         group = torch.randn(record.group_advantages.shape, generator=generator)
         group = group - group.mean(0, keepdim=True)
         a32 = token_advantages(group, rel32, record.replayed, record.mask, weights, 0.5).advantages
         a16 = token_advantages(group, rel16, record.replayed, record.mask, weights, 0.5).advantages
+        a16_alone = token_advantages(group, rel16_alone, record.replayed, record.mask, weights, 0.5).advantages
         adv_diff += float(((a16 - a32) ** 2).sum())
         adv_norm += float((a32**2).sum())
+        route_diff += float(((a16_alone - a16) ** 2).sum())
+        route_norm += float((a16**2).sum())
     advantage_rel = (adv_diff / adv_norm) ** 0.5 if adv_norm > 0 else float("nan")
+    route_rel = (route_diff / route_norm) ** 0.5 if route_norm > 0 else float("nan")
     rows = []
     for k, entry in per_reward.items():
         if not entry["signal"]:
@@ -206,9 +222,22 @@ def measure(model_name: str, task: str, args) -> list[dict]:
                 "bf16_vs_fp32_mean_abs": f"{diff.mean():.3e}",
                 "bf16_vs_fp32_corr": f"{corr:.4f}",
                 "advantage_rel_l2": f"{advantage_rel:.4f}",
+                "signal_q_median_fp32": f"{signal.median():.3e}",
+                "noise_over_median_bf16": f"{noise16.mean() / signal.median():.4f}",
+                "advantage_rel_l2_routes_bf16": f"{route_rel:.4f}",
             }
         )
     return rows
+
+
+def write_rows(rows: list[dict], output: Path, argv) -> None:
+    """Written after every (model, task), so that a long run keeps what it finished."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_provenance(output, " ".join(["python", "benchmarks/bf16_replay.py", *(argv or sys.argv[1:])]))
 
 
 def main(argv=None) -> None:
@@ -218,6 +247,9 @@ def main(argv=None) -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument(
+        "--force-length", action="store_true", help="every completion is exactly --tokens long (min_new_tokens)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output", default=str(HERE / "results" / "bf16_replay.csv"))
@@ -228,13 +260,8 @@ def main(argv=None) -> None:
         for task in args.tasks:
             rows.extend(measure(model_name, task, args))
             print(f"{model_name}/{task}: done", flush=True)
+            write_rows(rows, Path(args.output), argv)
     output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    write_provenance(output, " ".join(["python", "benchmarks/bf16_replay.py", *(argv or sys.argv[1:])]))
     ratios = [float(r["noise_q_bf16"]) / float(r["signal_q_fp32"]) for r in rows if float(r["signal_q_fp32"]) > 0]
     print(f"wrote {output}; bf16 noise floor / signal, median over rewards: {statistics.median(ratios):.3f}")
 

@@ -2,6 +2,7 @@
 and env_mask, and a tiny run of the pre-registered benchmark (resumable, report written)."""
 
 import json
+import re
 
 import pytest
 
@@ -172,16 +173,24 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
             hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
         peaks[name] = (hits, total)
     # The supervised policy differs with the CPU's float path (ATEN_CPU_CAPABILITY default / avx2 / avx512, seed 0):
-    # answer peaks on its value in 26/29, 29/29, 29/31 trajectories, q 2.4x, 4.8x, 7.7x the control's; last call in
-    # 2/31, 0/31, 0/32 at 0.46x, 0.80x, 0.76x; first call in 11/31, 16/31, 32/32 at 0.48x, 1.18x, 0.72x, where the
-    # control sentence's q peaks too (median cosine of the two profiles 0.54, 0.80, 0.77): its localisation is not
-    # specific to its block. What holds on every path: "will move" is said only for a reward whose q peaks on its
-    # deciding word in most trajectories, and it is said for the answer; never for the last call.
+    # answer peaks on its value in 26/29, 29/29, 29/31 trajectories, q 2.4x, 4.8x, 7.7x the control's; first call in
+    # 11/31, 16/31, 32/32 at 0.47x, 1.18x, 0.72x; last call in 2/31, 0/31, 0/32 at 0.46x, 0.80x, 0.76x, its q peaking
+    # on the first call's word instead (26, 31, 32 of 32), while the control's q peaks on the last call's word (22, 30,
+    # 25 of 32). Peak placement does not tell the first call from the last (the same word), so the verdict judges mass
+    # against the control; what holds on every path: "will move" is said only for a reward whose q peaks on its
+    # deciding word in most trajectories, and for the answer; never for the last call.
     for verdict in verdicts:
         hits, total = peaks[verdict.reward]
         assert total >= 8
         if verdict.verdict.startswith("token credit will move"):
             assert hits / total >= 0.75, (verdict, peaks)
+        # a reward whose q peaks on its deciding word in nearly every trajectory is never told its credit will not
+        # move: the verdict says where it moves (with or without evidence that its block is what moves it)
+        if hits / total >= 0.9:
+            assert re.match(r"(token|q is under twice .*: token) credit will (still )?move", verdict.verdict), (
+                verdict,
+                peaks,
+            )
     by_name = {v.reward: v.verdict for v in verdicts}
     assert by_name["answer"].startswith("token credit will move"), (by_name, peaks)
     assert not by_name["last_call"].startswith("token credit will move"), (by_name, peaks)

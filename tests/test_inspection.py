@@ -169,8 +169,15 @@ def test_verdicts_by_hand():
     assert list(verdicts) == ["located", "noise", "flat"]
     assert math.isclose(verdicts["located"].q_over_control, 10.0, rel_tol=1e-5) and verdicts["located"].varying == 1
     assert verdicts["located"].verdict.startswith("token credit will move") and verdicts["located"].tokens[0] == "c"
-    assert math.isclose(verdicts["noise"].q_over_control, 1.0) and "indistinguishable" in verdicts["noise"].verdict
-    assert verdicts["flat"].varying == 0.5 and "indistinguishable" in verdicts["flat"].verdict
+    # q under twice the control's: the credit still moves to where q peaks, and the verdict says so, naming them
+    assert math.isclose(verdicts["noise"].q_over_control, 1.0)
+    noise = verdicts["noise"]
+    assert noise.verdict.startswith("q is under twice the control's") and all(
+        repr(t) in noise.verdict for t in noise.tokens
+    )
+    assert verdicts["flat"].varying == 0.5 and verdicts["flat"].verdict.startswith("q is under twice the control's")
+    # every profile's argmax is its first token where it ties (the flat control): located peaks on 'c', apart always
+    assert verdicts["located"].peaks_apart == 1.0 and verdicts["noise"].peaks_apart == 0.0
     # per-reward strength at this reading, by hand: located's 1 - cos against the mean of the other two (flat)
     # profiles is 1 - 0.2 / (0.3088 * 1) = 0.3524, so g = 0.3524 / 0.25 - 1
     located_profile = torch.tensor([0.01, 0.02, 0.3, 0.07], dtype=torch.float64)
@@ -215,5 +222,5 @@ def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, cap
     out = capsys.readouterr().out
     assert (tmp_path / "credit.html").read_text().count('class="resp"') == 4
     lines = [line for line in out.splitlines() if line.startswith(("says_red", "lowercase_reward"))]
-    verdicts = ("token credit will move", "never varies", "indistinguishable")
+    verdicts = ("token credit will move", "never varies", "under twice the control's", "would rest it")
     assert len(lines) == 2 and all(any(v in line for v in verdicts) for line in lines)

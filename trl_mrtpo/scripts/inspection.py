@@ -283,7 +283,8 @@ VERDICT_RATIO = 2.0  # a reward's mean q at least this many times the control's:
 class Verdict:
     """What inspecting one reward found: how often it varies within a group (the pairs training replays), its q
     against the control sentence's on the same responses, how concentrated its q is, its per-reward strength at this
-    batch's reading (``g_k``, 1: the full redistribution, 0: it would rest), and what that means."""
+    batch's reading (``g_k``, 1: the full redistribution, 0: it would rest), what that means, and the share of
+    responses whose q peaks on another token than the control's (reported, not judged: see docs/inspect.md)."""
 
     reward: str
     varying: float
@@ -292,6 +293,7 @@ class Verdict:
     tokens: list[str]
     strength: float
     verdict: str
+    peaks_apart: float = math.nan
 
 
 def reward_verdicts(
@@ -331,6 +333,10 @@ def reward_verdicts(
         shares = [mass_share(record.relevance[j, k, : lengths[j]]) for j in both]
         shares = [x for x in shares if x == x]
         concentration = sum(shares) / len(shares) if shares else math.nan
+        apart = [
+            float(record.relevance[j, k, : lengths[j]].argmax() != record.relevance[j, control, : lengths[j]].argmax())
+            for j in both
+        ]
         peaks = sorted(
             ((record.relevance[j, k, t].item(), j, t) for j in both for t in range(lengths[j])), reverse=True
         )[:3]
@@ -352,19 +358,24 @@ def reward_verdicts(
             text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}."
         else:
             text = (
-                "q here is indistinguishable from the control: token credit would move this reward's credit by noise. "
-                "Make its info block carry what the verifier decides with, or give it no block (uniform credit)."
+                f"q is under twice the control's: token credit will still move this reward's credit to where its q "
+                f"peaks ({', '.join(map(repr, tokens))}), but removing an irrelevant sentence moves the policy as "
+                "much, so nothing here shows these are the tokens its verifier decides on. Make its info block carry "
+                "what the verifier decides with, or give it no block (uniform credit)."
             )
-        verdicts.append(Verdict(name, varying, ratio, concentration, tokens, strength, text))
+        peaks_apart = sum(apart) / len(apart) if apart else math.nan
+        verdicts.append(Verdict(name, varying, ratio, concentration, tokens, strength, text, peaks_apart))
     return verdicts
 
 
 def format_verdicts(verdicts: list[Verdict]) -> str:
-    lines = [f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}{'strength':>10}  verdict"]
+    lines = [
+        f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}{'peak apart':>12}{'strength':>10}  verdict"
+    ]
     for v in verdicts:
         lines.append(
-            f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}{v.strength:>10.2f}"
-            f"   {v.verdict}"
+            f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}{v.peaks_apart:>12.0%}"
+            f"{v.strength:>10.2f}   {v.verdict}"
         )
     return "\n".join(lines)
 

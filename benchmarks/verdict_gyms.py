@@ -1,0 +1,124 @@
+"""Where `inspect`'s verdicts stand against the truth: both gyms, where the token each reward decides on is known.
+
+For the agent gym's supervised policy (32 sampled trajectories, as `tests/test_agent_gym.py` inspects them) and the
+credit gym's (8 prompts x 4 responses, default task), per reward: how often its q peaks on its deciding token (the
+call's entity, the answer's value; a constraint's relevant positions), the verdict's figures (q against the control,
+the share of responses whose q peaks on another token than the control's) and its verdict. Run it under each CPU
+float path (the supervised policies differ with it):
+
+    OMP_NUM_THREADS=1 python benchmarks/verdict_gyms.py
+    ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 python benchmarks/verdict_gyms.py
+    ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 python benchmarks/verdict_gyms.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trl_mrtpo.scripts.inspection import inspect_credit
+
+
+def agent_gym(tmp: Path) -> list[tuple[str, int, int, object]]:
+    from trl_mrtpo.gym.agent import (
+        REWARD_NAMES,
+        AgentGymSpec,
+        agent_blocks,
+        agent_dataset,
+        agent_rewards,
+        env_mask_of,
+        parse_trajectory,
+        relevant_token,
+        sample_trajectories,
+        supervised_agent_policy,
+    )
+
+    torch.manual_seed(0)
+    model, tokenizer = supervised_agent_policy(AgentGymSpec(), 0, tmp / "cache")
+    model.save_pretrained(tmp / "agent")
+    tokenizer.save_pretrained(tmp / "agent")
+    rows = agent_dataset(8, 5).to_list()
+    sampled = sample_trajectories(model, tokenizer, [row["prompt"] for row in rows for _ in range(4)], 1.0)
+    lines = [
+        {**rows[i // 4], "completion": " ".join(tokenizer.convert_ids_to_tokens(ids))}
+        for i, ids in enumerate(sampled["completion_ids"])
+    ]
+    path = tmp / "trajectories.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    record, _, verdicts = inspect_credit(
+        model=str(tmp / "agent"), reward_funcs=agent_rewards(), info_blocks=agent_blocks(), dataset=rows,
+        completions=str(path), output=None, return_verdicts=True,
+    )  # fmt: skip
+    out = []
+    for k, name in enumerate(REWARD_NAMES):
+        hits = total = 0
+        for j, line in enumerate(lines):
+            words = line["completion"].split()
+            position = relevant_token(name, parse_trajectory(words))
+            if position is None or not record.replayed[j, k]:
+                continue
+            own = [t for t, m in enumerate(env_mask_of(words)) if m]
+            total += 1
+            hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
+        out.append(("agent", hits, total, verdicts[k]))
+    return out
+
+
+def credit_gym(tmp: Path) -> list[tuple[str, int, int, object]]:
+    from trl_mrtpo.gym.runs import gym_dataset
+    from trl_mrtpo.gym.task import (
+        GymSpec,
+        constraint_blocks,
+        constraint_rewards,
+        relevant_positions,
+        row_constraints,
+        supervised_policy,
+    )
+
+    spec = GymSpec()
+    model, tokenizer = supervised_policy(spec, 0, tmp / "cache")
+    model.save_pretrained(tmp / "credit")
+    tokenizer.save_pretrained(tmp / "credit")
+    rows = gym_dataset(spec, 8, 1_000_000).to_list()
+    torch.manual_seed(0)
+    record, _, verdicts = inspect_credit(
+        model=str(tmp / "credit"), reward_funcs=constraint_rewards(spec.num_constraints),
+        info_blocks=constraint_blocks(spec.num_constraints, spec.placement), dataset=rows, num_prompts=8,
+        num_generations=4, max_new_tokens=spec.length + 1, output=None, return_verdicts=True,
+    )  # fmt: skip
+    out = []
+    for k in range(spec.num_constraints):
+        hits = total = 0
+        for j in range(record.mask.shape[0]):
+            ids = record.completion_ids[j, : int(record.mask[j].sum())].tolist()
+            words = [w for w in tokenizer.convert_ids_to_tokens(ids) if w != tokenizer.eos_token]
+            positions = relevant_positions(row_constraints(rows[j // 4]["constraints"])[k], words)
+            # a constraint every word decides on (or none) says nothing about placement
+            if not record.replayed[j, k] or not positions or len(positions) == len(words):
+                continue
+            total += 1
+            hits += int(record.relevance[j, k, : len(words)].argmax().item() in positions)
+        out.append(("credit", hits, total, verdicts[k]))
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    path = os.environ.get("ATEN_CPU_CAPABILITY", torch.backends.cpu.get_cpu_capability().lower())
+    print("| path | gym | reward | q peaks on its deciding token | q / control | peak apart | verdict |")
+    print("|---|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for gym, hits, total, v in [*agent_gym(Path(tmp)), *credit_gym(Path(tmp))]:
+            print(
+                f"| {path} | {gym} | {v.reward} | {hits}/{total} | {v.q_over_control:.2f}x | {v.peaks_apart:.0%} "
+                f"| {v.verdict.split(':')[0]} |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
