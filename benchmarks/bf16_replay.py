@@ -146,6 +146,7 @@ def relevance_tensor(record, q: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+@torch.no_grad()  # the routes' activations would otherwise be kept for a backward that never comes (GBs at 1,024)
 def noise_floor(model, contexts, completions, temperature) -> list[torch.Tensor]:
     """Per response, JS between ``P_all``'s distributions along two routes that must agree."""
     alls = [c[0] for c in contexts if len(c) >= 2]

@@ -267,3 +267,101 @@ def test_a_dotted_path_to_something_not_callable_is_refused_by_name(attribute, k
     path = f"tests.test_bad_input_round_three.{attribute}"
     with pytest.raises(ValueError, match=rf"{role} '{path}' is a {kind} .*not a function"):
         resolve(path, role)
+
+
+class _Inspected(Exception):
+    """Raised by the patched ``sample_credit``: what ``inspect`` would have scored with, without scoring."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+
+def says_red_process(prompts, completions, **kwargs):  # a process reward a recipe names by dotted path
+    return [[(len(c), 1.0)] for c in completions]
+
+
+# item 5: each field of a recipe inspect used to ignore, and what the trainer it builds must then hold
+RECIPE_FIELDS = [
+    ("info_block_separator", 'info_block_separator: "\\n--\\n"\n', lambda t: t.args.info_block_separator == "\n--\n"),
+    ("reward_weights", "reward_weights: [2.0, 0.5]\n", lambda t: list(t.args.reward_weights) == [2.0, 0.5, 1.0]),
+    ("credit_beta", "credit_beta: 0.2\n", lambda t: t.args.credit_beta == 0.2),
+    ("temperature", "temperature: 0.7\n", lambda t: t.args.temperature == 0.7),
+    (
+        "process_rewards",
+        "process_rewards: [tests.test_bad_input_round_three.says_red_process]\n",
+        lambda t: [f.__name__ for f in t.step_credit.process_rewards] == ["says_red_process"],
+    ),
+    (
+        "trainer: research",
+        "trainer: research\ncredit_assignment: joint\n",
+        lambda t: type(t).__name__ == "ResearchTrainer" and t.args.credit_assignment == "joint",
+    ),
+]
+
+
+def _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, extra: str, model: bool = True, argv=()):
+    import json
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.trainer import MRTPOTrainer
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Name a colour {i}."}) for i in range(2)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        (f"model_name_or_path: {model_dir}\n" if model else "")
+        + "reward_funcs: [tests.test_inspection.says_red, trl_mrtpo.kits.basic.lowercase_reward]\n"
+        + "info_blocks: [tests.test_inspection.red_block, none]\n"
+        + f"datasets:\n  - path: json\n    data_files: {data}\n    split: train\n"
+        + extra
+    )
+
+    def inspected(self, rows, num_generations):
+        raise _Inspected(self)
+
+    monkeypatch.setattr(MRTPOTrainer, "sample_credit", inspected)
+    with pytest.raises(_Inspected) as caught:
+        main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens",
+              "4", "--output", str(tmp_path / "credit.html"), "--threads", "1", *argv])  # fmt: skip
+    return caught.value.trainer, model_dir
+
+
+@pytest.mark.parametrize("field,line,holds", RECIPE_FIELDS, ids=[f for f, _, _ in RECIPE_FIELDS])
+def test_inspect_config_scores_with_the_recipes_credit_settings(
+    field, line, holds, tmp_path, tiny_tokenizer, monkeypatch
+):
+    trainer, _ = _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, line)
+    assert holds(trainer), field
+
+
+def test_inspect_config_flags_given_win_over_the_recipe(tmp_path, tiny_tokenizer, monkeypatch):
+    trainer, _ = _inspect_recipe(
+        tmp_path,
+        tiny_tokenizer,
+        monkeypatch,
+        "credit_beta: 0.2\ntemperature: 0.7\n",
+        argv=["--beta", "0.9", "--temperature", "1.3"],
+    )
+    assert (trainer.args.credit_beta, trainer.args.temperature) == (0.9, 1.3)
+
+
+def test_inspect_config_applies_the_adapter_beside_it(tmp_path, tiny_tokenizer, monkeypatch):
+    from peft import LoraConfig, get_peft_model
+
+    from tests.conftest import build_tiny_model
+
+    adapter = tmp_path / "adapter"
+    get_peft_model(build_tiny_model(tiny_tokenizer), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(
+        adapter
+    )
+    tiny_tokenizer.save_pretrained(adapter)
+    trainer, _ = _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, "", argv=["--adapter", str(adapter)])
+    assert any("lora_A" in name for name, _ in trainer.model.named_parameters())
+
+
+def test_inspect_config_without_a_model_is_refused_as_train_refuses_it(tmp_path, tiny_tokenizer, monkeypatch):
+    with pytest.raises(ValueError, match="model_name_or_path is required"):
+        _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, "", model=False)

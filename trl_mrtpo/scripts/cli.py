@@ -100,7 +100,7 @@ def run_inspect(args: argparse.Namespace):
         report=args.report,
     )
     if args.config:
-        record, report, verdicts = inspect_recipe(args.config, **settings)
+        record, report, verdicts = inspect_recipe(args.config, adapter=args.adapter, **settings)
     else:
         record, report, verdicts = inspect_credit(
             model=args.model, adapter=args.adapter, task=args.task, return_verdicts=True, **settings
@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--config",
         default=None,
-        help="a training recipe (YAML, as `train --config` reads it): inspect its model, rewards, info blocks and "
-        "data instead of --task/--model",
+        help="a training recipe (YAML, as `train --config` reads it): inspect its model (with --adapter applied), "
+        "rewards, info blocks, process rewards, data, trainer and credit settings instead of --task/--model",
     )
     inspect.add_argument(
         "--completions",
@@ -220,8 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--num-prompts", type=positive, default=4, help="prompts to sample (default 4)")
     inspect.add_argument("--num-generations", type=counting(2), default=4, help="responses per prompt (default 4)")
     inspect.add_argument("--max-new-tokens", type=positive, default=64, help="tokens per response (default 64)")
-    inspect.add_argument("--temperature", type=float, default=1.0)
-    inspect.add_argument("--beta", type=float, default=0.5, help="credit_beta for the weights shown")
+    inspect.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: the recipe's, else 1.0)"
+    )
+    inspect.add_argument(
+        "--beta", type=float, default=None, help="credit_beta for the weights shown (default: the recipe's, else 0.5)"
+    )
     inspect.add_argument("--seed", type=int, default=0)
     inspect.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")

@@ -189,8 +189,8 @@ def inspect_credit(
     num_prompts: int = 4,
     num_generations: int = 4,
     max_new_tokens: int = 64,
-    temperature: float = 1.0,
-    beta: float = 0.5,
+    temperature: float | None = None,
+    beta: float | None = None,
     seed: int = 0,
     output: str | None = "mrtpo-credit.html",
     report: str | None = None,
@@ -199,6 +199,9 @@ def inspect_credit(
     dataset=None,
     return_verdicts: bool = False,
     reward_strength_floor: float | None = MRTPOConfig.reward_strength_floor,
+    recipe_args: MRTPOConfig | None = None,
+    trainer_class: type | None = None,
+    process_rewards: list | None = None,
 ) -> tuple:
     """Sample (or, with ``completions``, replay existing responses of) a few prompts, score and replay them with the
     control sentence added, and return the credit record and the localisation report. Writes the heatmap page to
@@ -209,6 +212,10 @@ def inspect_credit(
     spans. With ``return_verdicts`` the result has a third entry, :func:`reward_verdicts` of the record (what token
     credit would do with each reward, per-reward strength read with ``reward_strength_floor``). ``model``: a hub id,
     a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
+
+    ``recipe_args`` (a recipe's config), ``trainer_class`` and ``process_rewards`` score as that recipe trains: its
+    credit settings (every field MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and
+    temperature; ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
     """
     import tempfile
 
@@ -237,21 +244,29 @@ def inspect_credit(
     else:
         rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
     rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in rows]
-    config = MRTPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
-        per_device_train_batch_size=len(rows) * num_generations,  # one generation batch holds them all
-        num_generations=num_generations,
-        max_completion_length=max_new_tokens,
-        temperature=temperature,
-        credit_beta=beta,
-        credit_warmup_steps=0,
-        replay_only_varying=False,  # show q for every reward with a block, varying or not
-        use_cpu=not torch.cuda.is_available(),
-        bf16=False,
-        report_to="none",
-        seed=seed,
+    credit = recipe_credit_settings(recipe_args) if recipe_args is not None else {}
+    if temperature is not None or "temperature" not in credit:
+        credit["temperature"] = 1.0 if temperature is None else temperature
+    if beta is not None or "credit_beta" not in credit:
+        credit["credit_beta"] = 0.5 if beta is None else beta
+    if credit.get("reward_weights"):
+        credit["reward_weights"] = [*credit["reward_weights"], 1.0]  # the control's (a constant: it never counts)
+    config = (type(recipe_args) if recipe_args is not None else MRTPOConfig)(
+        **{
+            **credit,
+            "output_dir": tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
+            "per_device_train_batch_size": len(rows) * num_generations,  # one generation batch holds them all
+            "num_generations": num_generations,
+            "max_completion_length": max_new_tokens,
+            "credit_warmup_steps": 0,
+            "replay_only_varying": False,  # show q for every reward with a block, varying or not
+            "use_cpu": not torch.cuda.is_available(),
+            "bf16": False,
+            "report_to": "none",
+            "seed": seed,
+        }
     )
-    trainer = MRTPOTrainer(
+    trainer = (trainer_class or MRTPOTrainer)(
         model=policy,
         reward_funcs=[*reward_funcs, control_reward],
         info_blocks=[*info_blocks, control_block],
@@ -259,6 +274,7 @@ def inspect_credit(
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         rollout_func=rollout,
+        process_rewards=process_rewards or None,
     )
     what = "Replaying the given" if completions else "Sampling, scoring and replaying"
     print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...", flush=True)
@@ -380,12 +396,34 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
     return "\n".join(lines)
 
 
-def inspect_recipe(config: str, **settings) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
+def recipe_credit_settings(args: MRTPOConfig) -> dict:
+    """The fields of a recipe's config that decide its credit: those its config class adds to GRPOConfig (MRTPO's
+    and the research room's), its reward weights and its sampling temperature."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
+    names = [f.name for f in dataclasses.fields(args) if f.init and f.name not in grpo]
+    return {name: getattr(args, name) for name in [*names, "reward_weights", "temperature"]}
+
+
+def inspect_recipe(
+    config: str, adapter: str | None = None, **settings
+) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
     """``inspect_credit`` on the task a training recipe describes (the YAML ``trl-mrtpo train --config`` reads: its
-    model, ``task`` or ``reward_funcs`` / ``info_blocks``, and its dataset or mixture), then the verdicts."""
+    model, with ``adapter`` applied; ``task`` or ``reward_funcs`` / ``info_blocks``; process rewards; its dataset or
+    mixture; its credit settings and trainer), then the verdicts."""
     import tempfile
 
-    from .train import load_datasets, make_parser, recipe_rewards
+    from .train import (
+        load_datasets,
+        make_parser,
+        recipe_model,
+        recipe_process_rewards,
+        recipe_rewards,
+        recipe_trainer_class,
+    )
 
     # nothing is trained: the recipe's precision and device settings are not what inspect runs with
     overrides = ["--output_dir", tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"), "--bf16", "false"]
@@ -393,14 +431,22 @@ def inspect_recipe(config: str, **settings) -> tuple[CreditRecord, list[Localisa
     script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
         ["--config", config, *overrides]
     )
+    trainer_class = recipe_trainer_class(script_args, training_args)
+    if trainer_class is None:
+        raise ValueError("trainer: opsd has no token credit to inspect; inspect the recipe with trainer: mrtpo.")
+    model = recipe_model(model_args)
     kit, rewards, blocks = recipe_rewards(script_args)
     training_args.eval_strategy = "no"
     dataset, _ = load_datasets(script_args, training_args, dataset_args)
     return inspect_credit(
-        model=model_args.model_name_or_path or "embedded",
+        model=model,
+        adapter=adapter,
         reward_funcs=rewards,
         info_blocks=blocks,
         dataset=dataset,
         return_verdicts=True,
+        recipe_args=training_args,
+        trainer_class=trainer_class,
+        process_rewards=recipe_process_rewards(script_args),
         **{"reward_strength_floor": training_args.reward_strength_floor, **settings},
     )

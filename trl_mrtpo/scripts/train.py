@@ -206,18 +206,11 @@ def recipe_rewards(script_args: MRTPOScriptArguments) -> tuple:
     return kit, rewards, blocks
 
 
-def build_trainer(
-    script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None, recipe: str | None = None
-):
-    """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2). Model
-    loading follows TRL's script: revision, attention implementation, dtype, ``trust_remote_code`` and the
-    quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
-    from trl import get_peft_config, get_quantization_config
-
-    from ..callbacks import CreditPlotCallback
+def recipe_trainer_class(script_args: MRTPOScriptArguments, training_args) -> type | None:
+    """The trainer class a recipe's ``trainer`` names (None for the OPSD arm), refusing the research room's settings
+    under ``trainer: mrtpo``."""
     from ..research import ResearchTrainer
     from ..trainer import MRTPOTrainer
-    from .embedded import embedded_model_path
 
     if script_args.trainer not in ("mrtpo", "research", "opsd"):
         raise ValueError(f"trainer={script_args.trainer!r} is unknown; use 'mrtpo', 'research' or 'opsd'.")
@@ -227,6 +220,36 @@ def build_trainer(
             f"{', '.join(research)} belong to the research room: add `trainer: research` to the recipe (or pass "
             "--trainer research)."
         )
+    return {"mrtpo": MRTPOTrainer, "research": ResearchTrainer, "opsd": None}[script_args.trainer]
+
+
+def recipe_process_rewards(script_args: MRTPOScriptArguments) -> list:
+    """The recipe's ``process_rewards`` (dotted paths; a class is instantiated)."""
+    process_rewards = [resolve(name, "process reward") for name in script_args.process_rewards or ()]
+    return [p() if isinstance(p, type) else p for p in process_rewards]
+
+
+def recipe_model(model_args) -> str:
+    """The recipe's ``model_name_or_path`` as a hub id or folder (``embedded``: the embedded SmolLM2's)."""
+    from .embedded import embedded_model_path
+
+    model = model_args.model_name_or_path
+    if model is None:
+        raise ValueError("model_name_or_path is required (a hub id, a local folder, or 'embedded')")
+    return embedded_model_path() if model == "embedded" else model
+
+
+def build_trainer(
+    script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None, recipe: str | None = None
+):
+    """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2). Model
+    loading follows TRL's script: revision, attention implementation, dtype, ``trust_remote_code`` and the
+    quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
+    from trl import get_peft_config, get_quantization_config
+
+    from ..callbacks import CreditPlotCallback
+
+    trainer_class = recipe_trainer_class(script_args, training_args)
     kit, rewards, blocks = recipe_rewards(script_args)
     boundaries = None
     if script_args.failure_masking:
@@ -236,13 +259,8 @@ def build_trainer(
                 "kit's own rewards; for your own rewards pass failure_boundaries to MRTPOTrainer in Python."
             )
         boundaries = list(kit.failure_boundaries)
-    process_rewards = [resolve(name, "process reward") for name in script_args.process_rewards or ()]
-    process_rewards = [p() if isinstance(p, type) else p for p in process_rewards]
-    model = model_args.model_name_or_path
-    if model is None:
-        raise ValueError("model_name_or_path is required (a hub id, a local folder, or 'embedded')")
-    if model == "embedded":
-        model = embedded_model_path()
+    process_rewards = recipe_process_rewards(script_args)
+    model = recipe_model(model_args)
     model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
@@ -259,7 +277,6 @@ def build_trainer(
 
         processing_class = AutoTokenizer.from_pretrained(model, revision=model_args.model_revision)
         processing_class.chat_template = chat_template(script_args.chat_template_path)
-    trainer_class = ResearchTrainer if script_args.trainer == "research" else MRTPOTrainer
     trainer = trainer_class(
         model=model,
         reward_funcs=rewards,
