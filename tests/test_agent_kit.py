@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from tests.test_agent_credit import tool_tokenizer
+from trl_mrtpo import _trl
 from trl_mrtpo.kits import get_kit
 from trl_mrtpo.kits.tool_agent import (
     MAX_QUANTITY,
@@ -248,6 +249,9 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
     assert (batch.output["advantages"][batch.mask == 0] == 0).all()
     assert trainer.replays[0]["replayed"].any()
     assert not math.isnan(trainer.state.log_history[-1]["train_loss"])
+    # the seam's environment attributes are TRL's, and every environment TRL reset had its reset checked
+    assert all(hasattr(trainer, name) for name in _trl.GRPO_ENVIRONMENT_ATTRIBUTES)
+    assert trainer.environments and all(hasattr(e.reset, "__wrapped__") for e in trainer.environments)
 
 
 def test_a_call_the_rollout_never_ran_is_in_the_view_without_a_result():

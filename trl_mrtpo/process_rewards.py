@@ -16,6 +16,7 @@ response's last unrecovered error ends (exclusive), or None.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -133,7 +134,7 @@ def _is_score(value: Any) -> bool:
 
 
 def _checked_score(score: Any, index: int, where: str) -> float:
-    if hasattr(score, "item"):
+    if hasattr(score, "item") and math.prod(getattr(score, "shape", ())) == 1:  # several numbers: refused below
         score = score.item()
     if not _is_score(score):
         raise ValueError(

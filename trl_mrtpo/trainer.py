@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from functools import cached_property
+from functools import cached_property, partial
 
 import torch
 from accelerate.utils import gather_object
@@ -27,6 +27,7 @@ from ._trl import (
     sharding_engine,
     tokenize_prompts,
     whole_policy,
+    wrap_environments,
 )
 from .batch import (
     CREDIT_MODES,
@@ -51,10 +52,12 @@ from .trajectories import check_tool_results
 from .utils import completion_text
 from .validation import (
     check_dataset,
+    check_environment_arguments,
     check_finite_rewards,
     check_loss_keeps_token_credit,
     check_sharded_replay,
     check_step_rules,
+    checked_environment,
     checked_reward,
     checked_rollout,
     process_reward_weights,
@@ -139,6 +142,7 @@ class MRTPOTrainer(GRPOTrainer):
             )
         check_dataset(train_dataset, "train")
         check_dataset(eval_dataset, "eval")
+        check_environment_arguments(kwargs)
         super().__init__(
             model,
             reward_funcs,
@@ -151,6 +155,7 @@ class MRTPOTrainer(GRPOTrainer):
         self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
         if self.rollout_func is not None:
             self.rollout_func = checked_rollout(self.rollout_func)
+        wrap_environments(self, partial(checked_environment, multimodal=self._is_vlm))
         process_rewards = check_process_rewards(process_rewards)
         self.step_credit = StepCredit(
             process_rewards,

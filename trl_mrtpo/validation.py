@@ -11,7 +11,7 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -305,35 +305,103 @@ def check_finite_rewards(rewards: torch.Tensor, names: Sequence[str]) -> None:
         )
 
 
+def _rows(value: Any) -> list | None:
+    """A list, tuple, array or tensor as a Python list along its first axis (TRL reads each of them); None for
+    anything else."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", 0) >= 1:
+        return value.tolist()
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return list(value)
+    return None
+
+
 def checked_rollout(rollout_func: Callable) -> Callable:
-    """``rollout_func`` whose ``env_mask`` is checked where it returns: one list of 0/1 per completion, as long as its
+    """``rollout_func`` whose output is checked where it returns: a dict (TRL's contract) with one completion per
+    prompt it was given, and an ``env_mask`` (when there is one) of one row of 0/1 per completion, as long as its
     ids. TRL pads the mask with 1 and multiplies it into the loss mask, so a mask of the wrong length would silently
-    shift which tokens count as the model's: the credit would land on what the environment wrote."""
+    shift which tokens count as the model's: the credit would land on what the environment wrote. Completion ids and
+    mask rows may be lists, arrays or tensors, as TRL reads them."""
+    where = f"rollout_func {getattr(rollout_func, '__name__', type(rollout_func).__name__)!r}"
 
     @functools.wraps(rollout_func)
     def checked(prompts, trainer):
         output = rollout_func(prompts, trainer)
-        env_mask = output.get("env_mask") if isinstance(output, dict) else None
+        if not isinstance(output, Mapping):
+            raise TypeError(
+                f"{where} returned {type(output).__name__}; it must return a dict with 'prompt_ids', "
+                "'completion_ids' and 'logprobs' (and optionally 'env_mask' and columns for the rewards)."
+            )
+        completions = _rows(output.get("completion_ids"))
+        if completions is None:
+            return output  # TRL names the missing key
+        if len(completions) != len(prompts):
+            raise ValueError(
+                f"{where} returned {len(completions)} completions for the {len(prompts)} prompts it was given; it "
+                "must return one per prompt (TRL passes each prompt once per generation)."
+            )
+        env_mask = output.get("env_mask")
         if env_mask is None:
             return output
-        completions = output.get("completion_ids") or []
-        where = f"rollout_func {getattr(rollout_func, '__name__', type(rollout_func).__name__)!r}"
-        if not isinstance(env_mask, Sequence) or len(env_mask) != len(completions):
-            count = len(env_mask) if isinstance(env_mask, Sequence) else type(env_mask).__name__
+        masks = _rows(env_mask)
+        if masks is None or len(masks) != len(completions):
+            count = len(masks) if masks is not None else type(env_mask).__name__
             raise ValueError(f"{where} returned env_mask with {count} rows for {len(completions)} completions.")
-        for i, (mask, ids) in enumerate(zip(env_mask, completions)):
-            values = list(mask) if isinstance(mask, Sequence) and not isinstance(mask, str) else None
+        for i, (mask, ids) in enumerate(zip(masks, completions)):
+            values = _rows(mask)
             if (
                 values is None
-                or len(values) != len(ids)
+                or len(values) != len(_rows(ids) or ())
                 or any(v not in (0, 1) or isinstance(v, float) for v in values)
             ):
                 found = f"{len(values)} entries" if values is not None else type(mask).__name__
                 raise ValueError(
                     f"{where} returned an env_mask for completion {i} that is not a list of 0/1 as long as its "
-                    f"{len(ids)} completion ids (found {found}: {str(values)[:60]}); 1 marks the model's tokens, 0 "
-                    "what the environment wrote."
+                    f"{len(_rows(ids) or ())} completion ids (found {found}: {str(values)[:60]}); 1 marks the "
+                    "model's tokens, 0 what the environment wrote."
                 )
         return output
 
     return checked
+
+
+def check_environment_arguments(kwargs: dict[str, Any]) -> None:
+    """``environment_factory`` and ``tools`` as TRL uses them, checked before TRL builds anything from them: a factory
+    (or a dict of factories) TRL calls once per rollout, and tools that are functions (their signature and docstring
+    become the schema the model reads)."""
+    factories = kwargs.get("environment_factory")
+    if factories is not None:
+        named = factories.items() if isinstance(factories, Mapping) else [(None, factories)]
+        for name, factory in named:
+            if not callable(factory):
+                where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+                raise TypeError(
+                    f"{where} is an instance of {type(factory).__name__}; pass the class (or a function returning a "
+                    "new environment): TRL builds one environment per rollout and resets it for each prompt."
+                )
+    for index, tool in enumerate(kwargs.get("tools") or ()):
+        if not callable(tool):
+            raise TypeError(
+                f"tools[{index}] is {type(tool).__name__} {tool!r:.40}; a tool is a function (its signature and "
+                "docstring become the schema the model reads), not its name."
+            )
+
+
+def checked_environment(environment: Any, multimodal: bool) -> Any:
+    """``environment`` with its ``reset`` checked where it returns: None or the text TRL appends to the prompt's last
+    message (content parts only for a vision-language model: a text model's template renders a list as nothing, and
+    the info blocks appended after it would vanish)."""
+    reset = environment.reset
+
+    @functools.wraps(reset)
+    def checked_reset(**row):
+        observation = reset(**row)
+        if observation is None or isinstance(observation, str) or (multimodal and isinstance(observation, list)):
+            return observation
+        raise TypeError(
+            f"{type(environment).__name__}.reset() returned {type(observation).__name__} {observation!r:.60}; it "
+            "returns None or the text appended to the prompt's last message"
+            + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
+        )
+
+    environment.reset = checked_reset
+    return environment
