@@ -99,13 +99,54 @@ def test_running_strength_follows_the_float64_reference():
     assert RewardStrength(None, 3).betas(0.5) == 0.5
 
 
-def test_resting_rewards_wait_for_warmup_and_probe_every_tenth_step():
+def test_resting_rewards_wait_for_warmup_and_probe_every_tenth_generation_batch():
     strength = RewardStrength(0.25, 3)
     strength.specificity = torch.tensor([0.1, 0.5, math.nan], dtype=torch.float64)  # g = 0, 1, 1 (no reading)
-    assert strength.resting(step=4, warmup_steps=5) == set()
-    assert strength.resting(step=11, warmup_steps=5) == {0}
-    assert strength.resting(step=20, warmup_steps=5) == set()  # probe: its reading is refreshed
-    assert RewardStrength(None, 3).resting(step=11, warmup_steps=0) == set()
+    assert strength.resting(step=4, warmup_steps=5, generation_batch=4) == set()
+    assert strength.resting(step=11, warmup_steps=5, generation_batch=11) == {0}
+    assert strength.resting(step=20, warmup_steps=5, generation_batch=20) == set()  # probe: its reading is refreshed
+    # a generation every 4 steps: the probe is the 10th batch's (step 40), not step 20's (the 5th batch)
+    assert strength.resting(step=20, warmup_steps=5, generation_batch=5) == {0}
+    assert strength.resting(step=40, warmup_steps=5, generation_batch=10) == set()
+    assert RewardStrength(None, 3).resting(step=11, warmup_steps=0, generation_batch=11) == set()
+
+
+@pytest.mark.parametrize(
+    "accumulation,per_generation,iterations,expected",
+    [(1, 1, 1, [0, 1, 2, 3]), (1, 4, 1, [0, 1, 2]), (2, 2, 2, [0, 1]), (4, 2, 1, [0, 2, 4])],
+)
+def test_the_generation_batch_index_counts_what_trl_samples(accumulation, per_generation, iterations, expected):
+    """TRL samples every ``steps_per_generation x num_iterations`` micro-batches; read at the optimizer steps where it
+    samples (every step with 2 generations per step in the last case: one is read per step at its first)."""
+    from trl_mrtpo.strength import generation_batch_index
+
+    period = max(per_generation * iterations // accumulation, 1)
+    steps = range(0, len(expected) * period, period)
+    assert [generation_batch_index(s, accumulation, per_generation, iterations) for s in steps] == expected
+
+
+def test_the_trainer_reads_generation_batches_for_the_probe(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    """A generation every 4 optimizer steps (steps_per_generation=4): the probe counter sees batches 0, 1, 2 at steps
+    0, 4, 8 (it read the step before: 0, 4, 8, whose 10th multiple came every 5 batches)."""
+    from tests.helpers import make_args, make_basic_dataset
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits import get_kit
+
+    seen = []
+    original = RewardStrength.resting
+
+    def recording(self, step, warmup_steps, generation_batch):
+        seen.append((step, generation_batch))
+        return original(self, step, warmup_steps, generation_batch)
+
+    monkeypatch.setattr(RewardStrength, "resting", recording)
+    kit = get_kit("basic")
+    args = make_args(tmp_path, max_steps=12, steps_per_generation=4, per_device_train_batch_size=4)
+    MRTPOTrainer(
+        model=tiny_model, reward_funcs=kit.rewards, info_blocks=kit.info_blocks, args=args,
+        train_dataset=make_basic_dataset(16), processing_class=tiny_tokenizer,
+    ).train()  # fmt: skip
+    assert seen == [(0, 0), (4, 1), (8, 2)]
 
 
 def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_tokenizer, tmp_path):

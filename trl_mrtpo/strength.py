@@ -51,9 +51,19 @@ class RewardStrength:
             return {}
         return {f"mrtpo/beta/{name}": beta * g for name, g in zip(reward_names, self.strengths().tolist())}
 
-    def resting(self, step: int, warmup_steps: int) -> set[int]:
-        """Rewards not replayed at ``step``: after warm-up, those whose ``g_k`` is 0, except on every
-        ``STRENGTH_PROBE_INTERVAL``-th step, when their reading is refreshed."""
-        if not self.active or step < warmup_steps or step % STRENGTH_PROBE_INTERVAL == 0:
+    def resting(self, step: int, warmup_steps: int, generation_batch: int) -> set[int]:
+        """Rewards not replayed in the generation batch sampled at optimizer step ``step``: after warm-up, those
+        whose ``g_k`` is 0, except in every ``STRENGTH_PROBE_INTERVAL``-th generation batch
+        (:func:`generation_batch_index`), when their reading is refreshed."""
+        if not self.active or step < warmup_steps or generation_batch % STRENGTH_PROBE_INTERVAL == 0:
             return set()
         return set((self.strengths() == 0).nonzero(as_tuple=True)[0].tolist())
+
+
+def generation_batch_index(
+    step: int, gradient_accumulation_steps: int, steps_per_generation: int, num_iterations: int
+) -> int:
+    """The generation batch (from 0) TRL samples at optimizer step ``step``: one every ``steps_per_generation x
+    num_iterations`` micro-batches, ``gradient_accumulation_steps`` micro-batches per step. Readings come one per
+    generation batch, so the probe counts these, not optimizer steps."""
+    return step * gradient_accumulation_steps // (steps_per_generation * num_iterations)

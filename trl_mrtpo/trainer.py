@@ -47,7 +47,7 @@ from .info_blocks import InfoBlock, assistant_header, check_builders, check_cont
 from .ops.divergence import validate_triton_kernel
 from .process_rewards import StepCredit, check_process_rewards
 from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier, placed_relevance, replay_relevance
-from .strength import RewardStrength
+from .strength import RewardStrength, generation_batch_index
 from .trajectories import check_tool_results
 from .utils import completion_text
 from .validation import (
@@ -415,7 +415,16 @@ class MRTPOTrainer(GRPOTrainer):
             batch.mask.any(-1).tolist(),
             joint=joint,
             only_varying=self.args.replay_only_varying,
-            resting=self.reward_strength.resting(self.state.global_step, self.args.credit_warmup_steps),
+            resting=self.reward_strength.resting(
+                self.state.global_step,
+                self.args.credit_warmup_steps,
+                generation_batch_index(
+                    self.state.global_step,
+                    self.args.gradient_accumulation_steps,
+                    self.args.steps_per_generation,
+                    self.num_iterations,
+                ),
+            ),
             separator=self.args.info_block_separator,
             header=self._assistant_header,
             special_tokens=self._special_tokens,
