@@ -2,6 +2,7 @@
 network), load what would be uploaded back into a model that generates what the trained one generates, and
 evaluate it."""
 
+import concurrent.futures
 import json
 import shutil
 import types
@@ -27,6 +28,9 @@ class FakeHub:
         ignored = shutil.ignore_patterns(*kwargs.get("ignore_patterns", []))
         shutil.copytree(folder_path, copy, ignore=ignored)
         self.uploads.append((repo_id, copy))
+        done = concurrent.futures.Future()  # what `run_as_future=True` returns: here already finished
+        done.set_result(None)
+        return done
 
 
 def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkeypatch, embedded_model_in_hub_cache):
@@ -138,3 +142,46 @@ def test_a_local_copy_names_its_hub_id_in_adapters_and_cards(tmp_path, tiny_mode
     written = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
     assert written["base_model_name_or_path"] == "someone/tiny-llama"
     assert "base_model: someone/tiny-llama" in (tmp_path / "saved" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("hub_strategy,folder", [("checkpoint", "last-checkpoint"), ("all_checkpoints", "checkpoint-2")])
+def test_a_checkpoint_pushed_to_the_hub_carries_mrtpo_state_and_resumes_it(
+    hub_strategy, folder, tmp_path, monkeypatch, tiny_model, tiny_tokenizer
+):
+    """transformers uploads the checkpoint inside ``_save_checkpoint``; MRTPO's state used to be written after it,
+    so a resume from the Hub restarted per-reward strength from scratch."""
+    import transformers.trainer
+
+    from tests.helpers import make_args, make_basic_dataset
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits import get_kit
+
+    hub = FakeHub(tmp_path / "hub")
+    (tmp_path / "hub").mkdir()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    monkeypatch.setattr(transformers.trainer, "create_repo", hub.create_repo, raising=False)
+    kit = get_kit("basic")
+
+    def trainer(max_steps, output):
+        args = make_args(
+            tmp_path / output, max_steps=max_steps, save_strategy="steps", save_steps=2, push_to_hub=True,
+            hub_model_id="me/run", hub_strategy=hub_strategy, reward_strength_floor=0.5,
+        )  # fmt: skip
+        return MRTPOTrainer(
+            model=tiny_model, reward_funcs=kit.rewards, info_blocks=kit.info_blocks, args=args,
+            train_dataset=make_basic_dataset(12), processing_class=tiny_tokenizer,
+        )  # fmt: skip
+
+    first = trainer(2, "first")
+    first.train()
+    (uploaded,) = [path for _, path in hub.uploads if (path / "trainer_state.json").exists()]
+    assert (uploaded / "mrtpo_state_0.pt").exists(), sorted(p.name for p in uploaded.iterdir())
+    saved = first.reward_strength.specificity.clone()
+    assert not saved.isnan().all()  # the run read its rewards' strength before checkpointing it
+    restored = []
+    original = MRTPOTrainer._restore_credit_state
+    monkeypatch.setattr(
+        MRTPOTrainer, "_restore_credit_state", lambda self, state: (restored.append(state), original(self, state))
+    )
+    trainer(3, "second").train(resume_from_checkpoint=str(uploaded))  # the uploaded folder, as downloaded
+    torch.testing.assert_close(restored[0]["reward_specificity"], saved, equal_nan=True)

@@ -199,3 +199,18 @@ def test_a_floor_that_would_do_nothing_is_refused(tmp_path, mode):
     assert MRTPOConfig.__dataclass_fields__["reward_strength_floor"].default == 0.25
     assert make_args(tmp_path, credit_assignment=mode, reward_strength_floor=0.25).reward_strength_floor == 0.25
     assert make_args(tmp_path, credit_assignment=mode, reward_strength_floor=None).reward_strength_floor is None
+
+
+def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, caplog):
+    """The core state is global: a resume on more processes (or from a checkpoint only the main process uploaded)
+    gives a new rank the lowest rank's state, not a fresh strength beside ranks that rest rewards."""
+    from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, load_credit_state, write_credit_state
+
+    identity = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}
+    for rank, value in ((1, 0.3), (3, 0.7)):
+        state = {"collapse_streaks": {}, "reward_specificity": torch.tensor([value, math.nan], dtype=torch.float64)}
+        write_credit_state(str(tmp_path), rank, identity, state)
+    for rank, expected in ((0, 0.3), (1, 0.3), (2, 0.3), (3, 0.7), (5, 0.3)):
+        loaded = load_credit_state(str(tmp_path), rank, identity, CORE_STATE_ENTRIES)
+        assert loaded["reward_specificity"][0].item() == expected, rank
+    assert not caplog.records  # nothing was missing

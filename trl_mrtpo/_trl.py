@@ -42,6 +42,8 @@ GRPO_TRAINER_NAMES = {
     "_save_checkpoint": "overridden (TRL's own extra-state hook, transformers Trainer): writes MRTPO's state",
     "_load_optimizer_and_scheduler": "overridden (where TRL reads its extra state back on resume): reads MRTPO's",
     "_get_output_dir": "called (transformers Trainer): the run folder that holds the checkpoint folders",
+    "_push_from_checkpoint": "overridden (transformers Trainer, inside _save_checkpoint): MRTPO's state is written "
+    "before the checkpoint is uploaded",
     "_save": "overridden (transformers Trainer): an adapter of a local model copy is saved without a Hub lookup",
 }
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table

@@ -4,6 +4,7 @@ back and checked on resume, so that a resumed run continues exactly as an uninte
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,9 @@ CORE_STATE_ENTRIES: dict[str, StateCheck] = {
 }
 
 
+STATE_FILE = re.compile(r"mrtpo_state_(\d+)\.pt")
+
+
 def credit_state_path(checkpoint: str, process_index: int) -> str:
     return os.path.join(checkpoint, f"mrtpo_state_{process_index}.pt")
 
@@ -64,15 +68,20 @@ def write_credit_state(checkpoint: str, process_index: int, identity: dict, stat
 def load_credit_state(
     checkpoint: str, process_index: int, identity: dict, entries: dict[str, StateCheck]
 ) -> dict | None:
-    """This process's state of ``checkpoint`` (:func:`read_credit_state`), or None with a warning when the file is
-    missing (the state starts afresh)."""
+    """This process's state of ``checkpoint`` (:func:`read_credit_state`). The core state is the same on every
+    process (per-reward strength reads the batch over all of them, the collapse monitor their means), so a process
+    without its own file (a resume on more processes, or a checkpoint uploaded by the main process alone) reads the
+    lowest rank's; None with a warning when the folder holds none (the state starts afresh)."""
     path = credit_state_path(checkpoint, process_index)
     if not os.path.isfile(path):
-        logger.warning(
-            f"{path} is missing: MRTPO's own state (collapse monitor, per-reward strength, any research option's) "
-            "starts afresh, so the resumed run will not continue exactly as an uninterrupted one."
-        )
-        return None
+        ranks = sorted(int(m[1]) for m in map(STATE_FILE.fullmatch, os.listdir(checkpoint)) if m)
+        if not ranks:
+            logger.warning(
+                f"{path} is missing: MRTPO's own state (collapse monitor, per-reward strength, any research "
+                "option's) starts afresh, so the resumed run will not continue exactly as an uninterrupted one."
+            )
+            return None
+        path = credit_state_path(checkpoint, ranks[0])
     return read_credit_state(path, identity, entries)
 
 

@@ -237,9 +237,18 @@ class MRTPOTrainer(GRPOTrainer):
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state."""
         super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        self._write_credit_state(folder)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """The main process writes MRTPO's state before transformers uploads the checkpoint (``hub_strategy``
+        ``"checkpoint"`` or ``"all_checkpoints"``), so that a resume from the Hub continues it."""
+        self._write_credit_state(checkpoint_folder)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _write_credit_state(self, folder: str) -> None:
         if self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
             return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         write_credit_state(folder, self.accelerator.process_index, self._state_identity(), self._credit_state()[0])
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
