@@ -134,6 +134,17 @@ def test_mrtpo_credit_on_trls_tool_loop(tiny_tokenizer, tmp_path):
     trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), tools=[lookup])
     trainer.train()
     check_credit_on_model_tokens(trainer)
+    # q's logged statistics read each reward's q at the model's tokens by the tool mask (they read the first
+    # mask.sum() positions, tool results included and the last turn's tokens left out)
+    logged = [entry for entry in trainer.state.log_history if any(k.startswith("mrtpo/q_mean/") for k in entry)]
+    assert len(logged) == len(trainer.replays)
+    for entry, batch, replay in zip(logged, trainer.batches, trainer.replays):
+        mask = (batch["completion_mask"] * batch["tool_mask"]).bool()
+        for k, name in enumerate(trainer.reward_func_names):
+            rows = replay["replayed"][:, k].nonzero(as_tuple=True)[0].tolist()
+            if rows:
+                expected = torch.cat([replay["relevance"][i, k][mask[i]] for i in rows]).mean().item()
+                assert entry[f"mrtpo/q_mean/{name}"] == pytest.approx(expected, rel=1e-5), name
 
 
 @pytest.mark.parametrize("source", ["tools", "environment_factory"])

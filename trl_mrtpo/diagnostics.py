@@ -37,19 +37,27 @@ def process_means(gathered: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
+def model_positions(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per response, the positions of the model's own tokens: where ``mask`` (``[B, C]``: the completion mask, times
+    TRL's tool mask in tool rollouts) is 1. Never the first ``mask.sum()`` positions, which on a tool rollout hold
+    tool results and miss the later turns. Two host syncs for the whole batch."""
+    columns = mask.bool().nonzero(as_tuple=True)[1]
+    return list(columns.split(mask.bool().sum(-1).tolist()))
+
+
 def q_statistics(
     relevance: torch.Tensor, with_q: torch.Tensor, mask: torch.Tensor, names: list[str]
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Per reward, over the responses where its q was computed (``with_q`` ``[B, K]``): the mean q over their tokens
-    (``mrtpo/q_mean``), and the mean share of tokens that hold 80% of each profile's q mass
+    """Per reward, over the responses where its q was computed (``with_q`` ``[B, K]``): the mean q over their model
+    tokens (``mrtpo/q_mean``), and the mean share of those tokens that hold 80% of each profile's q mass
     (``mrtpo/q_mass80_token_share``, all-zero profiles left out). Rewards with no such response are absent."""
-    lengths = mask.sum(-1).long()
+    positions = model_positions(mask)
     means, concentration = {}, {}
     for k, name in enumerate(names):
         rows = with_q[:, k].nonzero(as_tuple=True)[0].tolist()
         if not rows:
             continue
-        profiles = [relevance[i, k, : lengths[i]] for i in rows]
+        profiles = [relevance[i, k, positions[i]] for i in rows]
         means[name] = torch.cat(profiles).mean().item()
         shares = [share for share in map(mass_share, profiles) if share == share]  # NaN: an all-zero profile
         if shares:

@@ -41,7 +41,7 @@ from .config import MRTPOConfig
 from .constants import MIN_SHARED_PREFIX
 from .credit import TokenCredit, group_advantages, token_advantages, warmup_beta
 from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, write_credit_state
-from .diagnostics import CollapseMonitor, CreditRecord, process_means, q_statistics
+from .diagnostics import CollapseMonitor, CreditRecord, model_positions, process_means, q_statistics
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
 from .ops.divergence import validate_triton_kernel
@@ -515,11 +515,14 @@ class MRTPOTrainer(GRPOTrainer):
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
         # Decoding every token costs time each step, so only when that table is logged.
         if self.log_completions:
+            positions = model_positions(mask)
             tokens = [
-                token_strings(self.processing_class, ids[: int(n)].tolist())
-                for ids, n in zip(self.last_credit.completion_ids, mask.sum(-1))
+                token_strings(self.processing_class, ids[where].tolist())
+                for ids, where in zip(self.last_credit.completion_ids, positions)
             ]
-            summaries = credit_summaries(tokens, credit.advantages, relevance, with_q, self.reward_func_names)
+            summaries = credit_summaries(
+                tokens, credit.advantages, relevance, with_q, self.reward_func_names, positions
+            )
             log_completion_column(self, "mrtpo_credit", gather_object(summaries))
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.

@@ -46,15 +46,15 @@ def credit_summary(
 
 
 def credit_summaries(
-    tokens: Sequence[Sequence[str]], advantages, relevance, with_q, names: Sequence[str]
+    tokens: Sequence[Sequence[str]], advantages, relevance, with_q, names: Sequence[str], positions
 ) -> list[str]:
-    """:func:`credit_summary` of each response of a batch: ``tokens`` per response (unpadded), ``advantages``
-    ``[B, C]``, ``relevance`` ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the pairs whose q profile is shown)."""
+    """:func:`credit_summary` of each response of a batch: ``tokens`` per response (its model tokens, at
+    ``positions``: :func:`~trl_mrtpo.diagnostics.model_positions`), ``advantages`` ``[B, C]``, ``relevance``
+    ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the pairs whose q profile is shown)."""
     summaries = []
-    for j, response in enumerate(tokens):
-        length = len(response)
-        profiles = [relevance[j, k, :length].tolist() if with_q[j, k] else [] for k in range(len(names))]
-        summaries.append(credit_summary(response, advantages[j, :length].tolist(), profiles, names))
+    for j, (response, where) in enumerate(zip(tokens, positions)):
+        profiles = [relevance[j, k, where].tolist() if with_q[j, k] else [] for k in range(len(names))]
+        summaries.append(credit_summary(response, advantages[j, where].tolist(), profiles, names))
     return summaries
 
 
