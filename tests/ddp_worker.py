@@ -34,6 +34,14 @@ def main(report_dir: str, argv: list[str]) -> None:
         return output
 
     MRTPOTrainer._generate_and_score_completions = recording
+    restored = []  # the per-reward strength each rank resumed with (a resume only)
+    restore = MRTPOTrainer._restore_credit_state
+
+    def restoring(trainer, state):
+        restored.append(state["reward_specificity"].tolist())
+        return restore(trainer, state)
+
+    MRTPOTrainer._restore_credit_state = restoring
     trainer = train_main(*make_parser().parse_args_and_config(argv))
     state = trainer.accelerator.state
     report = {
@@ -42,6 +50,7 @@ def main(report_dir: str, argv: list[str]) -> None:
         "backend": str(state.backend),
         "global_step": trainer.state.global_step,
         "advantages": shapes,
+        "restored_specificity": restored,
         # a process group left alive at exit can abort the interpreter's shutdown (gloo's threads)
         "process_group_destroyed": not torch.distributed.is_initialized(),
     }

@@ -314,6 +314,7 @@ def _state(**changes):
         "shuffle_generator": torch.Generator().get_state(),
         "collapse_streaks": {},
         "reward_specificity": torch.zeros(2, dtype=torch.float64),
+        "generation_buffer": None,
     }
     state.update(changes)
     return state

@@ -513,3 +513,27 @@ def test_a_reset_returning_what_a_text_model_cannot_read_is_refused_naming_the_e
     assert checked_environment(Desk(None), multimodal=False).reset() is None
     if isinstance(observation, list):
         assert checked_environment(Desk(observation), multimodal=True).reset() == observation
+
+
+@pytest.mark.parametrize(
+    "buffer", [{"step": 3}, {"step": -1, "processes": 1, "inputs": []}, {"step": 3, "processes": 1, "inputs": [3]}]
+)
+def test_a_checkpointed_generation_buffer_of_another_shape_is_refused_naming_the_entry(buffer, tmp_path):
+    from tests.test_bad_input import IDENTITY, STATE_ENTRIES, _state
+    from trl_mrtpo.credit_state import read_credit_state
+
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(generation_buffer=buffer), path)
+    with pytest.raises(ValueError, match="mrtpo_state_0.pt: entry generation_buffer is"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+def test_a_version_3_state_reads_as_one_without_a_generation_buffer(tmp_path):
+    """Checkpoints written before the buffer was saved still resume (the buffer, if any, is sampled again)."""
+    from tests.test_bad_input import IDENTITY, STATE_ENTRIES, _state
+    from trl_mrtpo.credit_state import read_credit_state
+
+    old = _state(version=3)
+    del old["generation_buffer"]
+    torch.save(old, tmp_path / "mrtpo_state_0.pt")
+    assert read_credit_state(str(tmp_path / "mrtpo_state_0.pt"), IDENTITY, STATE_ENTRIES)["generation_buffer"] is None

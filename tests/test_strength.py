@@ -208,7 +208,11 @@ def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, c
 
     identity = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}
     for rank, value in ((1, 0.3), (3, 0.7)):
-        state = {"collapse_streaks": {}, "reward_specificity": torch.tensor([value, math.nan], dtype=torch.float64)}
+        state = {
+            "collapse_streaks": {},
+            "reward_specificity": torch.tensor([value, math.nan], dtype=torch.float64),
+            "generation_buffer": None,
+        }
         write_credit_state(str(tmp_path), rank, identity, state)
     for rank, expected in ((0, 0.3), (1, 0.3), (2, 0.3), (3, 0.7), (5, 0.3)):
         loaded = load_credit_state(str(tmp_path), rank, identity, CORE_STATE_ENTRIES)

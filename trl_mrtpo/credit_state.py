@@ -14,8 +14,9 @@ from transformers.utils import logging
 logger = logging.get_logger(__name__)
 
 # of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own; 3: the per-reward
-# strength's running specificity in the core)
-STATE_VERSION = 3
+# strength's running specificity in the core; 4: the generation buffer a checkpoint falls inside; a version-3 file
+# reads as one without a buffer)
+STATE_VERSION = 4
 
 # An entry's check: None when the value is what the trainer writes, else what was found instead (for the message).
 StateCheck = Callable[[Any, int], "str | None"]
@@ -46,9 +47,26 @@ def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
     return None
 
 
+def generation_buffer_problem(buffer: Any, num_rewards: int) -> str | None:
+    """The generation buffer a checkpoint fell inside (None: the next step samples anew): TRL's micro-step counter,
+    the number of processes it was written on, and the buffered batches (dicts)."""
+    if buffer is None:
+        return None
+    if (
+        isinstance(buffer, dict)
+        and set(buffer) == {"step", "processes", "inputs"}
+        and all(isinstance(buffer[key], int) and buffer[key] >= 0 for key in ("step", "processes"))
+        and isinstance(buffer["inputs"], list)
+        and all(isinstance(batch, dict) for batch in buffer["inputs"])
+    ):
+        return None
+    return f"{type(buffer).__name__} {sorted(buffer) if isinstance(buffer, dict) else ''}"
+
+
 CORE_STATE_ENTRIES: dict[str, StateCheck] = {
     "collapse_streaks": collapse_streaks_problem,
     "reward_specificity": specificity_problem,
+    "generation_buffer": generation_buffer_problem,
 }
 
 
@@ -82,6 +100,8 @@ def load_credit_state(
             )
             return None
         path = credit_state_path(checkpoint, ranks[0])
+        # a generation buffer holds its own rank's slice of the batch: another rank's is never applied
+        return {**read_credit_state(path, identity, entries), "generation_buffer": None}
     return read_credit_state(path, identity, entries)
 
 
@@ -98,6 +118,8 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
             "from another program, or from an older trl-mrtpo release; delete it to resume with a fresh MRTPO "
             "state."
         ) from error
+    if isinstance(state, dict) and state.get("version") == 3 and "generation_buffer" in entries:
+        state = {**state, "version": STATE_VERSION, "generation_buffer": None}  # written before buffers were saved
     if not isinstance(state, dict) or any(key not in state for key in entries):
         found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")

@@ -20,10 +20,12 @@ from trl import GRPOTrainer
 
 from ._trl import (
     gathered_for_probe,
+    generation_buffer,
     get_config_model_id,
     log_completion_column,
     log_metric,
     replace_logged_advantages,
+    restore_generation_buffer,
     sharding_engine,
     tokenize_prompts,
     whole_policy,
@@ -226,13 +228,18 @@ class MRTPOTrainer(GRPOTrainer):
     def _credit_state(self) -> tuple[dict, dict[str, StateCheck]]:
         """The state a resumed run needs to continue exactly, and how each entry is checked on reading."""
         streaks = dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}
-        state = {"collapse_streaks": streaks, "reward_specificity": self.reward_strength.specificity.clone()}
+        state = {
+            "collapse_streaks": streaks,
+            "reward_specificity": self.reward_strength.specificity.clone(),
+            "generation_buffer": generation_buffer(self),
+        }
         return state, CORE_STATE_ENTRIES
 
     def _restore_credit_state(self, state: dict) -> None:
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
         self.reward_strength.specificity = state["reward_specificity"].clone().double()
+        restore_generation_buffer(self, state["generation_buffer"])
 
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state."""
