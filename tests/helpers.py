@@ -186,3 +186,24 @@ def check_merged_advantages(parts: list[dict]) -> None:
     )
     assert merged("replayed").any()  # a real redistribution, not only the uniform part
     torch.testing.assert_close(merged("advantages"), single.advantages, atol=1e-5, rtol=1e-5)
+
+
+def template_tokenizer(template: str, specials: list[str], corpus: list[str], eos: str, pad: str):
+    """A byte-level BPE of a few hundred tokens trained on ``corpus``, with a family's special tokens and TRL's
+    shipped chat template ``template`` (a file of ``trl/chat_templates``)."""
+    from pathlib import Path
+
+    import trl
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(
+        corpus * 4, trainers.BpeTrainer(vocab_size=500, special_tokens=specials, initial_alphabet=alphabet)
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad)
+    fast.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
+    return fast

@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from tests.conftest import tiny_model_of
+from tests.helpers import template_tokenizer
 from tests.test_vllm_stand_in import StandInServer, StandInVLLM
 
 pytestmark = [pytest.mark.slow, pytest.mark.recipes]
@@ -70,21 +71,8 @@ CORPUS = [
 
 def family_tokenizer(family: str):
     """A byte-level BPE of a few hundred tokens with the family's special tokens added and TRL's chat template."""
-    import trl
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     _, _, template, specials = FAMILIES[family]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(
-        CORPUS * 4, trainers.BpeTrainer(vocab_size=500, special_tokens=specials, initial_alphabet=alphabet)
-    )
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
-    return fast
+    return template_tokenizer(template, specials, CORPUS, eos="<|im_end|>", pad="<|endoftext|>")
 
 
 def family_model_dir(family: str, dtype: str, folder: Path) -> str:
