@@ -11,18 +11,23 @@ from .credit import TokenCredit
 from .utils import completion_text
 
 
-def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
-    """Share of a profile's tokens that hold ``mass`` of its q mass (the smallest such set).
+def mass_shares(relevance: torch.Tensor, mask: torch.Tensor, mass: float = 0.8) -> torch.Tensor:
+    """Per row of ``relevance`` (``[N, C]``, over the tokens where ``mask`` is 1): the share of its tokens that hold
+    ``mass`` of its q mass (the smallest such set). 1/L means one token holds it all; ``mass`` means q is spread
+    evenly; NaN for an all-zero (or empty) profile. All rows at once, with no host sync."""
+    values = torch.where(mask.bool(), relevance.float(), 0.0)
+    lengths = mask.bool().sum(-1)
+    total = values.sum(-1)
+    cumulative = values.sort(-1, descending=True).values.cumsum(-1)
+    needed = torch.searchsorted(cumulative, (mass * total)[:, None]).squeeze(-1) + 1
+    shares = torch.minimum(needed, lengths).double() / lengths.clamp(min=1)
+    return torch.where((total > 0) & (lengths > 0), shares, torch.nan)
 
-    1/L means one token holds it all; ``mass`` means q is spread evenly. NaN for an all-zero profile.
-    """
-    values = relevance.flatten().float()
-    total = values.sum()
-    if values.numel() == 0 or total <= 0:
-        return float("nan")
-    cumulative = values.sort(descending=True).values.cumsum(0)
-    needed = int(torch.searchsorted(cumulative, mass * total).item()) + 1
-    return min(needed, values.numel()) / values.numel()
+
+def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
+    """:func:`mass_shares` of one profile."""
+    values = relevance.flatten()[None]
+    return mass_shares(values, torch.ones_like(values, dtype=torch.bool), mass).item()
 
 
 def process_means(gathered: list[dict[str, float]]) -> dict[str, float]:
@@ -49,20 +54,22 @@ def q_statistics(
     relevance: torch.Tensor, with_q: torch.Tensor, mask: torch.Tensor, names: list[str]
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Per reward, over the responses where its q was computed (``with_q`` ``[B, K]``): the mean q over their model
-    tokens (``mrtpo/q_mean``), and the mean share of those tokens that hold 80% of each profile's q mass
-    (``mrtpo/q_mass80_token_share``, all-zero profiles left out). Rewards with no such response are absent."""
-    positions = model_positions(mask)
-    means, concentration = {}, {}
-    for k, name in enumerate(names):
-        rows = with_q[:, k].nonzero(as_tuple=True)[0].tolist()
-        if not rows:
-            continue
-        profiles = [relevance[i, k, positions[i]] for i in rows]
-        means[name] = torch.cat(profiles).mean().item()
-        shares = [share for share in map(mass_share, profiles) if share == share]  # NaN: an all-zero profile
-        if shares:
-            concentration[name] = sum(shares) / len(shares)
-    return means, concentration
+    tokens (where ``mask`` ``[B, C]`` is 1: the completion mask, times TRL's tool mask in tool rollouts;
+    ``mrtpo/q_mean``), and the mean share of those tokens that hold 80% of each profile's q mass
+    (``mrtpo/q_mass80_token_share``, all-zero profiles left out). Rewards with no such response are absent. One host
+    sync for the whole batch, whatever its size and number of rewards."""
+    tokens = mask.bool()[:, None, :] & with_q.bool()[:, :, None]  # [B, K, C]
+    counts = tokens.sum((0, 2))
+    sums = torch.where(tokens, relevance.float(), 0.0).sum((0, 2))
+    shares = mass_shares(relevance.flatten(0, 1), tokens.flatten(0, 1)).view(with_q.shape)  # [B, K], NaN: no share
+    read = ~shares.isnan()
+    share_means = torch.where(read, shares, 0.0).sum(0) / read.sum(0).clamp(min=1)
+    counts, means, share_means, shared = torch.stack(
+        [counts.float(), sums / counts.clamp(min=1), share_means, read.sum(0).float()]
+    ).tolist()
+    means_out = {name: means[k] for k, name in enumerate(names) if counts[k] > 0}
+    concentration = {name: share_means[k] for k, name in enumerate(names) if shared[k] > 0}
+    return means_out, concentration
 
 
 class CollapseMonitor:

@@ -383,9 +383,10 @@ def replay_contexts(
     per sample the replayed rewards, the blocks, and the contexts ``[P_all, P_removed...]`` (one removal per wanted
     reward, or one of every block when ``joint``; empty when nothing is replayed).
     """
+    scores, varies = rewards.tolist(), varying.tolist()  # two host syncs for the batch, not one per pair
     blocks = [
         [
-            build_block(builder, name, i, prompts[i], completions[i], rows[i], rewards[i, k].item(), views[i])
+            build_block(builder, name, i, prompts[i], completions[i], rows[i], scores[i][k], views[i])
             if builder is not None
             else None
             for k, (builder, name) in enumerate(zip(builders, names))
@@ -402,8 +403,8 @@ def replay_contexts(
             # a reward that is None for this sample gives it no advantage: nothing to place
             if in_loss[i]
             and blocks[i][k] is not None
-            and rewards[i, k] == rewards[i, k]
-            and (bool(varying[i, k]) or not only_varying)
+            and scores[i][k] == scores[i][k]
+            and (varies[i][k] or not only_varying)
             and k not in resting
         ]
         for i in range(len(prompts))
