@@ -94,7 +94,9 @@ def reply(family: str, text: str, index: int) -> str:
     return ("The code is 42." if index % 2 == 0 else "I do not know.") + end
 
 
-def scripted_run(family: str, tmp_path, tool=lookup, policy=reply, rows: int = 12, iterations: int = 3):
+def scripted_run(
+    family: str, tmp_path, tool=lookup, policy=reply, rows: int = 12, iterations: int = 3, length: int = 700, steps=1
+):
     """One step of TRL's tool loop in ``family``'s format with the scripted ``policy``; returns the trainer, its
     tokenizer and the replay's contexts with the completions they were built for."""
     from transformers import LlamaForCausalLM
@@ -120,7 +122,7 @@ def scripted_run(family: str, tmp_path, tool=lookup, policy=reply, rows: int = 1
             self.credits = [*getattr(self, "credits", []), self.last_credit]
             return output
 
-    args = make_args(tmp_path, max_steps=1, max_completion_length=700, per_device_train_batch_size=rows,
+    args = make_args(tmp_path, max_steps=steps, max_completion_length=length, per_device_train_batch_size=rows,
                      num_generations=6, max_tool_calling_iterations=iterations)  # fmt: skip
     trainer = Scripted(
         model=LlamaForCausalLM(tiny_llama_config(tokenizer, max_position_embeddings=8192)),
