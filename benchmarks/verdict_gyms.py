@@ -13,7 +13,6 @@ float path (the supervised policies differ with it):
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -24,48 +23,11 @@ from trl_mrtpo.scripts.inspection import inspect_credit
 
 
 def agent_gym(tmp: Path) -> list[tuple[str, int, int, object]]:
-    from trl_mrtpo.gym.agent import (
-        REWARD_NAMES,
-        AgentGymSpec,
-        agent_blocks,
-        agent_dataset,
-        agent_rewards,
-        env_mask_of,
-        parse_trajectory,
-        relevant_token,
-        sample_trajectories,
-        supervised_agent_policy,
-    )
+    from trl_mrtpo.gym.agent import deciding_word_peaks, inspected_supervised_policy
 
-    torch.manual_seed(0)
-    model, tokenizer = supervised_agent_policy(AgentGymSpec(), 0, tmp / "cache")
-    model.save_pretrained(tmp / "agent")
-    tokenizer.save_pretrained(tmp / "agent")
-    rows = agent_dataset(8, 5).to_list()
-    sampled = sample_trajectories(model, tokenizer, [row["prompt"] for row in rows for _ in range(4)], 1.0)
-    lines = [
-        {**rows[i // 4], "completion": " ".join(tokenizer.convert_ids_to_tokens(ids))}
-        for i, ids in enumerate(sampled["completion_ids"])
-    ]
-    path = tmp / "trajectories.jsonl"
-    path.write_text("\n".join(json.dumps(line) for line in lines))
-    record, _, verdicts = inspect_credit(
-        model=str(tmp / "agent"), reward_funcs=agent_rewards(), info_blocks=agent_blocks(), dataset=rows,
-        completions=str(path), output=None, return_verdicts=True,
-    )  # fmt: skip
-    out = []
-    for k, name in enumerate(REWARD_NAMES):
-        hits = total = 0
-        for j, line in enumerate(lines):
-            words = line["completion"].split()
-            position = relevant_token(name, parse_trajectory(words))
-            if position is None or not record.replayed[j, k]:
-                continue
-            own = [t for t, m in enumerate(env_mask_of(words)) if m]
-            total += 1
-            hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
-        out.append(("agent", hits, total, verdicts[k]))
-    return out
+    record, verdicts, words = inspected_supervised_policy(tmp)
+    peaks = deciding_word_peaks(record, words)
+    return [("agent", *peaks[v.reward], v) for v in verdicts]
 
 
 def credit_gym(tmp: Path) -> list[tuple[str, int, int, object]]:

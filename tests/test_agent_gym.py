@@ -19,7 +19,6 @@ from trl_mrtpo.gym.agent import (
     parse_table,
     parse_trajectory,
     relevant_token,
-    sample_trajectories,
     supervised_agent_policy,
     train_agent_run,
     turn_of,
@@ -131,47 +130,11 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     trajectories, the verdict says token credit will move a reward's credit only for rewards whose q peaks on their
     deciding word (the first call's entity, the last call's entity, the answer's value) in at least 3 of 4
     trajectories, on every CPU float path."""
-    import torch
+    from trl_mrtpo.gym.agent import deciding_word_peaks, inspected_supervised_policy
 
-    from trl_mrtpo.gym.agent import agent_dataset
-    from trl_mrtpo.scripts.inspection import inspect_credit
-
-    torch.manual_seed(0)
-    model, tokenizer = supervised_agent_policy(AgentGymSpec(), 0, tmp_path / "cache")
-    model.save_pretrained(tmp_path / "policy")
-    tokenizer.save_pretrained(tmp_path / "policy")
-    rows = agent_dataset(8, 5).to_list()
-    sampled = sample_trajectories(model, tokenizer, [row["prompt"] for row in rows for _ in range(4)], 1.0)
-    lines = [
-        {**rows[i // 4], "completion": " ".join(tokenizer.convert_ids_to_tokens(ids))}
-        for i, ids in enumerate(sampled["completion_ids"])
-    ]
-    path = tmp_path / "trajectories.jsonl"
-    path.write_text("\n".join(json.dumps(line) for line in lines))
-    record, _, verdicts = inspect_credit(
-        model=str(tmp_path / "policy"),
-        reward_funcs=agent_rewards(),
-        info_blocks=agent_blocks(),
-        dataset=rows,
-        completions=str(path),
-        output=None,
-        return_verdicts=True,
-    )
+    record, verdicts, words = inspected_supervised_policy(tmp_path)
     assert [v.reward for v in verdicts] == list(REWARD_NAMES)
-    peaks = {}
-    for k, name in enumerate(REWARD_NAMES):
-        hits = total = 0
-        for j in range(len(lines)):
-            words = tokenizer.convert_ids_to_tokens(record.completion_ids[j][record.mask[j].bool()].tolist())
-            position = relevant_token(name, parse_trajectory(words))
-            if position is None or not record.replayed[j, k]:
-                continue
-            own = [
-                t for t, m in enumerate(env_mask_of(words)) if m
-            ]  # the model's words (the fixed replay has no mask)
-            total += 1
-            hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
-        peaks[name] = (hits, total)
+    peaks = deciding_word_peaks(record, words)
     # The supervised policy differs with the CPU's float path (ATEN_CPU_CAPABILITY default / avx2 / avx512, seed 0):
     # answer peaks on its value in 26/29, 29/29, 29/31 trajectories, q 2.4x, 4.8x, 7.7x the control's; first call in
     # 11/31, 16/31, 32/32 at 0.47x, 1.18x, 0.72x; last call in 2/31, 0/31, 0/32 at 0.46x, 0.80x, 0.76x, its q peaking

@@ -537,3 +537,19 @@ def test_a_version_3_state_reads_as_one_without_a_generation_buffer(tmp_path):
     del old["generation_buffer"]
     torch.save(old, tmp_path / "mrtpo_state_0.pt")
     assert read_credit_state(str(tmp_path / "mrtpo_state_0.pt"), IDENTITY, STATE_ENTRIES)["generation_buffer"] is None
+
+
+def test_a_generation_buffer_from_another_number_of_processes_is_sampled_again(caplog):
+    """A buffer holds its rank's slice of the batch: on another number of processes it is left out, with a warning;
+    on the same it is put back with TRL's micro-step counter."""
+    from types import SimpleNamespace
+
+    from trl_mrtpo._trl import restore_generation_buffer
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), _step=0, _buffered_inputs=None)
+    buffer = {"step": 3, "processes": 2, "inputs": [{"advantages": torch.ones(2)}]}
+    restore_generation_buffer(trainer, buffer)
+    assert (trainer._step, trainer._buffered_inputs) == (0, None)
+    assert any("written on 2 processes; on 1" in record.getMessage() for record in caplog.records)
+    restore_generation_buffer(trainer, {**buffer, "processes": 1})
+    assert trainer._step == 3 and trainer._buffered_inputs == buffer["inputs"]

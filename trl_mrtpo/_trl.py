@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 # TRL's own detection of ZeRO-3 / FSDP and its context for generating with a ZeRO-3 model gathered whole (TRL 1.16).
 from trl.distributed import DistributedBackend
@@ -33,6 +34,8 @@ from trl.trainer.utils import (
     get_trackio_space_url,
     maybe_gather_lm_head_ctx,
 )
+
+logger = logging.get_logger(__name__)
 
 # What MRTPOTrainer overrides, calls or reads on GRPOTrainer (and transformers' Trainer), private or not public API.
 GRPO_TRAINER_NAMES = {

@@ -409,3 +409,47 @@ def agent_localisation(spec: AgentGymSpec, seed: int, cache_dir: str | Path, num
                 }
             )
     return records
+
+
+def inspected_supervised_policy(work_dir: str | Path, num_prompts: int = 8, generations: int = 4) -> tuple:
+    """``(record, verdicts, words)``: the supervised policy (seed 0) inspected by ``inspect_credit`` on the
+    trajectories it samples, ``generations`` for each of ``num_prompts`` prompts; ``words`` per trajectory. Where
+    ``inspect``'s verdicts are checked against the deciding words (docs/inspect.md)."""
+    import json
+
+    from ..scripts.inspection import inspect_credit
+
+    work_dir = Path(work_dir)
+    torch.manual_seed(0)
+    model, tokenizer = supervised_agent_policy(AgentGymSpec(), 0, work_dir / "cache")
+    model.save_pretrained(work_dir / "policy")
+    tokenizer.save_pretrained(work_dir / "policy")
+    rows = agent_dataset(num_prompts, 5).to_list()
+    prompts = [row["prompt"] for row in rows for _ in range(generations)]
+    sampled = sample_trajectories(model, tokenizer, prompts, 1.0)
+    words = [tokenizer.convert_ids_to_tokens(ids) for ids in sampled["completion_ids"]]
+    lines = [{**rows[i // generations], "completion": " ".join(w)} for i, w in enumerate(words)]
+    path = work_dir / "trajectories.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines))
+    record, _, verdicts = inspect_credit(
+        model=str(work_dir / "policy"), reward_funcs=agent_rewards(), info_blocks=agent_blocks(), dataset=rows,
+        completions=str(path), output=None, return_verdicts=True,
+    )  # fmt: skip
+    return record, verdicts, [line["completion"].split() for line in lines]
+
+
+def deciding_word_peaks(record, words: Sequence[Sequence[str]]) -> dict[str, tuple[int, int]]:
+    """Per reward: in how many replayed trajectories that have its deciding word its q peaks there (over the model's
+    words), of how many."""
+    peaks = {}
+    for k, name in enumerate(REWARD_NAMES):
+        hits = total = 0
+        for j, trajectory_words in enumerate(words):
+            position = relevant_token(name, parse_trajectory(trajectory_words))
+            if position is None or not record.replayed[j, k]:
+                continue
+            own = [t for t, m in enumerate(env_mask_of(trajectory_words)) if m]  # the fixed replay has no mask
+            total += 1
+            hits += int(own[record.relevance[j, k, own].argmax().item()] == position)
+        peaks[name] = (hits, total)
+    return peaks
