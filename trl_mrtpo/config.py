@@ -43,9 +43,9 @@ class MRTPOConfig(GRPOConfig):
         reward_strength_floor (`float` or `None`, *optional*, defaults to `0.25`):
             Per-reward strength: reward k's beta is `credit_beta * g_k`, `g_k` rising linearly from 0 at this
             specificity (`1 - cos` between its q and the other rewards' mean q, a running mean over train batches)
-            to 1 at twice it; a reward whose `g_k` is 0 is replayed only every 10th step after warm-up. Logged as
-            `mrtpo/beta/<reward>`. `None`: every reward uses `credit_beta` (the published rule). Acts in `"mrtpo"`
-            mode; in (0, 0.5].
+            to 1 at twice it; a reward whose `g_k` is 0 is replayed only every 10th generation batch after
+            warm-up. Logged as `mrtpo/beta/<reward>`. `None`: every reward uses `credit_beta` (the published rule).
+            Acts in `"mrtpo"` mode; in (0, 0.5].
         > Parameters that control the replay
 
         replay_batch_size (`int`, *optional*, defaults to `8`):
