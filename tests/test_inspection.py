@@ -224,3 +224,37 @@ def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, cap
     lines = [line for line in out.splitlines() if line.startswith(("says_red", "lowercase_reward"))]
     verdicts = ("token credit will move", "never varies", "under twice the control's", "would rest it")
     assert len(lines) == 2 and all(any(v in line for v in verdicts) for line in lines)
+
+
+def test_verdicts_read_the_model_tokens_of_a_tool_rollout():
+    """A tool result in the middle of the completion (mask 0 there): the reward's q on the last turn's tokens counts
+    (the verdict sliced the first mask.sum() positions, so it missed them and read a tool result instead)."""
+    import math
+
+    import torch
+
+    from trl_mrtpo.diagnostics import CreditRecord
+    from trl_mrtpo.scripts.inspection import reward_verdicts
+
+    names = ["located", CONTROL_NAME]
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]] * 4)
+    located = torch.tensor([0.01, 0.01, 0.0, 0.0, 0.01, 0.5]).repeat(4, 1)
+    control = torch.tensor([0.02, 0.02, 0.0, 0.0, 0.02, 0.02]).repeat(4, 1)
+    record = CreditRecord(
+        prompts=["p"] * 4,
+        completions=["abcdef"] * 4,
+        completion_ids=torch.tensor([[ord(c) for c in "abcdef"]] * 4),
+        mask=mask,
+        rewards=torch.tensor([[1.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]]),
+        group_advantages=torch.zeros(4, 2),
+        relevance=torch.stack([located, control], dim=1),
+        replayed=torch.ones(4, 2, dtype=torch.bool),
+        weights=torch.ones(4, 2, 6),
+        advantages=torch.zeros(4, 6),
+        beta=0.5,
+        reward_betas=torch.full((2,), 0.5),
+    )
+    (verdict,) = reward_verdicts(record, CharTokenizer(), names, num_generations=2, strength_floor=None)
+    assert math.isclose(verdict.q_over_control, 0.53 / 0.08, rel_tol=1e-5)
+    assert verdict.verdict.startswith("token credit will move") and verdict.tokens[0] == "f"
+    assert verdict.concentration == 0.25  # one of its 4 model tokens holds 80 % of the mass

@@ -324,15 +324,17 @@ def reward_verdicts(
     The rule (docs/inspect.md): a reward that never varies within a group is never replayed in training (its credit
     stays uniform); one whose mean q is at least ``VERDICT_RATIO`` times the control sentence's on the same
     responses will have its credit moved onto the tokens where its q is largest, unless per-reward strength
-    (``strength_floor``, None: off) reads its q as shaped like the other rewards' and rests it; otherwise its q
-    cannot be told from the control's and token credit would move its credit by noise. The strength is this batch's
-    reading over the task's rewards (the control slot left out), not training's running mean.
+    (``strength_floor``, None: off) reads its q as shaped like the other rewards' and rests it; otherwise token
+    credit still moves its credit to where its q peaks, but nothing shows those are the tokens its verifier decides
+    on (an irrelevant sentence moves the policy as much). The strength is this batch's reading over the task's
+    rewards (the control slot left out), not training's running mean. Every figure reads the model's tokens
+    (:func:`~trl_mrtpo.diagnostics.model_positions`: tool results left out).
     """
     from ..credit import group_advantages, relevance_specificity, reward_strength
-    from ..diagnostics import mass_share
+    from ..diagnostics import mass_share, model_positions
 
     control = reward_names.index(CONTROL_NAME)
-    lengths = record.mask.sum(-1).long().tolist()
+    positions = model_positions(record.mask)
     _, in_group = group_advantages(record.rewards, num_generations)  # [B, K]: varies within the response's group
     task = [k for k in range(len(reward_names)) if k != control]
     specificity = relevance_specificity(record.relevance[:, task], record.replayed[:, task])
@@ -342,19 +344,23 @@ def reward_verdicts(
         if k == control:
             continue
         varying = in_group[::num_generations, k].float().mean().item()  # share of groups where it varies
-        both = [j for j in range(len(lengths)) if record.replayed[j, k] and record.replayed[j, control] and lengths[j]]
-        q = sum(record.relevance[j, k, : lengths[j]].sum().item() for j in both)
-        q_control = sum(record.relevance[j, control, : lengths[j]].sum().item() for j in both)
+        both = [
+            j
+            for j, where in enumerate(positions)
+            if record.replayed[j, k] and record.replayed[j, control] and len(where)
+        ]
+        own = {j: record.relevance[j, k, positions[j]] for j in both}
+        controls = {j: record.relevance[j, control, positions[j]] for j in both}
+        q = sum(own[j].sum().item() for j in both)
+        q_control = sum(controls[j].sum().item() for j in both)
         ratio = q / q_control if q_control > 0 else (math.inf if q > 0 else math.nan)
-        shares = [mass_share(record.relevance[j, k, : lengths[j]]) for j in both]
+        shares = [mass_share(own[j]) for j in both]
         shares = [x for x in shares if x == x]
         concentration = sum(shares) / len(shares) if shares else math.nan
-        apart = [
-            float(record.relevance[j, k, : lengths[j]].argmax() != record.relevance[j, control, : lengths[j]].argmax())
-            for j in both
-        ]
+        apart = [float(own[j].argmax() != controls[j].argmax()) for j in both]
         peaks = sorted(
-            ((record.relevance[j, k, t].item(), j, t) for j in both for t in range(lengths[j])), reverse=True
+            ((value, j, positions[j][i].item()) for j in both for i, value in enumerate(own[j].tolist())),
+            reverse=True,
         )[:3]
         tokens = [token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for _, j, t in peaks]
         strength = strengths[task.index(k)].item()
