@@ -242,14 +242,19 @@ class MRTPOTrainer(GRPOTrainer):
         restore_generation_buffer(self, state["generation_buffer"])
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state."""
+        """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state (with
+        ``push_to_hub``, :meth:`_push_from_checkpoint` has written it already, before the upload)."""
         super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        self._write_credit_state(folder)
+        if not self.args.push_to_hub:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            self._write_credit_state(folder)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """The main process writes MRTPO's state before transformers uploads the checkpoint (``hub_strategy``
-        ``"checkpoint"`` or ``"all_checkpoints"``), so that a resume from the Hub continues it."""
+        """Every process writes MRTPO's state here, inside ``_save_checkpoint`` and before transformers uploads the
+        checkpoint (``hub_strategy`` ``"checkpoint"`` or ``"all_checkpoints"``), so that a resume from the Hub
+        continues it."""
         self._write_credit_state(checkpoint_folder)
         super()._push_from_checkpoint(checkpoint_folder)
 
