@@ -350,13 +350,13 @@ def checked_rollout(rollout_func: Callable) -> Callable:
             values = _rows(mask)
             if (
                 values is None
-                or len(values) != len(_rows(ids) or ())
+                or len(values) != len(ids)
                 or any(v not in (0, 1) or isinstance(v, float) for v in values)
             ):
                 found = f"{len(values)} entries" if values is not None else type(mask).__name__
                 raise ValueError(
                     f"{where} returned an env_mask for completion {i} that is not a list of 0/1 as long as its "
-                    f"{len(_rows(ids) or ())} completion ids (found {found}: {str(values)[:60]}); 1 marks the "
+                    f"{len(ids)} completion ids (found {found}: {str(values)[:60]}); 1 marks the "
                     "model's tokens, 0 what the environment wrote."
                 )
         return output
