@@ -16,7 +16,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-import trl_mrtpo.trainer
+import trl_mrtpo.relevance
 from tests.conftest import needs_bf16_attention, tiny_model_of
 from tests.helpers import make_args
 from tests.reference import reference_strength_betas, reference_token_advantages
@@ -43,14 +43,14 @@ def bf16_run(tiny_tokenizer, tmp_path, monkeypatch, architecture, peft, mode, fl
     model = family_model(architecture, tiny_tokenizer).to(torch.bfloat16)
     initial = copy.deepcopy(model)  # the weights the first replay runs with (LoRA starts as the identity)
     calls = []
-    replay = trl_mrtpo.trainer.replay_relevance
+    replay = trl_mrtpo.relevance.replay_relevance
 
     def spied(policy, contexts, completions, temperature, **kwargs):
         q = replay(policy, contexts, completions, temperature, **kwargs)
         calls.append((contexts, completions, temperature, kwargs, q))
         return q
 
-    monkeypatch.setattr(trl_mrtpo.trainer, "replay_relevance", spied)
+    monkeypatch.setattr(trl_mrtpo.relevance, "replay_relevance", spied)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if peft else None
     trainer = CreditTrainer(
         model=model,

@@ -154,10 +154,10 @@ def test_appended_blocks_with_plain_prompts(tiny_model, tiny_tokenizer, tmp_path
 
 
 def test_replay_only_varying_skips_constant_rewards(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
-    import trl_mrtpo.trainer
+    import trl_mrtpo.relevance
 
     forwards = []
-    monkeypatch.setattr(trl_mrtpo.trainer, "replay_relevance", lambda *a, **k: forwards.append(a))
+    monkeypatch.setattr(trl_mrtpo.relevance, "replay_relevance", lambda *a, **k: forwards.append(a))
 
     def constant(completions, **_):
         return [1.0] * len(completions)

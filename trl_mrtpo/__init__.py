@@ -3,6 +3,7 @@
 import importlib
 import warnings
 
+from . import process_rewards  # noqa: F401  registers the step credit term (process rewards, failure suffixes)
 from .config import MRTPOConfig
 from .info_blocks import InfoBlock, InfoBlockError
 from .trainer import MRTPOTrainer

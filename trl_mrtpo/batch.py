@@ -1,5 +1,5 @@
-"""What one generation batch carries between MRTPO's steps: the rewards TRL scored, this process's slice with its
-response-level advantages, and how a credit mode replays it."""
+"""What one generation batch carries between MRTPO's steps: the rewards TRL scored, and this process's slice with its
+response-level advantages."""
 
 from __future__ import annotations
 
@@ -9,23 +9,6 @@ from functools import cached_property
 import torch
 
 from .trajectories import Trajectory, tool_views
-
-
-@dataclass(frozen=True)
-class CreditMode:
-    """How a credit assignment mode builds its token weights.
-
-    ``removal``: the replayed contexts: ``"each"`` removes one reward's block per context, ``"all"`` removes every
-    block in one context, None replays nothing. ``shuffled``: q is permuted within each response (ablation).
-    ``contrast``: CoRT's log-likelihood contrast instead of q.
-    """
-
-    removal: str | None
-    shuffled: bool = False
-    contrast: bool = False
-
-
-CREDIT_MODES = {"mrtpo": CreditMode("each"), "gdpo": CreditMode(None)}
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from trl import GRPOConfig
 
@@ -14,7 +13,8 @@ from .constants import (
     REPLAY_BATCH_SIZE,
 )
 from .ops import triton_divergence
-from .validation import check_field_types, check_finite_fields
+from .rules import credit_rule_names, replays_each_reward
+from .validation import check_credit_rule, check_field_types, check_finite_fields
 
 
 @dataclass
@@ -32,8 +32,9 @@ class MRTPOConfig(GRPOConfig):
             Where each reward's credit lands. `"mrtpo"`: each reward's advantage is redistributed over the tokens
             its info block makes the policy change its mind on. `"gdpo"`: per-reward group normalisation, uniform
             over tokens (the same pipeline with `credit_beta=0`). `"grpo"`: plain `GRPOTrainer` behaviour
-            (`multi_objective_aggregation` as set). The sibling methods and ablations (`"joint"`, `"shuffled"`,
-            `"cort"`) are in [`trl_mrtpo.research.ResearchConfig`].
+            (`multi_objective_aggregation` as set). Any other credit rule registered for this configuration class
+            ([`trl_mrtpo.rules.register_credit_rule`]; the sibling methods and ablations are registered for
+            [`trl_mrtpo.research.ResearchConfig`]).
         credit_beta (`float`, *optional*, defaults to `0.5`):
             Redistribution strength in [0, 1]: every token keeps at least `1 - credit_beta` of the uniform credit.
         credit_warmup_steps (`int`, *optional*, defaults to `10`):
@@ -72,9 +73,6 @@ class MRTPOConfig(GRPOConfig):
             Warn when a reward's replayed q stays below 1e-6 for this many consecutive generation steps (its
             credit is then uniform, i.e. plain GDPO). 0 disables the warning.
     """
-
-    credit_assignments: ClassVar[tuple[str, ...]] = CREDIT_ASSIGNMENTS
-    per_reward_relevance_modes: ClassVar[tuple[str, ...]] = ("mrtpo",)  # modes that replay each block on its own
 
     # transformers 5 renamed gradient_checkpointing; TRL still defaults the old name to True, which warns at every
     # config. Same default under the current name; the old one, when a user sets it, still wins (with the warning).
@@ -167,13 +165,7 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(
                 f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {iterations!r}."
             )
-        if self.credit_assignment not in self.credit_assignments:
-            research = " (the sibling methods and ablations are in trl_mrtpo.research.ResearchConfig)"
-            raise ValueError(
-                f"credit_assignment={self.credit_assignment!r} is unknown; "
-                f"choose one of {', '.join(self.credit_assignments)}"
-                f"{research if type(self) is MRTPOConfig else ''}."
-            )
+        check_credit_rule(self)
         if not 0.0 <= self.credit_beta <= 1.0:
             raise ValueError(f"credit_beta must be in [0, 1], got {self.credit_beta}.")
         if self.credit_warmup_steps < 0:
@@ -198,10 +190,11 @@ class MRTPOConfig(GRPOConfig):
         if floor is not None and not 0.0 < floor <= 0.5:
             raise ValueError(f"reward_strength_floor must be in (0, 0.5] or None, got {floor}.")
         default_floor = type(self).__dataclass_fields__["reward_strength_floor"].default
-        if floor not in (None, default_floor) and self.credit_assignment not in self.per_reward_relevance_modes:
+        if floor not in (None, default_floor) and not replays_each_reward(self.credit_assignment):
+            modes = [name for name in credit_rule_names(self) if replays_each_reward(name)]
             raise ValueError(
                 f"reward_strength_floor={floor!r} has no effect unless credit_assignment is one of "
-                f"{', '.join(self.per_reward_relevance_modes)} (it reads each reward's own q profile); got "
+                f"{', '.join(modes)} (it reads each reward's own q profile); got "
                 f"credit_assignment={self.credit_assignment!r}. Remove it."
             )
         if self.replay_batch_size < 1:

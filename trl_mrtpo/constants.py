@@ -15,18 +15,12 @@ MIN_CHUNK_TOKENS = 8
 # Vocabulary columns per tile of the sampled-token log-probabilities (TRL's ChunkedLogProbFunction).
 VOCAB_TILE = 4096
 
-# CONCUR-A: concordance readings needed before the ceiling tie may be released (ResearchConfig.concur_min_readings).
-CONCUR_MIN_READINGS = 61
-
-# Replay defaults (MRTPOConfig's replay_batch_size; ResearchConfig's replay_min_shared_prefix).
+# Replay defaults: sequences per forward, and the fewest new tokens a shared context prefix needs to run once.
 REPLAY_BATCH_SIZE = 8
-MIN_SHARED_PREFIX = 16  # tokens; a shorter shared prefix is not worth its own forward
+MIN_SHARED_PREFIX = 16  # a shorter shared prefix is not worth its own forward
 
 DIVERGENCE_BACKENDS = ("auto", "torch", "triton")
 CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo")
-RESEARCH_CREDIT_ASSIGNMENTS = ("joint", "shuffled", "cort")  # ResearchConfig's further modes
-REWARD_WEIGHTINGS = ("static", "saw", "concur")
-CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
 
 # Per-reward strength (MRTPOConfig.reward_strength): momentum of the running specificity, and how often a reward
 # whose strength is 0 is still replayed, so that its reading can recover.

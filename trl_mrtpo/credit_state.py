@@ -13,7 +13,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# of the mrtpo_state_<rank>.pt files in checkpoints (2: the research room's entries its own; 3: the per-reward
+# of the mrtpo_state_<rank>.pt files in checkpoints (2: a configuration subclass's entries its own; 3: the per-reward
 # strength's running specificity in the core; 4: the generation buffer a checkpoint falls inside; a version-3 file
 # reads as one without a buffer)
 STATE_VERSION = 4
@@ -95,8 +95,8 @@ def load_credit_state(
         ranks = sorted(int(m[1]) for m in map(STATE_FILE.fullmatch, os.listdir(checkpoint)) if m)
         if not ranks:
             logger.warning(
-                f"{path} is missing: MRTPO's own state (collapse monitor, per-reward strength, any research "
-                "option's) starts afresh, so the resumed run will not continue exactly as an uninterrupted one."
+                f"{path} is missing: MRTPO's own state (collapse monitor, per-reward strength, the credit rule's and "
+                "terms') starts afresh, so the resumed run will not continue exactly as an uninterrupted one."
             )
             return None
         path = credit_state_path(checkpoint, ranks[0])

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -26,7 +26,8 @@ from accelerate.utils import gather_object
 
 from .batch import ScoredBatch
 from .credit import failure_suffix_mask, process_advantages
-from .info_blocks import Prompt, call_builder
+from .info_blocks import Prompt, call_builder, check_builders
+from .rules import CreditSetup, CreditTerm, credit_rule, register_credit_term
 from .trajectories import Trajectory, Turn
 from .utils import completion_text, function_name, reward_columns
 from .validation import own_copies, within_float32
@@ -202,6 +203,38 @@ def check_process_rewards(funcs: Sequence[Callable] | Callable | None) -> list[C
     return list(funcs)
 
 
+def process_reward_weights(weights: Sequence[float] | None, count: int) -> list[float]:
+    """``process_reward_weights`` checked against the ``count`` process rewards (all 1.0 when None)."""
+    if weights is None:
+        return [1.0] * count
+    if len(weights) != count:
+        raise ValueError(
+            f"process_reward_weights has {len(weights)} entries but there are {count} process rewards; pass one "
+            "weight per process reward, in the same order."
+        )
+    return list(weights)
+
+
+def check_step_rules(
+    process_rewards: Sequence[Callable],
+    failure_builders: Sequence[Callable | None],
+    keeps_trl_advantages: bool,
+) -> list[str]:
+    """The step-level credit rules in use (named for later checks), refused under plain GRPO, which has no per-reward
+    token credit for them to act on."""
+    rules = [
+        name
+        for name, on in (("process_rewards", bool(process_rewards)), ("failure_boundaries", any(failure_builders)))
+        if on
+    ]
+    if rules and keeps_trl_advantages:
+        raise ValueError(
+            f"{' and '.join(rules)} act on MRTPO's per-reward token credit; credit_assignment='grpo' is plain "
+            "GRPOTrainer. Use 'gdpo' for uniform credit with them."
+        )
+    return rules
+
+
 def failure_boundary(
     builder: Callable[..., Any],
     reward_name: str,
@@ -340,21 +373,37 @@ def failure_suffix(
 
 
 @dataclass
-class StepCredit:
-    """A run's step-level credit rules: its process rewards (with their names and weights) and each reward's failure
-    boundary builder (or None)."""
+class StepCredit(CreditTerm):
+    """A run's step-level credit term: its process rewards (with their names and weights) and each reward's failure
+    boundary builder (or None); built from the trainer's ``process_rewards`` and ``failure_boundaries``."""
 
     process_rewards: list[Callable]
     process_weights: list[float]
     failure_builders: list[Callable | None]
     reward_names: list[str]
+    token_credit: list[str] = field(default_factory=list)
+
+    @property
+    def functions(self) -> list[Callable]:
+        return self.process_rewards
+
+    @classmethod
+    def build(cls, setup: CreditSetup) -> StepCredit:
+        """Checks the trainer's arguments (refused under a rule that keeps TRL's advantages) and names the rules in
+        use for the start-up checks."""
+        process_rewards = check_process_rewards(setup.options.get("process_rewards"))
+        weights = process_reward_weights(setup.args.process_reward_weights, len(process_rewards))
+        builders = check_builders(setup.options.get("failure_boundaries"), setup.reward_names, "failure_boundaries")
+        keeps_trl = credit_rule(setup.args.credit_assignment).rule.keeps_trl_advantages
+        rules = check_step_rules(process_rewards, builders, keeps_trl)
+        return cls(process_rewards, weights, builders, setup.reward_names, rules)
 
     def __call__(
         self, batch: ScoredBatch, tokenizer, num_generations: int, rank: int, trainer_state: Any = None
     ) -> tuple[dict[str, torch.Tensor | None], list[tuple[str, float]]]:
         """The local batch's ``process`` (``[B, C]``, :func:`process_credit`) and ``failure_suffix`` (``[B, K, C]``,
         :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.token_advantages` (None where a rule is not in use), and
-        each process reward's mean step score per scored response, for the logs."""
+        each process reward's mean step score per scored response, logged as ``mrtpo/process/<name>``."""
         completion_ids = batch.completion_ids
         process, means = None, []
         if self.process_rewards:
@@ -389,4 +438,7 @@ class StepCredit:
                 batch.mask.shape[1],
                 batch.views,
             ).to(batch.mask.device)
-        return {"process": process, "failure_suffix": suffix}, means
+        return {"process": process, "failure_suffix": suffix}, [(f"process/{name}", mean) for name, mean in means]
+
+
+register_credit_term("steps", StepCredit.build)

@@ -27,42 +27,31 @@ from ._trl import (
     replace_logged_advantages,
     restore_generation_buffer,
     sharding_engine,
-    tokenize_prompts,
-    whole_policy,
     wrap_environments,
 )
-from .batch import (
-    CREDIT_MODES,
-    CreditMode,
-    Scored,
-    ScoredBatch,
-    credit_mask,
-    local_slice,
-)
+from .batch import Scored, ScoredBatch, credit_mask, local_slice
 from .config import MRTPOConfig
-from .constants import MIN_SHARED_PREFIX
-from .credit import TokenCredit, group_advantages, token_advantages, warmup_beta
+from .credit import TokenCredit, group_advantages, warmup_beta
 from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, write_credit_state
 from .diagnostics import CollapseMonitor, CreditRecord, model_positions, process_means, q_statistics
 from .hub_ids import name_hub_ids, saving_with_hub_ids
-from .info_blocks import InfoBlock, assistant_header, check_builders, check_context_length, replay_contexts
+from .info_blocks import InfoBlock, assistant_header, check_builders
 from .ops.divergence import validate_triton_kernel
-from .process_rewards import StepCredit, check_process_rewards
-from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier, placed_relevance, replay_relevance
-from .strength import RewardStrength, generation_batch_index
+from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
+from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier
+from .rules import CreditInputs, CreditSetup, CreditTerm, as_term, build_credit_terms, credit_rule, quantity
+from .strength import RewardStrength
 from .trajectories import check_tool_results
-from .utils import completion_text
 from .validation import (
+    check_config_class,
     check_dataset,
     check_environment_arguments,
     check_finite_rewards,
     check_loss_keeps_token_credit,
     check_sharded_replay,
-    check_step_rules,
     checked_environment,
     checked_reward,
     checked_rollout,
-    process_reward_weights,
 )
 from .viz import credit_summaries, token_strings
 
@@ -76,13 +65,15 @@ class MRTPOTrainer(GRPOTrainer):
     """Trainer for MRTPO: each reward's advantage lands on the tokens that reward is about.
 
     Takes every argument of [`trl.GRPOTrainer`] plus `info_blocks`: one builder (or None) per reward function, see
-    [`trl_mrtpo.info_blocks`]. With `args.credit_assignment="grpo"` it behaves exactly like `GRPOTrainer`.
+    [`trl_mrtpo.info_blocks`]. `args.credit_assignment` names the credit rule ([`trl_mrtpo.rules`]); with `"grpo"` it
+    behaves exactly like `GRPOTrainer`.
 
-    Two further credit rules stack with every other mode (see [`trl_mrtpo.process_rewards`]): `process_rewards`,
-    functions that score steps of each completion (character spans), turned into token advantages by GRPO's
-    process-supervision rule; and `failure_boundaries`, one builder (or None) per reward that returns where a failing
-    response's unrecovered error ends, after which that reward's negative credit is dropped. `recipe` (the recipe file
-    a run came from) and `data_source` (the data in words, when it is not a Hub dataset) go to the model card.
+    Two credit terms stack with every rule (see [`trl_mrtpo.process_rewards`]): `process_rewards`, functions that
+    score steps of each completion (character spans), turned into token advantages by GRPO's process-supervision
+    rule; and `failure_boundaries`, one builder (or None) per reward that returns where a failing response's
+    unrecovered error ends, after which that reward's negative credit is dropped. `relevance_provider` replaces the
+    replay that computes q ([`trl_mrtpo.relevance`]). `recipe` (the recipe file a run came from) and `data_source`
+    (the data in words, when it is not a Hub dataset) go to the model card.
 
     Example:
 
@@ -101,9 +92,7 @@ class MRTPOTrainer(GRPOTrainer):
     """
 
     _tag_names = ["trl", "grpo", "mrtpo"]
-    credit_modes: dict[str, CreditMode] = CREDIT_MODES  # the research room registers its own
-    accepts_research = False  # a ResearchConfig's options are refused, not ignored
-    config_class = MRTPOConfig
+    config_class = MRTPOConfig  # a subclass's own options are refused, not ignored
     _name = "MRTPO"
     _paper = {
         "title": PAPER_TITLE,
@@ -123,6 +112,7 @@ class MRTPOTrainer(GRPOTrainer):
         info_blocks: Sequence[Callable[..., str | InfoBlock | None] | None] | Callable | None = None,
         process_rewards: Sequence[Callable] | Callable | None = None,
         failure_boundaries: Sequence[Callable[..., int | None] | None] | Callable | None = None,
+        relevance_provider: RelevanceProvider | None = None,
         recipe: str | None = None,
         data_source: str | None = None,
         **kwargs,
@@ -131,17 +121,7 @@ class MRTPOTrainer(GRPOTrainer):
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = config(f"{model_name.split('/')[-1]}-{self._name}")
-        elif not isinstance(args, config):
-            raise TypeError(
-                f"args must be a {config.__name__}, got {type(args).__name__}; {config.__name__} accepts every "
-                f"{config.__mro__[1].__name__} field."
-            )
-        research = getattr(args, "research_settings", list)()
-        if research and not self.accepts_research:
-            raise ValueError(
-                f"{', '.join(research)} belong to the research room: train with "
-                "trl_mrtpo.research.ResearchTrainer (MRTPOTrainer would ignore them)."
-            )
+        check_config_class(args, config, type(self).__name__)
         check_dataset(train_dataset, "train")
         check_dataset(eval_dataset, "eval")
         check_environment_arguments(kwargs)
@@ -158,27 +138,26 @@ class MRTPOTrainer(GRPOTrainer):
         if self.rollout_func is not None:
             self.rollout_func = checked_rollout(self.rollout_func)
         wrap_environments(self, partial(checked_environment, multimodal=self._is_vlm))
-        process_rewards = check_process_rewards(process_rewards)
-        self.step_credit = StepCredit(
-            process_rewards,
-            process_reward_weights(args.process_reward_weights, len(process_rewards)),
-            check_builders(failure_boundaries, self.reward_func_names, "failure_boundaries"),
-            self.reward_func_names,
+        setup = CreditSetup(
+            args,
+            list(self.reward_func_names),
+            {"process_rewards": process_rewards, "failure_boundaries": failure_boundaries},
         )
-        step_rules = check_step_rules(process_rewards, self.step_credit.failure_builders, args.credit_assignment)
-        for func in [*process_rewards, *self.reward_funcs]:  # one that samples from or reads the policy binds
+        self.credit_rule = credit_rule(args.credit_assignment).rule(setup)
+        self.credit_terms: dict[str, CreditTerm] = build_credit_terms(setup)
+        term_functions = [func for term in self.credit_terms.values() for func in term.functions]
+        for func in [*term_functions, *self.reward_funcs]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
         # read from the functions as given: the wrapper below copies an instance's __dict__, not its class's attributes
-        named = [*zip(self.reward_func_names, self.reward_funcs), *((type(f).__name__, f) for f in process_rewards)]
+        named = [*zip(self.reward_func_names, self.reward_funcs), *((type(f).__name__, f) for f in term_functions)]
         runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
         # every value a reward function returns is checked where it returns, naming the function and the sample
         self.reward_funcs = [
             func if isinstance(func, torch.nn.Module) else checked_reward(func, name)
             for func, name in zip(self.reward_funcs, self.reward_func_names)
         ]
-        modes = self.credit_modes
-        removal = modes[args.credit_assignment].removal if args.credit_assignment in modes else None
+        removal = self.credit_rule.removal
         self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
             if self._is_vlm:
@@ -186,8 +165,9 @@ class MRTPOTrainer(GRPOTrainer):
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
         # what gives tokens different advantages, and what runs extra forwards of the policy, named for the errors
         replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
-        extra = self._extra_policy_forwards()
-        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *step_rules, *extra])
+        extra = [label for term in self.credit_terms.values() for label in term.policy_forwards]
+        token_credit = [label for term in self.credit_terms.values() for label in term.token_credit]
+        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *token_credit])
         check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
         self._replay_temperature = self.temperature
@@ -198,6 +178,7 @@ class MRTPOTrainer(GRPOTrainer):
                 if args.divergence_backend == "triton":  # an explicit kernel is checked before any step uses it
                     with lm_head_parameters(policy) as (weight, bias):
                         validate_triton_kernel(weight, bias, self._replay_temperature)
+        self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
         self._scored: Scored | None = None
         self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced
@@ -210,9 +191,18 @@ class MRTPOTrainer(GRPOTrainer):
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
         self._local_copies = name_hub_ids(self.accelerator.unwrap_model(self.model))
 
-    def _extra_policy_forwards(self) -> list[str]:
-        """Options besides the replay that run policy forwards for token credit, for start-up checks (none here)."""
-        return []
+    @property
+    def step_credit(self) -> CreditTerm | None:
+        """The run's step-level credit term (process rewards, failure suffixes; :mod:`trl_mrtpo.process_rewards`)."""
+        return self.credit_terms.get("steps")
+
+    @step_credit.setter
+    def step_credit(self, term: CreditTerm | Callable) -> None:
+        self.credit_terms["steps"] = as_term(term)
+
+    def _stateful(self) -> list:
+        """The rule and the terms, whose state the checkpoint keeps beside the core's."""
+        return [self.credit_rule, *self.credit_terms.values()]
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id (:mod:`.hub_ids`)."""
@@ -223,7 +213,10 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _state_identity(self) -> dict:
         """What a checkpointed MRTPO state was written for; a resume under another setup is refused."""
-        return {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
+        identity = {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
+        for part in self._stateful():
+            identity.update(part.identity())
+        return identity
 
     def _credit_state(self) -> tuple[dict, dict[str, StateCheck]]:
         """The state a resumed run needs to continue exactly, and how each entry is checked on reading."""
@@ -233,13 +226,19 @@ class MRTPOTrainer(GRPOTrainer):
             "reward_specificity": self.reward_strength.specificity.clone(),
             "generation_buffer": generation_buffer(self),
         }
-        return state, CORE_STATE_ENTRIES
+        entries = dict(CORE_STATE_ENTRIES)
+        for part in self._stateful():
+            state.update(part.state())
+            entries.update(part.state_checks)
+        return state, entries
 
     def _restore_credit_state(self, state: dict) -> None:
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
         self.reward_strength.specificity = state["reward_specificity"].clone().double()
         restore_generation_buffer(self, state["generation_buffer"])
+        for part in self._stateful():
+            part.restore(state)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state (with
@@ -288,7 +287,7 @@ class MRTPOTrainer(GRPOTrainer):
         started = time.perf_counter()
         self._announce_first_generation(inputs)
         output = super()._generate_and_score_completions(inputs)
-        if self.args.credit_assignment == "grpo":
+        if self.credit_rule.keeps_trl_advantages:
             return output
         scored, self._scored = self._scored, None
         mode = "train" if self.model.training else "eval"
@@ -300,10 +299,13 @@ class MRTPOTrainer(GRPOTrainer):
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rank = self.accelerator.process_index
-        step_credit, process_means = self.step_credit(batch, tokenizer, num_generations, rank, self.state)
-        for name, value in process_means:
-            log_metric(self, mode, f"mrtpo/process/{name}", value)
-        credit, relevance, replayed = self._token_credit(batch, beta, step_credit)
+        added = {"process": None, "failure_suffix": None}
+        for term in self.credit_terms.values():
+            contribution, logged = term(batch, tokenizer, num_generations, rank, self.state)
+            added = {key: _joined(added[key], contribution[key]) for key in added}
+            for name, value in logged:
+                log_metric(self, mode, f"mrtpo/{name}", value)
+        credit, relevance, replayed = self._token_credit(batch, beta, added)
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
         self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta, self.reward_strength.betas(beta))
@@ -345,15 +347,12 @@ class MRTPOTrainer(GRPOTrainer):
         finally:
             self._replay_seconds += time.perf_counter() - started
 
-    @property
-    def _credit_mode(self) -> CreditMode:
-        return self.credit_modes[self.args.credit_assignment]
-
     def _beta(self) -> float:
-        """Step 9: the warmed-up beta of this step; for CoRT, its ramp lambda_n from 0 to 1; 0 for GDPO."""
-        if self._credit_mode.removal is None:
+        """Step 9: the warmed-up beta of this step (a rule at full strength ramps to 1); 0 for a rule that replays
+        nothing."""
+        if self.credit_rule.removal is None:
             return 0.0
-        target = 1.0 if self._credit_mode.contrast else self.args.credit_beta
+        target = 1.0 if self.credit_rule.full_strength else self.args.credit_beta
         return warmup_beta(target, self.state.global_step, self.args.credit_warmup_steps)
 
     def _weighted_batch(self, scored: Scored, output: dict, mode: str) -> ScoredBatch:
@@ -362,7 +361,10 @@ class MRTPOTrainer(GRPOTrainer):
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rewards = scored.rewards
         group_adv, varying = group_advantages(rewards, num_generations)
-        group_adv, reward_weights = self._response_weighting(rewards, group_adv, num_generations, mode)
+        reward_weights = self.reward_weights.to(group_adv)  # step 2's c_k, reweighed by any term
+        training = mode == "train"
+        for term in self.credit_terms.values():
+            group_adv, reward_weights = term.weigh(rewards, group_adv, reward_weights, num_generations, training)
         local = local_slice(scored, self.accelerator.process_index)
         return ScoredBatch(
             inputs=scored.inputs,
@@ -377,42 +379,41 @@ class MRTPOTrainer(GRPOTrainer):
             output=output,
         )
 
-    def _response_weighting(
-        self, rewards: torch.Tensor, group_adv: torch.Tensor, num_generations: int, mode: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """How much each reward counts (docs/method.md, step 2): TRL's ``reward_weights``; the research room's
-        response-level weightings replace this."""
-        return group_adv, self.reward_weights.to(group_adv)
-
     def _token_credit(
-        self, batch: ScoredBatch, beta: float, step_credit: dict
+        self, batch: ScoredBatch, beta: float, added: dict
     ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
-        """Steps 3-8: q from the replay (none at beta 0: uniform weights whatever q is), then the token advantages
-        with each reward's beta (``step_credit``: the process advantages and failure suffixes)."""
+        """Steps 3-8: the quantities the rule reads (none at beta 0: uniform weights whatever q is), then its token
+        advantages with each reward's beta and the terms' additions (``added``: process advantages, failure
+        suffixes), then each term's finish."""
+        rule, terms = self.credit_rule, self.credit_terms.values()
         relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
-        if self._replays and beta > 0:
+        reads = [*(rule.reads if self._replays and beta > 0 else ()), *(name for term in terms for name in term.reads)]
+        quantities = {}
+        if reads:  # the policy's time for credit: logged as replay seconds
             with self._replay_clock():
-                relevance, replayed = self._replay(batch)
-        betas = self.reward_strength.betas(beta)
-        credit = self._advantages(batch, relevance, replayed, betas, step_credit)
-        return credit, relevance, replayed
-
-    def _advantages(
-        self, batch: ScoredBatch, relevance, replayed, betas: float | torch.Tensor, step_credit: dict
-    ) -> TokenCredit:
-        """Steps 5-8 (:func:`~trl_mrtpo.credit.token_advantages`) with ``betas``, one or one per reward."""
-        return token_advantages(
-            batch.group_advantages,
+                for name in reads:
+                    if name == "relevance":
+                        relevance, replayed = self._replay(batch)
+                    else:
+                        quantities[name] = quantity(name)(self, batch)
+        combines = [term.combine for term in terms if term.combine is not None]
+        inputs = CreditInputs(
+            batch,
             relevance,
             replayed,
-            batch.mask,
-            batch.reward_weights,
-            betas,  # step 5 moves a [K] tensor to the weights' device
+            quantities,
+            beta,
+            self.reward_strength.betas(beta),
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
-            **step_credit,
+            **added,
+            **({"combine": combines[-1]} if combines else {}),
         )
+        credit = rule.advantages(inputs)
+        for term in terms:
+            credit = term.finish(credit, inputs)
+        return credit, relevance, rule.replayed(inputs)
 
     def _reduce_sum(self):
         """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
@@ -421,44 +422,9 @@ class MRTPOTrainer(GRPOTrainer):
         return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
 
     def _replay_inputs(self, batch: ScoredBatch, joint: bool):
-        """Step 2 on the local batch (:func:`~trl_mrtpo.info_blocks.replay_contexts`), tokenised as TRL tokenises
-        prompts. Returns ``(wanted, context_ids, completion_ids)``: per response, the replayed rewards, the contexts'
-        token ids ``[P_all, P_removed...]`` (empty when nothing is replayed) and the completion's token ids."""
-        wanted, blocks, contexts = replay_contexts(
-            self.info_block_builders,
-            self.reward_func_names,
-            batch.prompts,
-            [completion_text(c) for c in batch.completions],
-            batch.inputs,
-            batch.rewards,
-            batch.varying,
-            batch.views,
-            batch.mask.any(-1).tolist(),
-            joint=joint,
-            only_varying=self.args.replay_only_varying,
-            resting=self.reward_strength.resting(
-                self.state.global_step,
-                self.args.credit_warmup_steps,
-                generation_batch_index(
-                    self.state.global_step,
-                    self.args.gradient_accumulation_steps,
-                    self.args.steps_per_generation,
-                    self.num_iterations,
-                ),
-            ),
-            separator=self.args.info_block_separator,
-            header=self._assistant_header,
-            special_tokens=self._special_tokens,
-        )
-        flat = [context for sample in contexts for context in sample]
-        owners = [i for i, sample in enumerate(contexts) for _ in sample]
-        flat_ids = iter(tokenize_prompts(self, flat, owners) if flat else [])
-        context_ids = [[next(flat_ids) for _ in sample] for sample in contexts]
-        completion_ids = batch.completion_ids
-        prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
-        limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
-        check_context_length(context_ids, completion_ids, blocks, prompt_lengths, self.reward_func_names, limit)
-        return wanted, context_ids, completion_ids
+        """Step 2 on the local batch (:func:`~trl_mrtpo.relevance.replay_inputs`): per response, the replayed rewards,
+        the contexts' token ids and the completion's token ids."""
+        return replay_inputs(self, batch, joint)
 
     @cached_property
     def _assistant_header(self) -> str | None:
@@ -469,39 +435,20 @@ class MRTPOTrainer(GRPOTrainer):
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         return [token for token in getattr(tokenizer, "all_special_tokens", []) if token]
 
-    def _replay_options(self) -> dict:
-        return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": MIN_SHARED_PREFIX}
-
     def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Steps 3-4: replay the local batch and place q per (response, reward); on a train batch, step 5's
-        strength reading of the placed q."""
-        joint = self._credit_mode.removal == "all"
-        wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
-        # every process enters (collectives under sharding and in the reading), even one with nothing to replay
-        with whole_policy(self) as policy:
-            q = []
-            if any(wanted):
-                q = replay_relevance(
-                    policy,
-                    context_ids,
-                    completion_ids,
-                    self._replay_temperature,
-                    backend=self.args.divergence_backend,
-                    chunk_size=self.args.replay_chunk_size,
-                    **self._replay_options(),
-                )
-        relevance, replayed = placed_relevance(q, wanted, batch.mask, batch.varying.shape[1], joint)
+        """Steps 3-4 from the relevance provider; on a train batch, step 5's strength reading of the placed q; then
+        q as the terms and the rule read it."""
+        relevance, replayed, any_replayed = self.relevance_provider(self, batch, self.credit_rule.removal)
         if self.model.training:
             self.reward_strength.read(relevance, replayed, self._reduce_sum())
-        return (self._placed_relevance(relevance, replayed, batch) if any(wanted) else relevance), replayed
-
-    def _placed_relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: ScoredBatch) -> torch.Tensor:
-        """q as step 5 reads it (as replayed in the core; the research room's options and ablations act here)."""
-        return relevance
+        if any_replayed:
+            for part in [*self.credit_terms.values(), self.credit_rule]:
+                relevance = part.relevance(relevance, replayed, batch)
+        return relevance, replayed
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
-        # CoRT replays without computing q (its weights come from a log-likelihood contrast): no q statistics.
-        with_q = torch.zeros_like(replayed) if self._credit_mode.contrast else replayed
+        # a rule that replays without reading q (a log-likelihood contrast, say) has no q statistics
+        with_q = replayed if "relevance" in self.credit_rule.reads else torch.zeros_like(replayed)
         q_means, concentration = q_statistics(relevance, with_q, mask, self.reward_func_names)
         local = {
             "mrtpo/beta": beta,
@@ -550,3 +497,10 @@ class MRTPOTrainer(GRPOTrainer):
 
         card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
         card.save(os.path.join(self.args.output_dir, "README.md"))
+
+
+def _joined(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
+    """Two terms' additions: process advantages add up, failure suffixes (bool) unite."""
+    if total is None or part is None:
+        return part if total is None else total
+    return total | part if total.dtype == torch.bool else total + part

@@ -5,16 +5,20 @@ a training step (docs/behaviour.md lists what is refused and what falls back).""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 import math
 import numbers
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from .rules import credit_rule_names, registered_rules
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -103,36 +107,55 @@ def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str
     )
 
 
-def process_reward_weights(weights: Sequence[float] | None, count: int) -> list[float]:
-    """``process_reward_weights`` checked against the ``count`` process rewards (all 1.0 when None)."""
-    if weights is None:
-        return [1.0] * count
-    if len(weights) != count:
-        raise ValueError(
-            f"process_reward_weights has {len(weights)} entries but there are {count} process rewards; pass one "
-            "weight per process reward, in the same order."
-        )
-    return list(weights)
+def public_name(cls: type) -> str:
+    """``cls`` by the shortest module path that exports it (``trl_mrtpo.research.ResearchConfig``)."""
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if getattr(module, cls.__name__, None) is cls:
+            return f"{module.__name__}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__name__}"
 
 
-def check_step_rules(
-    process_rewards: Sequence[Callable],
-    failure_builders: Sequence[Callable | None],
-    credit_assignment: str,
-) -> list[str]:
-    """The step-level credit rules in use (named for later checks), refused under plain GRPO, which has no per-reward
-    token credit for them to act on."""
-    rules = [
-        name
-        for name, on in (("process_rewards", bool(process_rewards)), ("failure_boundaries", any(failure_builders)))
-        if on
+def check_credit_rule(config: Any) -> None:
+    """``credit_assignment`` names a credit rule registered for this configuration's class."""
+    names = credit_rule_names(config)
+    name = config.credit_assignment
+    if name in names:
+        return
+    entry = registered_rules().get(name)
+    where = f" (it needs a {public_name(entry.config_class)})" if entry is not None else ""
+    raise ValueError(f"credit_assignment={name!r} is unknown; choose one of {', '.join(names)}{where}.")
+
+
+def options_beyond(config: Any, config_class: type) -> list[str]:
+    """What ``config`` asks for that ``config_class`` does not have: a credit rule registered for a subclass, and
+    every field of its own set away from its default."""
+    settings = [
+        f"{item.name}={getattr(config, item.name)!r}"
+        for item in dataclasses.fields(config)
+        if item.name not in config_class.__dataclass_fields__ and getattr(config, item.name) != item.default
     ]
-    if rules and credit_assignment == "grpo":
-        raise ValueError(
-            f"{' and '.join(rules)} act on MRTPO's per-reward token credit; credit_assignment='grpo' is plain "
-            "GRPOTrainer. Use 'gdpo' for uniform credit with them."
+    if config.credit_assignment not in credit_rule_names(config_class):
+        settings.insert(0, f"credit_assignment={config.credit_assignment!r}")
+    return settings
+
+
+def check_config_class(args: Any, config_class: type, trainer_name: str) -> None:
+    """``args`` is a ``config_class``; a subclass whose own options are set is refused (this trainer would ignore
+    them), naming the trainer that reads them when the subclass says (its ``room`` and ``trainer``)."""
+    if not isinstance(args, config_class):
+        raise TypeError(
+            f"args must be a {config_class.__name__}, got {type(args).__name__}; {config_class.__name__} accepts "
+            f"every {config_class.__mro__[1].__name__} field."
         )
-    return rules
+    beyond = options_beyond(args, config_class)
+    if beyond:
+        room = getattr(args, "room", f"{type(args).__name__}")
+        trainer = getattr(args, "room_trainer", f"the trainer made for {type(args).__name__}")
+        raise ValueError(
+            f"{', '.join(beyond)} belong to {room}: train with {trainer} ({trainer_name} would ignore them)."
+        )
 
 
 def check_sharded_replay(

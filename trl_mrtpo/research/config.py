@@ -8,14 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..config import MRTPOConfig
-from ..constants import (
-    CONCUR_CEILING_MODES,
-    CONCUR_MIN_READINGS,
-    CREDIT_ASSIGNMENTS,
-    MIN_SHARED_PREFIX,
-    RESEARCH_CREDIT_ASSIGNMENTS,
-    REWARD_WEIGHTINGS,
-)
+from ..constants import CREDIT_ASSIGNMENTS, MIN_SHARED_PREFIX
+from ..validation import options_beyond
+
+RESEARCH_CREDIT_ASSIGNMENTS = ("joint", "shuffled", "cort")  # the rules research/rules.py registers
+REWARD_WEIGHTINGS = ("static", "saw", "concur")
+CONCUR_CEILING_MODES = ("adaptive", "tie", "none")
+# CONCUR-A: concordance readings needed before the ceiling tie may be released (concur_min_readings).
+CONCUR_MIN_READINGS = 61
 
 
 def needs_research(settings: Mapping[str, Any]) -> bool:
@@ -106,8 +106,8 @@ class ResearchConfig(MRTPOConfig):
             reward's total credit per response equals what GDPO gives it.
     """
 
-    credit_assignments: ClassVar[tuple[str, ...]] = (*CREDIT_ASSIGNMENTS, *RESEARCH_CREDIT_ASSIGNMENTS)
-    per_reward_relevance_modes: ClassVar[tuple[str, ...]] = ("mrtpo", "shuffled")
+    room: ClassVar[str] = "the research room"  # named when MRTPOTrainer refuses these options
+    room_trainer: ClassVar[str] = "trl_mrtpo.research.ResearchTrainer"
 
     credit_assignment: str = field(
         default="mrtpo",
@@ -191,7 +191,7 @@ class ResearchConfig(MRTPOConfig):
                 "reward_weighting and taco_strength act on MRTPO's per-reward and token advantages; "
                 "credit_assignment='grpo' is plain GRPOTrainer. Use 'gdpo' for uniform credit with them."
             )
-        if self.relevance_null_correction and self.credit_assignment not in self.per_reward_relevance_modes:
+        if self.relevance_null_correction and self.credit_assignment not in ("mrtpo", "shuffled"):
             raise ValueError(
                 "relevance_null_correction acts on each reward's own q profile, which only credit_assignment='mrtpo' "
                 f"(or its 'shuffled' ablation) computes; got credit_assignment={self.credit_assignment!r}."
@@ -201,15 +201,7 @@ class ResearchConfig(MRTPOConfig):
     def research_settings(self) -> list[str]:
         """What this configuration asks of the research room: a research credit mode, and every research option
         set away from its default (an :class:`~trl_mrtpo.MRTPOTrainer` refuses them rather than ignore them)."""
-        own = [name for name in self.__dataclass_fields__ if name not in MRTPOConfig.__dataclass_fields__]
-        settings = [
-            f"{name}={getattr(self, name)!r}"
-            for name in own
-            if getattr(self, name) != self.__dataclass_fields__[name].default
-        ]
-        if self.credit_assignment in RESEARCH_CREDIT_ASSIGNMENTS:
-            settings.insert(0, f"credit_assignment={self.credit_assignment!r}")
-        return settings
+        return options_beyond(self, MRTPOConfig)
 
     def _check_scopes(self) -> None:
         """Refuse an option set away from its default in a configuration where it does nothing (it would be ignored

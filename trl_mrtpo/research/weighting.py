@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..constants import CONCUR_CEILING_MODES, CONCUR_MIN_READINGS
 from ..credit import group_advantages
+from .config import CONCUR_CEILING_MODES, CONCUR_MIN_READINGS
 
 CV_MEAN_FLOOR = 1e-6  # |mean| below this: the reward's CV is taken as 0 (no signal to weigh)
 

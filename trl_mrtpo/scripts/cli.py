@@ -8,8 +8,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..constants import CREDIT_ASSIGNMENTS, DEMO_SETTINGS, RESEARCH_CREDIT_ASSIGNMENTS
+from ..constants import CREDIT_ASSIGNMENTS, DEMO_SETTINGS
 from ..kits import SINGLE_TURN_KITS
+from ..research.config import RESEARCH_CREDIT_ASSIGNMENTS
 from .evaluation import BENCHMARKS
 
 THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1-minute load average, at least 1)"

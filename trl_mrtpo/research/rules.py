@@ -1,0 +1,214 @@
+"""The research room's credit rules, terms and quantities, registered on import (:mod:`trl_mrtpo.rules`).
+
+Rules (``credit_assignment``, in a :class:`~trl_mrtpo.research.ResearchConfig`): ``joint`` and ``shuffled``
+(ablations), ``cort`` (CoRT). Terms: ``reward_weighting`` (SAW, CONCUR), ``taco`` (TACO), ``calibrated_credit``
+(null correction, preserved totals). Quantities: ``logprob_contrast`` (CoRT) and ``surprisal`` (TACO), computed by
+:class:`~trl_mrtpo.research.ResearchTrainer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import typing
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from ..credit_state import StateCheck
+from ..rules import (
+    MRTPO,
+    CreditInputs,
+    CreditRule,
+    CreditSetup,
+    CreditTerm,
+    register_credit_rule,
+    register_credit_term,
+    register_quantity,
+)
+from .config import ResearchConfig
+from .credit import cort_weights, null_corrected_relevance, preserved_token_advantages, shuffle_relevance, taco_scale
+from .weighting import ConcurTrust, concur_advantages, saw_weights
+
+
+def concur_trust_problem(trust: Any, num_rewards: int) -> str | None:
+    """CONCUR-A's trust records: auxiliary reward -> the fields of :class:`ConcurTrust`, finite numbers."""
+    if not isinstance(trust, dict):
+        return type(trust).__name__
+    fields = typing.get_type_hints(ConcurTrust)
+    for key, record in trust.items():
+        if not isinstance(record, dict) or set(record) != set(fields):
+            return f"[{key!r}] = {record}"
+        for name, kind in fields.items():
+            value = record[name]
+            finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            if not finite or (kind is int and value != int(value)):
+                return f"[{key!r}].{name} = {value!r}"
+    return None
+
+
+def shuffle_generator_problem(generator: Any, num_rewards: int) -> str | None:
+    expected = torch.Generator().get_state()
+    if isinstance(generator, torch.Tensor) and generator.dtype == expected.dtype and generator.shape == expected.shape:
+        return None
+    return str(getattr(generator, "shape", type(generator).__name__))
+
+
+RESEARCH_STATE_ENTRIES: dict[str, StateCheck] = {
+    "concur_trust": concur_trust_problem,
+    "shuffle_generator": shuffle_generator_problem,
+}
+
+
+class Joint(MRTPO):
+    """Ablation: one replay removes every block at once; its q is shared by all rewards."""
+
+    removal = "all"
+
+
+class Shuffled(MRTPO):
+    """Ablation: each reward's q permuted within each response (its own seeded generator, checkpointed)."""
+
+    state_checks = {"shuffle_generator": shuffle_generator_problem}
+
+    def __init__(self, setup: CreditSetup):
+        super().__init__(setup)
+        self.generator = torch.Generator().manual_seed(setup.args.seed)
+
+    def relevance(self, relevance, replayed, batch):
+        return shuffle_relevance(relevance, batch.mask, self.generator)
+
+    def state(self) -> dict:
+        return {"shuffle_generator": self.generator.get_state()}
+
+    def restore(self, state: dict) -> None:
+        self.generator.set_state(state["shuffle_generator"])
+
+
+class CoRT(CreditRule):
+    """CoRT: one weight profile per response from its log-likelihood contrast with every block removed, applied to
+    every reward, uncapped; beta ramps to 1 (CoRT's lambda_n)."""
+
+    removal = "all"
+    reads = ("logprob_contrast",)
+    full_strength = True
+
+    def advantages(self, inputs: CreditInputs):
+        args, batch = self.setup.args, inputs.batch
+        weights = torch.ones_like(inputs.relevance)
+        if "logprob_contrast" in inputs.quantities:
+            contrast, replayed = inputs.quantities["logprob_contrast"]
+            profile = cort_weights(contrast, batch.mask, args.cort_eta * inputs.beta, args.cort_tau, args.cort_offset)
+            weights = torch.where(replayed[:, None, None], profile[:, None, :], weights)
+        return inputs.combined(weights, None)
+
+    def replayed(self, inputs: CreditInputs) -> torch.Tensor:
+        if "logprob_contrast" not in inputs.quantities:
+            return inputs.replayed
+        return inputs.quantities["logprob_contrast"][1][:, None] & inputs.batch.varying
+
+
+class RewardWeighting(CreditTerm):
+    """How much each reward counts (SAW, CONCUR; ``static`` leaves TRL's ``reward_weights``). CONCUR-A's trust is
+    read on train batches only and checkpointed."""
+
+    state_checks = {"concur_trust": concur_trust_problem}
+
+    def __init__(self, args: ResearchConfig, reward_names: list[str]):
+        self.args = args
+        self.trust: dict = {}  # CONCUR-A's cumulative readings per auxiliary reward
+        self.primary = 0
+        if args.concur_primary is not None:
+            if args.concur_primary not in reward_names:
+                raise ValueError(
+                    f"concur_primary={args.concur_primary!r} is not a reward function; "
+                    f"they are {', '.join(reward_names)}."
+                )
+            self.primary = reward_names.index(args.concur_primary)
+
+    @classmethod
+    def build(cls, setup: CreditSetup) -> RewardWeighting | None:
+        return cls(setup.args, setup.reward_names) if isinstance(setup.args, ResearchConfig) else None
+
+    def weigh(self, rewards, advantages, reward_weights, num_generations, training):
+        args = self.args
+        if args.reward_weighting == "saw":
+            reward_weights = reward_weights * saw_weights(rewards).to(advantages)
+        elif args.reward_weighting == "concur":
+            # Evaluation reads CONCUR-A's trust but never adds to it.
+            trust = self.trust if training else copy.deepcopy(self.trust)
+            advantages = concur_advantages(
+                rewards,
+                advantages,
+                num_generations,
+                self.primary,
+                args.concur_pass_threshold,
+                args.concur_ceiling,
+                args.concur_ceiling_mode,
+                trust,
+                args.concur_min_readings,
+            )
+        return advantages, reward_weights
+
+    def identity(self) -> dict:
+        return {"reward_weighting": self.args.reward_weighting, "concur_primary": self.primary}
+
+    def state(self) -> dict:
+        return {"concur_trust": {k: asdict(trust) for k, trust in self.trust.items()}}
+
+    def restore(self, state: dict) -> None:
+        self.trust = {k: ConcurTrust(**trust) for k, trust in state["concur_trust"].items()}
+
+
+class TACO(CreditTerm):
+    """TACO: positive advantages down-weighted on surprising tokens (``-log pi_old``), after step 8."""
+
+    reads = ("surprisal",)
+    token_credit = policy_forwards = ("taco_strength",)
+
+    def __init__(self, args: ResearchConfig):
+        self.args = args
+
+    @classmethod
+    def build(cls, setup: CreditSetup) -> TACO | None:
+        args = setup.args
+        return cls(args) if isinstance(args, ResearchConfig) and args.taco_strength > 0 else None
+
+    def finish(self, credit, inputs: CreditInputs):
+        args = self.args
+        surprisal = inputs.quantities["surprisal"]
+        credit.advantages = taco_scale(
+            credit.advantages, surprisal, args.taco_strength, args.taco_threshold, args.taco_sharpness
+        )
+        return credit
+
+
+class CalibratedCredit(CreditTerm):
+    """The calibrated-credit options that stayed options: null correction of q (after the strength reading), and
+    every reward's GDPO total preserved (steps 6-8 replaced)."""
+
+    def __init__(self, args: ResearchConfig):
+        self.null_correction = args.relevance_null_correction
+        self.combine = preserved_token_advantages if args.preserve_reward_totals else None
+
+    @classmethod
+    def build(cls, setup: CreditSetup) -> CalibratedCredit | None:
+        args = setup.args
+        wanted = isinstance(args, ResearchConfig) and (args.relevance_null_correction or args.preserve_reward_totals)
+        return cls(args) if wanted else None
+
+    def relevance(self, relevance, replayed, batch):
+        return null_corrected_relevance(relevance, replayed) if self.null_correction else relevance
+
+
+register_credit_rule("joint", Joint, ResearchConfig)
+register_credit_rule("shuffled", Shuffled, ResearchConfig)
+register_credit_rule("cort", CoRT, ResearchConfig)
+register_credit_term("reward_weighting", RewardWeighting.build)
+register_credit_term("taco", TACO.build)
+register_credit_term("calibrated_credit", CalibratedCredit.build)
+# computed by the research room's trainer, whose methods subclasses may instrument
+register_quantity("logprob_contrast", lambda trainer, batch: trainer._cort_contrast(batch))
+register_quantity("surprisal", lambda trainer, batch: trainer._surprisal(batch.output))

@@ -1,0 +1,273 @@
+"""Credit rules and credit terms, chosen by name (docs/method.md, "Credit rules and terms").
+
+A **credit rule** turns one generation batch into token advantages (steps 5-8): it declares which contexts the
+relevance provider replays for it (``removal``) and which per-token quantities it reads (``reads``: ``"relevance"``
+is q from :mod:`trl_mrtpo.relevance`; any other name is a quantity registered with :func:`register_quantity`).
+``credit_assignment`` names the rule; ``mrtpo``, ``gdpo`` and ``grpo`` are registered here.
+
+A **credit term** adds to whatever rule runs: it may reweigh the per-reward advantages of responses (step 2's
+response-level weighting), adjust q before the rule reads it, add token advantages or drop penalties (process
+rewards, failure suffixes), replace steps 6-8, or rescale the result. Every registered term's factory is offered the
+run's setup and returns a term, or None when the run does not ask for it.
+
+A rule's or a term's state (running readings a resumed run needs) is its own object, written and read by the
+trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state``, ``restore`` and
+``state_checks``; nothing is kept at module level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .credit import ReduceSum, TokenCredit, replayed_token_weights, weighted_token_advantages
+from .credit_state import StateCheck
+
+Combine = Callable[..., TokenCredit]  # steps 6-8: (advantages, weights, mask, reward_weights, rho, reduce_sum, ...)
+
+
+class Stateful:
+    """What a rule or a term keeps between generation batches and checkpoints (nothing by default)."""
+
+    state_checks: ClassVar[dict[str, StateCheck]] = {}
+
+    def identity(self) -> dict:
+        """Settings a checkpoint was written under; a resume under others is refused."""
+        return {}
+
+    def state(self) -> dict:
+        """Entries (plain tensors, numbers, strings) a resumed run needs, one per key of ``state_checks``."""
+        return {}
+
+    def restore(self, state: dict) -> None:
+        """Takes back the entries :meth:`state` wrote (checked by ``state_checks``)."""
+
+
+@dataclass
+class CreditSetup:
+    """What rules and terms are built from, once per trainer: the configuration, the reward names, and the
+    trainer's keyword arguments that terms read (``process_rewards``, ``failure_boundaries``, ...)."""
+
+    args: Any
+    reward_names: list[str]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CreditInputs:
+    """One generation batch's local slice as a rule reads it."""
+
+    batch: Any  # trl_mrtpo.batch.ScoredBatch
+    relevance: torch.Tensor  # [B, K, C] q, read where ``replayed``
+    replayed: torch.Tensor  # [B, K] bool
+    quantities: dict[str, torch.Tensor]  # the other quantities the rule and the terms read
+    beta: float  # beta_n of step 9
+    betas: float | torch.Tensor  # step 5's beta: beta_n, or [K] with per-reward strength
+    max_second_moment_ratio: float | None  # rho of step 7
+    reduce_sum: ReduceSum | None  # sums over data-parallel processes (None on one)
+    process: torch.Tensor | None = None  # [B, C] added token advantages (terms)
+    failure_suffix: torch.Tensor | None = None  # [B, K, C] bool: negative credit dropped here (terms)
+    combine: Combine = weighted_token_advantages  # steps 6-8
+
+    def combined(self, weights: torch.Tensor, max_second_moment_ratio: float | None) -> TokenCredit:
+        """Steps 6-8 with ``weights`` ``[B, K, C]``, with the terms' additions."""
+        batch = self.batch
+        return self.combine(
+            batch.group_advantages,
+            weights,
+            batch.mask,
+            batch.reward_weights,
+            max_second_moment_ratio,
+            self.reduce_sum,
+            process=self.process,
+            failure_suffix=self.failure_suffix,
+        )
+
+
+class CreditRule(Stateful):
+    """A rule's defaults are GDPO's: nothing replayed, every weight 1.
+
+    ``removal``: the contexts the relevance provider replays (``"each"``: one per reward's block, ``"all"``: one
+    without any block, None: none). ``reads``: the quantities the rule needs from the policy. ``full_strength``:
+    beta ramps to 1 rather than to ``credit_beta``. ``keeps_trl_advantages``: TRL's own advantages are kept (plain
+    GRPO).
+    """
+
+    removal: ClassVar[str | None] = None
+    reads: ClassVar[tuple[str, ...]] = ()
+    full_strength: ClassVar[bool] = False
+    keeps_trl_advantages: ClassVar[bool] = False
+
+    def __init__(self, setup: CreditSetup):
+        self.setup = setup
+
+    def relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: Any) -> torch.Tensor:
+        """q as the rule reads it, after the replay and the strength reading (as replayed here)."""
+        return relevance
+
+    def weights(self, inputs: CreditInputs) -> torch.Tensor:
+        """Step 5: ``[B, K, C]`` token weights, 1 on pairs that were not replayed."""
+        return replayed_token_weights(inputs.relevance, inputs.replayed, inputs.batch.mask, inputs.betas)
+
+    def advantages(self, inputs: CreditInputs) -> TokenCredit:
+        """Steps 5-8."""
+        return inputs.combined(self.weights(inputs), inputs.max_second_moment_ratio)
+
+    def replayed(self, inputs: CreditInputs) -> torch.Tensor:
+        """``[B, K]`` the pairs whose weights the rule computed from the policy (logged, shown by ``inspect``)."""
+        return inputs.replayed
+
+
+class MRTPO(CreditRule):
+    """Each reward's block removed on its own; each reward's credit follows its own q."""
+
+    removal = "each"
+    reads = ("relevance",)
+
+
+class GRPO(CreditRule):
+    """Plain ``GRPOTrainer``: TRL's sequence-level advantages."""
+
+    keeps_trl_advantages = True
+
+
+class CreditTerm(Stateful):
+    """A term changes nothing unless it overrides a step.
+
+    ``reads``: quantities it needs from the policy (computed every generation batch it is built for).
+    ``token_credit``: what it makes differ between tokens, named for the start-up checks (a loss that would average
+    it away is refused). ``policy_forwards``: options that run extra policy forwards, for the sharding checks.
+    ``functions``: functions it calls that may bind to the trainer (``bind``) or run the policy.
+    ``combine``: a replacement for steps 6-8 (None: the rule's).
+    """
+
+    reads: tuple[str, ...] = ()
+    token_credit: Sequence[str] = ()
+    policy_forwards: Sequence[str] = ()
+    functions: Sequence[Callable] = ()
+    combine: Combine | None = None
+
+    def weigh(
+        self,
+        rewards: torch.Tensor,
+        advantages: torch.Tensor,
+        reward_weights: torch.Tensor,
+        num_generations: int,
+        training: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Response-level weighting on the gathered batch: ``[N, K]`` advantages and reward weights."""
+        return advantages, reward_weights
+
+    def relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: Any) -> torch.Tensor:
+        """q before the rule reads it."""
+        return relevance
+
+    def __call__(
+        self, batch: Any, tokenizer: Any, num_generations: int, rank: int, trainer_state: Any = None
+    ) -> tuple[dict[str, torch.Tensor | None], list[tuple[str, float]]]:
+        """What it adds to the local batch: ``{"process": [B, C] | None, "failure_suffix": [B, K, C] | None}``,
+        and ``(name, value)`` pairs logged as ``mrtpo/<name>``."""
+        return {"process": None, "failure_suffix": None}, []
+
+    def finish(self, credit: TokenCredit, inputs: CreditInputs) -> TokenCredit:
+        """The final token advantages (after step 8)."""
+        return credit
+
+
+class AddingTerm(CreditTerm):
+    """A term given as a plain function with :meth:`CreditTerm.__call__`'s signature: it only adds."""
+
+    def __init__(self, add: Callable):
+        self.add = add
+
+    def __call__(self, *args, **kwargs):
+        return self.add(*args, **kwargs)
+
+
+def as_term(term: CreditTerm | Callable) -> CreditTerm:
+    return term if isinstance(term, CreditTerm) else AddingTerm(term)
+
+
+@dataclass(frozen=True)
+class RegisteredRule:
+    rule: type[CreditRule]
+    config_class: type | None  # the least configuration class that may select it (None: any)
+
+
+_RULES: dict[str, RegisteredRule] = {}
+_TERMS: dict[str, Callable[[CreditSetup], CreditTerm | None]] = {}
+_QUANTITIES: dict[str, Callable[[Any, Any], Any]] = {}
+
+
+def register_credit_rule(name: str, rule: type[CreditRule], config_class: type | None = None) -> None:
+    """Makes ``credit_assignment=name`` select ``rule`` in a configuration of ``config_class`` (or a subclass;
+    None: any). Registering a name again replaces it."""
+    if not (isinstance(rule, type) and issubclass(rule, CreditRule)):
+        raise TypeError(f"credit rule {name!r} must be a CreditRule subclass, got {rule!r}.")
+    if rule.removal not in (None, "each", "all"):
+        raise ValueError(f"credit rule {name!r}: removal must be 'each', 'all' or None, got {rule.removal!r}.")
+    _RULES[name] = RegisteredRule(rule, config_class)
+
+
+def unregister_credit_rule(name: str) -> None:
+    _RULES.pop(name, None)
+
+
+def credit_rule_names(config: Any = None) -> list[str]:
+    """The registered rule names a configuration (an instance or a class; None: any) may select."""
+    config_class = config if isinstance(config, type) or config is None else type(config)
+    return [
+        name
+        for name, entry in _RULES.items()
+        if config_class is None or entry.config_class is None or issubclass(config_class, entry.config_class)
+    ]
+
+
+def registered_rules() -> dict[str, RegisteredRule]:
+    return dict(_RULES)
+
+
+def credit_rule(name: str) -> RegisteredRule:
+    if name not in _RULES:
+        raise ValueError(f"credit_assignment={name!r} is not a registered credit rule; they are {', '.join(_RULES)}.")
+    return _RULES[name]
+
+
+def replays_each_reward(name: str) -> bool:
+    """Whether the rule ``name`` replays each reward's block on its own (each reward then has its own q)."""
+    return name in _RULES and _RULES[name].rule.removal == "each"
+
+
+def register_credit_term(name: str, factory: Callable[[CreditSetup], CreditTerm | Callable | None]) -> None:
+    """Adds a term to every run whose setup ``factory`` returns a term for (None: not this run); a plain function
+    is a term that only adds (:class:`AddingTerm`)."""
+    _TERMS[name] = factory
+
+
+def unregister_credit_term(name: str) -> None:
+    _TERMS.pop(name, None)
+
+
+def build_credit_terms(setup: CreditSetup) -> dict[str, CreditTerm]:
+    """The run's terms, in registration order."""
+    terms = {name: factory(setup) for name, factory in _TERMS.items()}
+    return {name: as_term(term) for name, term in terms.items() if term is not None}
+
+
+def register_quantity(name: str, provider: Callable[[Any, Any], Any]) -> None:
+    """``provider(trainer, batch)`` computes a per-token quantity a rule or a term ``reads`` (no grad)."""
+    _QUANTITIES[name] = provider
+
+
+def quantity(name: str) -> Callable[[Any, Any], Any]:
+    if name not in _QUANTITIES:
+        raise ValueError(f"no provider of the quantity {name!r} is registered (register_quantity).")
+    return _QUANTITIES[name]
+
+
+register_credit_rule("mrtpo", MRTPO)
+register_credit_rule("gdpo", CreditRule)
+register_credit_rule("grpo", GRPO)
