@@ -1,5 +1,5 @@
 """Does MRTPO learn faster? GRPO, GDPO, MRTPO, the joint / shuffled ablations and OPSD (TRL's self-distillation with
-the info blocks as privileged context, ``trl_mrtpo.opsd``) on the embedded model, on CPU.
+the info blocks as privileged context, ``trl_mrtpo.baselines.opsd``) on the embedded model, on CPU.
 
 For each task kit (``tools``: 2 rewards, ``if``: 5-13 constraint rewards), method and seed, one LoRA run of a fixed
 number of steps on the kit's built-in data (built with ``--data-seed``); the run's seed sets sampling and the data
@@ -101,8 +101,8 @@ def train_run(task: str, method: str, seed: int, args: argparse.Namespace) -> di
     if result_path.exists():
         return json.loads(result_path.read_text())
 
+    from trl_mrtpo.baselines.opsd import opsd_config, opsd_trainer_class
     from trl_mrtpo.kits import get_kit
-    from trl_mrtpo.opsd import opsd_config, opsd_trainer_class
     from trl_mrtpo.scripts.demo import cpu_run_config, embedded_lora_config, embedded_lora_trainer
     from trl_mrtpo.scripts.embedded import embedded_model_path
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from provenance import provenance
 
-from trl_mrtpo.callbacks import logged_reward_names
+from trl_mrtpo.observability.callbacks import logged_reward_names
 from trl_mrtpo.scripts.demo import reward_trend
 
 HERE = Path(__file__).parent

@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from tests.helpers import RecordingTrainer, make_args
 from tests.reference import reference_process_advantages, reference_step_credit_advantages
-from trl_mrtpo.process_rewards import token_positions
+from trl_mrtpo.steps.process_rewards import token_positions
 from trl_mrtpo.utils import completion_text
 
 TOOL_CALL = '<tool_call>\n{"name": "lookup", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'

@@ -265,7 +265,7 @@ def test_a_call_the_rollout_never_ran_is_in_the_view_without_a_result():
 
 
 def test_a_character_offset_in_a_tool_rollout_is_refused_by_name():
-    from trl_mrtpo.process_rewards import failure_boundary
+    from trl_mrtpo.steps.process_rewards import failure_boundary
 
     view = trajectory(CLEAN, [1] * 4 + [0] * 2 + [1] * 3 + [0] * 3 + [1] * 5)
     with pytest.raises(ValueError, match="reward 'calls' on sample 3 .* must return one of trajectory.turns"):
@@ -342,7 +342,7 @@ def test_a_turn_step_that_is_not_a_turn_of_the_rollout_is_refused_by_name(step, 
     rollout's turn and bad scores are refused naming the function and the sample."""
     import numpy
 
-    from trl_mrtpo.process_rewards import checked_turn_steps
+    from trl_mrtpo.steps.process_rewards import checked_turn_steps
 
     view = trajectory(CLEAN, [1] * 4 + [0] * 2 + [1] * 3 + [0] * 3 + [1] * 5)
     foreign = trajectory(FAILED_THEN_RECOVERED, [1] * 23).turns[0]

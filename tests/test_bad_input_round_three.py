@@ -92,7 +92,7 @@ def test_max_tool_calling_iterations_is_checked_at_start_up(iterations, tmp_path
 @pytest.mark.parametrize("names", ["alt", ["alt", 3], [None]])
 def test_credit_plot_callback_takes_a_list_of_names(names):
     """A string plotted one reward per character ('a', 'l', 't')."""
-    from trl_mrtpo.callbacks import CreditPlotCallback
+    from trl_mrtpo.observability.callbacks import CreditPlotCallback
 
     with pytest.raises(TypeError, match="takes a list of reward names"):
         CreditPlotCallback(reward_names=names)
@@ -109,7 +109,7 @@ def test_credit_plot_callback_takes_a_list_of_names(names):
 def test_credit_plot_callback_says_why_it_wrote_no_picture(names, history, said, tmp_path, caplog):
     from types import SimpleNamespace
 
-    from trl_mrtpo.callbacks import CreditPlotCallback
+    from trl_mrtpo.observability.callbacks import CreditPlotCallback
 
     state = SimpleNamespace(is_world_process_zero=True, log_history=history)
     args = SimpleNamespace(output_dir=str(tmp_path), credit_warmup_steps=0)
@@ -172,9 +172,9 @@ def test_self_certainty_scores_the_sampling_distribution_of_a_model_that_scales_
 
     from tests.test_replay import _scaled_model
     from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+    from trl_mrtpo.baselines.self_certainty import SelfCertaintyReward
     from trl_mrtpo.kits.basic import KIT as BASIC
     from trl_mrtpo.kits.basic import make_basic_dataset
-    from trl_mrtpo.self_certainty import SelfCertaintyReward
 
     model, _ = _scaled_model("granite")
     model.resize_token_embeddings(len(tiny_tokenizer))
@@ -379,7 +379,7 @@ MULTI_ELEMENT_SCORES = {
 def test_a_step_scored_with_several_numbers_is_refused_naming_the_reward(path, score):
     """Item 9: a score that is an array of several (or no) elements crashed inside ``.item()``; a one-element
     tensor is still a number."""
-    from trl_mrtpo.process_rewards import checked_steps, checked_turn_steps
+    from trl_mrtpo.steps.process_rewards import checked_steps, checked_turn_steps
 
     view, _ = _view()
     check = {

@@ -16,8 +16,8 @@ from trl_mrtpo.credit_state import read_credit_state
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.process_rewards import checked_steps
-from trl_mrtpo.step_labels import MathShepherd
+from trl_mrtpo.steps.process_rewards import checked_steps
+from trl_mrtpo.steps.step_labels import MathShepherd
 from trl_mrtpo.validation import check_dataset, check_reward_values, checked_reward
 
 NAN = float("nan")
@@ -119,7 +119,7 @@ def test_a_nan_threshold_is_refused():
 
 # ---------------------------------------------------------------- OPSD scores with the same checks
 def test_opsd_reward_values_are_checked(tiny_model, tiny_tokenizer, tmp_path):
-    from trl_mrtpo.opsd import opsd_config, opsd_trainer_class
+    from trl_mrtpo.baselines.opsd import opsd_config, opsd_trainer_class
 
     def bad(completions, **_):
         return [{"score": 1.0}] * len(completions)

@@ -10,6 +10,7 @@ from peft import LoraConfig
 
 from tests.helpers import ResearchRecordingTrainer
 from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.baselines.self_certainty import SelfCertaintyReward
 from trl_mrtpo.credit import group_advantages, token_advantages, weighted_token_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -23,7 +24,6 @@ from trl_mrtpo.research.weighting import (
     pava,
     saw_weights,
 )
-from trl_mrtpo.self_certainty import SelfCertaintyReward
 
 from .test_trainer import assert_token_advantages, make_args, train
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from trl_mrtpo import MRTPOConfig
 from trl_mrtpo.credit import process_advantages
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
-from trl_mrtpo.process_rewards import checked_steps, checked_turn_steps, failure_boundary
+from trl_mrtpo.steps.process_rewards import checked_steps, checked_turn_steps, failure_boundary
 from trl_mrtpo.trajectories import trajectory
 
 CASE_SECONDS = 20  # far above any case's cost (milliseconds); a hang fails instead of blocking the suite
@@ -203,7 +203,7 @@ def test_turn_process_rewards_end_in_a_named_error_or_finite_advantages(returned
 
 @pytest.mark.parametrize("separator", ["", None])
 def test_no_separator_can_make_step_splitting_loop(separator):
-    from trl_mrtpo.process_rewards import step_spans
+    from trl_mrtpo.steps.process_rewards import step_spans
 
     with time_limit(5), pytest.raises((ValueError, TypeError)):
         step_spans("a\nb", separator)

@@ -7,8 +7,8 @@ import subprocess
 import pytest
 
 from tests.helpers import CharTokenizer, record_for
+from trl_mrtpo.observability.viz import credit_heatmap_html
 from trl_mrtpo.scripts.inspection import CONTROL_NAME
-from trl_mrtpo.viz import credit_heatmap_html
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 # CI installs chromium (.ci/run); elsewhere the test is skipped rather than failing on a missing browser.

@@ -2,6 +2,7 @@
 
 from tests.helpers import CharTokenizer, record_for
 from trl_mrtpo.kits import get_kit
+from trl_mrtpo.observability.viz import credit_heatmap_html
 from trl_mrtpo.scripts.inspection import (
     CONTROL_NAME,
     inspect_credit,
@@ -9,7 +10,6 @@ from trl_mrtpo.scripts.inspection import (
     token_mask,
     with_control_sentence,
 )
-from trl_mrtpo.viz import credit_heatmap_html
 
 
 def test_localisation_numbers_by_hand():
@@ -69,7 +69,7 @@ def test_inspect_command_end_to_end(tmp_path, tiny_tokenizer):
 
 
 def test_credit_summary_line():
-    from trl_mrtpo.viz import credit_summary
+    from trl_mrtpo.diagnostics import credit_summary
 
     line = credit_summary(["a", "b", "c"], [0.1, -0.9, 0.5], [[0.0, 0.2, 0.7], []], ["end", "kw"])
     assert line == "top |A_t|: 'b' -0.90, 'c' +0.50, 'a' +0.10 | end q peaks at 'c' (0.700)"

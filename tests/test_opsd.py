@@ -7,9 +7,9 @@ from datasets import Dataset
 
 from tests.helpers import make_args
 from trl_mrtpo import _trl
+from trl_mrtpo.baselines.opsd import opsd_config, opsd_trainer_class, privileged_context, with_privileged_context
 from trl_mrtpo.kits import get_kit
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.opsd import opsd_config, opsd_trainer_class, privileged_context, with_privileged_context
 
 
 def test_privileged_context_holds_the_blocks_that_need_no_response(tmp_path):

@@ -6,8 +6,8 @@ import torch
 
 from tests.helpers import build_prm
 from trl_mrtpo import MRTPOConfig, MRTPOTrainer
-from trl_mrtpo.process_rewards import step_spans
-from trl_mrtpo.step_labels import MathShepherd, ProcessRewardModel
+from trl_mrtpo.steps.process_rewards import step_spans
+from trl_mrtpo.steps.step_labels import MathShepherd, ProcessRewardModel
 
 
 def trl_prm_row(tokenizer, prompt, steps, separator):

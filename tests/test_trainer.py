@@ -337,7 +337,7 @@ def test_lora_on_lm_head_is_refused_at_init(tiny_model, tiny_tokenizer, tmp_path
 
 def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     import trl_mrtpo.trainer
-    from trl_mrtpo.callbacks import CreditPlotCallback, logged_reward_names
+    from trl_mrtpo.observability.callbacks import CreditPlotCallback, logged_reward_names
 
     warnings = []
     monkeypatch.setattr(trl_mrtpo.trainer.logger, "warning", lambda message: warnings.append(message))

@@ -90,7 +90,7 @@ def test_the_core_imports_no_application():
         "import sys, trl_mrtpo\n"
         "from trl_mrtpo import MRTPOConfig, MRTPOTrainer\n"
         "from trl_mrtpo.kits import get_kit\n"
-        "import trl_mrtpo.model_card, trl_mrtpo.opsd, trl_mrtpo.step_labels\n"
+        "import trl_mrtpo.model_card, trl_mrtpo.baselines.opsd, trl_mrtpo.steps.step_labels\n"
         "rooms = ('trl_mrtpo.scripts', 'trl_mrtpo.research')\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(rooms))\n"
         "assert not loaded, loaded\n"
@@ -106,7 +106,7 @@ def test_the_top_level_is_the_trainers_and_moved_names_warn():
     import pytest
 
     import trl_mrtpo
-    from trl_mrtpo.step_labels import MathShepherd
+    from trl_mrtpo.steps.step_labels import MathShepherd
 
     assert sorted(n for n in trl_mrtpo.__all__ if n != "__version__") == [
         "InfoBlock",
@@ -114,7 +114,9 @@ def test_the_top_level_is_the_trainers_and_moved_names_warn():
         "MRTPOConfig",
         "MRTPOTrainer",
     ]
-    with pytest.warns(FutureWarning, match="trl_mrtpo.MathShepherd` moved to `trl_mrtpo.step_labels.MathShepherd"):
+    with pytest.warns(
+        FutureWarning, match="trl_mrtpo.MathShepherd` moved to `trl_mrtpo.steps.step_labels.MathShepherd"
+    ):
         assert trl_mrtpo.MathShepherd is MathShepherd
     with pytest.raises(AttributeError):
         trl_mrtpo.no_such_name  # noqa: B018
@@ -127,9 +129,9 @@ def test_sharding_refuses_only_what_it_cannot_run(tiny_model, tiny_tokenizer, tm
 
     from tests.helpers import make_args
     from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.baselines.self_certainty import SelfCertaintyReward
     from trl_mrtpo.kits.basic import KIT as BASIC
     from trl_mrtpo.kits.basic import make_basic_dataset
-    from trl_mrtpo.self_certainty import SelfCertaintyReward
 
     def build(mode, rewards=BASIC.rewards, blocks=BASIC.info_blocks, **overrides):
         return MRTPOTrainer(

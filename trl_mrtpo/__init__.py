@@ -3,7 +3,7 @@
 import importlib
 import warnings
 
-from . import process_rewards  # noqa: F401  registers the step credit term (process rewards, failure suffixes)
+from . import steps  # noqa: F401  registers the step credit term (process rewards, failure suffixes)
 from .config import MRTPOConfig
 from .info_blocks import InfoBlock, InfoBlockError
 from .trainer import MRTPOTrainer
@@ -15,12 +15,12 @@ _MOVED = {
     "CreditRecord": "diagnostics",
     "Kit": "kits",
     "get_kit": "kits",
-    "Step": "process_rewards",
-    "step_spans": "process_rewards",
-    "SelfCertaintyReward": "self_certainty",
-    "MathShepherd": "step_labels",
-    "ProcessRewardModel": "step_labels",
-    "credit_heatmap_html": "viz",
+    "Step": "steps.process_rewards",
+    "step_spans": "steps.process_rewards",
+    "SelfCertaintyReward": "baselines.self_certainty",
+    "MathShepherd": "steps.step_labels",
+    "ProcessRewardModel": "steps.step_labels",
+    "credit_heatmap_html": "observability.viz",
     "inspect_credit": "scripts.inspection",
 }
 

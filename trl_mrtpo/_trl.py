@@ -58,8 +58,8 @@ GRPO_TRAINER_ATTRIBUTES = (
 # ... and with ``environment_factory``: the instances TRL pools (set in __init__) and each example's environment name
 # (set for the batch being generated), checked after a tool-rollout step (tests/test_agent_kit.py).
 GRPO_ENVIRONMENT_ATTRIBUTES = ("_environment_pool", "_batch_environments")
-# What the OPSD arm (trl_mrtpo.opsd) overrides or reads on TRL's experimental SDFTTrainer (TRL 1.16); that the hook
-# is called, the attribute set and the batch keys present is checked by a run (tests/test_opsd.py).
+# What the OPSD arm (trl_mrtpo.baselines.opsd) overrides or reads on TRL's experimental SDFTTrainer (TRL 1.16);
+# that the hook is called, the attribute set and the batch keys present is checked by a run (tests/test_opsd.py).
 SDFT_TRAINER_NAMES = {
     "sample_rollouts": "overridden: scores each rollout with the reward functions, for logging only",
 }

@@ -12,7 +12,7 @@ from .constants import (
     DIVERGENCE_BACKENDS,
     REPLAY_BATCH_SIZE,
 )
-from .ops import triton_divergence
+from .ops.triton_divergence import is_available as triton_available
 from .rules import credit_rule_names, replays_each_reward
 from .validation import check_credit_rule, check_field_types, check_finite_fields
 
@@ -205,7 +205,7 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(
                 f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {self.divergence_backend!r}."
             )
-        if self.divergence_backend == "triton" and not triton_divergence.is_available():
+        if self.divergence_backend == "triton" and not triton_available():
             raise ValueError("divergence_backend='triton' needs Triton: pip install 'trl-mrtpo[kernels]'.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")

@@ -1,7 +1,9 @@
-"""Records and statistics of where relevance q lands (training metrics, inspection)."""
+"""Records and statistics of where relevance q lands (training metrics, inspection), and the one-line summary
+per response the completions table shows."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,3 +143,35 @@ class CreditRecord:
             beta=beta,
             reward_betas=reward_betas.float().cpu(),
         )
+
+
+def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
+    """One display string per token (each id decoded alone)."""
+    return [tokenizer.decode([int(i)]) for i in ids]
+
+
+def credit_summary(
+    tokens: Sequence[str], advantages: Sequence[float], relevance: Sequence[Sequence[float]], names: Sequence[str]
+) -> str:
+    """One line per response for the completions table: the tokens with the largest token advantages, and where
+    each replayed reward's q peaks (``relevance`` holds one profile per name; empty profiles are skipped)."""
+    order = sorted(range(len(tokens)), key=lambda t: -abs(advantages[t]))[:3]
+    parts = ["top |A_t|: " + ", ".join(f"{tokens[t]!r} {advantages[t]:+.2f}" for t in order)]
+    for name, q in zip(names, relevance):
+        if len(q) and max(q) > 0:
+            peak = max(range(len(q)), key=lambda t: q[t])
+            parts.append(f"{name} q peaks at {tokens[peak]!r} ({q[peak]:.3f})")
+    return " | ".join(parts)
+
+
+def credit_summaries(
+    tokens: Sequence[Sequence[str]], advantages, relevance, with_q, names: Sequence[str], positions
+) -> list[str]:
+    """:func:`credit_summary` of each response of a batch: ``tokens`` per response (its model tokens, at
+    ``positions``: :func:`~trl_mrtpo.diagnostics.model_positions`), ``advantages`` ``[B, C]``, ``relevance``
+    ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the pairs whose q profile is shown)."""
+    summaries = []
+    for j, (response, where) in enumerate(zip(tokens, positions)):
+        profiles = [relevance[j, k, where].tolist() if with_q[j, k] else [] for k in range(len(names))]
+        summaries.append(credit_summary(response, advantages[j, where].tolist(), profiles, names))
+    return summaries

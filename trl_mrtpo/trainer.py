@@ -33,7 +33,15 @@ from .batch import Scored, ScoredBatch, credit_mask, local_slice
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, warmup_beta
 from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, write_credit_state
-from .diagnostics import CollapseMonitor, CreditRecord, model_positions, process_means, q_statistics
+from .diagnostics import (
+    CollapseMonitor,
+    CreditRecord,
+    credit_summaries,
+    model_positions,
+    process_means,
+    q_statistics,
+    token_strings,
+)
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders
 from .ops.divergence import validate_triton_kernel
@@ -53,7 +61,6 @@ from .validation import (
     checked_reward,
     checked_rollout,
 )
-from .viz import credit_summaries, token_strings
 
 logger = logging.get_logger(__name__)
 
@@ -68,7 +75,7 @@ class MRTPOTrainer(GRPOTrainer):
     [`trl_mrtpo.info_blocks`]. `args.credit_assignment` names the credit rule ([`trl_mrtpo.rules`]); with `"grpo"` it
     behaves exactly like `GRPOTrainer`.
 
-    Two credit terms stack with every rule (see [`trl_mrtpo.process_rewards`]): `process_rewards`, functions that
+    Two credit terms stack with every rule (see [`trl_mrtpo.steps.process_rewards`]): `process_rewards`, functions that
     score steps of each completion (character spans), turned into token advantages by GRPO's process-supervision
     rule; and `failure_boundaries`, one builder (or None) per reward that returns where a failing response's
     unrecovered error ends, after which that reward's negative credit is dropped. `relevance_provider` replaces the
@@ -193,7 +200,7 @@ class MRTPOTrainer(GRPOTrainer):
 
     @property
     def step_credit(self) -> CreditTerm | None:
-        """The run's step-level credit term (process rewards, failure suffixes; :mod:`trl_mrtpo.process_rewards`)."""
+        """The run's step-level credit term: process rewards, failure suffixes (:mod:`trl_mrtpo.steps`)."""
         return self.credit_terms.get("steps")
 
     @step_credit.setter

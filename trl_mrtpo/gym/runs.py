@@ -57,8 +57,8 @@ class RunSettings:
     ``method`` is a credit mode, ``"oracle"`` (MRTPO's steps 5-8 with q set to the ground-truth relevant positions
     instead of the replay's: the upper bound of what any relevance profile can give) or ``"opsd"`` (TRL's
     self-distillation, the constraint sentences restated as the live teacher's privileged context,
-    :mod:`trl_mrtpo.opsd`). ``options`` are further ``ResearchConfig`` fields as ``(name, value)`` pairs (the credit
-    options under test). ``process`` adds a process reward: ``"oracle"``
+    :mod:`trl_mrtpo.baselines.opsd`). ``options`` are further ``ResearchConfig`` fields as ``(name, value)`` pairs
+    (the credit options under test). ``process`` adds a process reward: ``"oracle"``
     (:func:`~trl_mrtpo.gym.task.oracle_process_reward`) or ``"shepherd"`` (Math-Shepherd soft labels from the
     policy, ``shepherd_rollouts`` continuations per step). ``failure_masking`` drops each failing constraint's
     penalty after its last relevant position."""
@@ -109,7 +109,7 @@ def _process_rewards(spec: GymSpec, settings: RunSettings) -> list:
     if settings.process == "oracle":
         return [oracle_process_reward(spec.length)]
     if settings.process == "shepherd":
-        from ..step_labels import MathShepherd
+        from ..steps.step_labels import MathShepherd
 
         # one word per step; a continuation runs to the response's full length (its end token included)
         return [MathShepherd(all_constraints_met, settings.shepherd_rollouts, step_separator=" ", batch_size=256)]
@@ -146,7 +146,7 @@ def _gym_trainer_class():
 
 
 def _gym_opsd_class():
-    from ..opsd import opsd_trainer_class
+    from ..baselines.opsd import opsd_trainer_class
 
     class GymOPSDTrainer(opsd_trainer_class()):
         """OPSD on the gym (the constraint sentences restated as the teacher's privileged context), recording every
@@ -222,7 +222,7 @@ def train_run(
     rewards, blocks = constraint_rewards(spec.num_constraints), constraint_blocks(spec.num_constraints, spec.placement)
     boundaries = constraint_failure_boundaries(spec.num_constraints) if settings.failure_masking else None
     if settings.method == "opsd":
-        from ..opsd import opsd_config
+        from ..baselines.opsd import opsd_config
 
         # the gym's vocabulary is smaller than SDFT's default top-100 logits: distil over all of it
         args = opsd_config(config, distillation_mode="full_logits")

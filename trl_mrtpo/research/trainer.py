@@ -7,12 +7,17 @@ configuration, replays with its prefix option, and computes the two quantities o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 
 from .._trl import whole_policy
 from ..batch import ScoredBatch, completion_token_lists
+from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
+from ..ops.token_scores import sampled_logprobs
 from ..relevance import ReplayRelevance
-from ..replay import replay_logprobs
+from ..replay import lm_head_parameters, replayed_hidden_states
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
 from .rules import RESEARCH_STATE_ENTRIES, concur_trust_problem, shuffle_generator_problem
@@ -86,3 +91,41 @@ class ResearchTrainer(MRTPOTrainer):
             if lp.shape[0]:
                 surprisal[i, : lp.shape[1]] = -lp[0].to(mask.device)
         return surprisal
+
+
+@torch.no_grad()
+def replay_logprobs(
+    model: nn.Module,
+    contexts: Sequence[Sequence[Sequence[int]]],
+    completions: Sequence[Sequence[int]],
+    temperature: float,
+    batch_size: int = REPLAY_BATCH_SIZE,
+    min_shared_prefix: int | None = MIN_SHARED_PREFIX,
+) -> list[torch.Tensor]:
+    """Log-probabilities of the sampled completion tokens after each context (CoRT's contrast, TACO's surprisal).
+
+    Args:
+        contexts: per response j, a list of context token ids (empty: skipped).
+        completions: per response j, its completion token ids.
+        (the other arguments as in :func:`replay_relevance`)
+
+    Returns:
+        per response j, ``[len(contexts[j]), L_j]`` fp32 log-probabilities (``[0, L_j]`` when skipped).
+    """
+    hidden, owners = replayed_hidden_states(
+        model, contexts, completions, batch_size, min_shared_prefix, min_contexts=1
+    )
+    results = [torch.zeros(0, len(c)) for c in completions]
+    if not owners:
+        return results
+    # One call over every sequence of the batch (the lm_head weight is read, and upcast, once).
+    states = torch.cat(hidden)
+    token_ids = torch.tensor(
+        [token for j, count, _ in owners for token in list(completions[j]) * count], device=states.device
+    )
+    with lm_head_parameters(model) as (weight, bias):
+        logprobs = sampled_logprobs(states, token_ids, weight, bias, temperature)
+    parts = logprobs.split([count * len(completions[j]) for j, count, _ in owners])
+    for (j, count, _), part in zip(owners, parts):
+        results[j] = part.view(count, -1)
+    return results

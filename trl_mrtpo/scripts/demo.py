@@ -9,9 +9,9 @@ import warnings
 
 from transformers import TrainerCallback
 
-from ..callbacks import CreditPlotCallback
 from ..config import MRTPOConfig
 from ..constants import DEMO_SETTINGS
+from ..observability.callbacks import CreditPlotCallback
 
 
 def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
@@ -112,7 +112,7 @@ def reward_trend(log_history: list[dict], reward_names: list[str], window: int =
 def save_credit_views(trainer, output_dir: str, max_responses: int = 4) -> list[str]:
     """The last step's token credit as ``credit_heatmap.html`` (and ``credit_heatmap.png`` where matplotlib is
     installed) in ``output_dir``: a few responses, each reward's credit and the uniform GDPO spread beside it."""
-    from ..viz import credit_heatmap_html, credit_heatmap_png
+    from ..observability.viz import credit_heatmap_html, credit_heatmap_png
 
     record = trainer.last_credit
     if record is None:
@@ -295,7 +295,7 @@ def compare_demo(output_dir: str = "mrtpo-demo", **settings) -> dict:
     """The same task and seed with ``gdpo`` then ``mrtpo`` (``output_dir/gdpo``, ``output_dir/mrtpo``), ending with
     one side-by-side plot (``comparison.png``) and table. One seed shows what each run did, not which method is
     better: that takes many seeds (``benchmarks/``)."""
-    from ..viz import plot_comparison
+    from ..observability.viz import plot_comparison
 
     histories = {}
     for method in ("gdpo", "mrtpo"):

@@ -20,10 +20,9 @@ import torch
 
 from .._trl import tokenize_prompts
 from ..config import MRTPOConfig
-from ..diagnostics import CreditRecord
+from ..diagnostics import CreditRecord, token_strings
 from ..info_blocks import InfoBlock
 from ..kits import Kit, get_kit
-from ..viz import token_strings
 
 CONTROL_SENTENCE = "The museum on the corner opens at nine on Sundays."
 CONTROL_NAME = "control_irrelevant_sentence"
@@ -221,8 +220,8 @@ def inspect_credit(
 
     from datasets import Dataset
 
+    from ..observability.viz import credit_heatmap_html
     from ..trainer import MRTPOTrainer
-    from ..viz import credit_heatmap_html
     from .policy import load_policy
 
     torch.manual_seed(seed)

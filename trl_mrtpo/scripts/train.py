@@ -54,7 +54,7 @@ class MRTPOScriptArguments(ScriptArguments):
             `mrtpo`: `MRTPOTrainer`. `research`: `trl_mrtpo.research.ResearchTrainer`, for the sibling methods,
             ablations and calibrated-credit options (`ResearchConfig`'s fields). `opsd`: the comparison arm, TRL's
             experimental `SDFTTrainer` with the info blocks as the live teacher's privileged context
-            (`trl_mrtpo.opsd`); the rewards are logged, not trained on, and the MRTPO fields are ignored.
+            (`trl_mrtpo.baselines.opsd`); the rewards are logged, not trained on, and the MRTPO fields are ignored.
         chat_template_path (`str`, *optional*):
             Sets the tokenizer's chat template (as TRL's `SFTConfig.chat_template_path`): a Jinja file, the name of
             a template TRL ships (`qwen3`, `qwen2_5`, `llama3_1`, ...: `trl/chat_templates/<name>.jinja`), or a
@@ -247,7 +247,7 @@ def build_trainer(
     quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
     from trl import get_peft_config, get_quantization_config
 
-    from ..callbacks import CreditPlotCallback
+    from ..observability.callbacks import CreditPlotCallback
 
     trainer_class = recipe_trainer_class(script_args, training_args)
     kit, rewards, blocks = recipe_rewards(script_args)
@@ -304,10 +304,11 @@ def build_trainer(
 
 
 def _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset):
-    """The OPSD comparison arm on the same recipe: shared fields carried over (:func:`trl_mrtpo.opsd.opsd_config`)."""
+    """The OPSD comparison arm on the same recipe: shared fields carried over
+    (:func:`trl_mrtpo.baselines.opsd.opsd_config`)."""
     from trl import get_peft_config
 
-    from ..opsd import opsd_config, opsd_trainer_class
+    from ..baselines.opsd import opsd_config, opsd_trainer_class
 
     if script_args.process_rewards or script_args.failure_masking:
         raise ValueError("process_rewards and failure_masking are MRTPOTrainer's credit rules; OPSD has no credit.")
