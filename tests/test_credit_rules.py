@@ -101,6 +101,11 @@ def run(tiny_model, tiny_tokenizer, output_dir, resume=None, **overrides):
     return trainer
 
 
+def reference(trainer, credit, q):
+    c = trainer.reward_weights.double()
+    return reference_token_advantages(credit.rewards.double(), q, credit.mask, c, credit.reward_betas, 2.0, G=4)[0]
+
+
 def test_a_rule_registered_in_a_test_file_trains_and_matches_its_reference(
     tiny_model, tiny_tokenizer, tmp_path, squared_rule
 ):
@@ -110,26 +115,10 @@ def test_a_rule_registered_in_a_test_file_trains_and_matches_its_reference(
     for credit in trainer.credits:
         assert credit.replayed.any() and credit.beta == 0.5
         # the rule's own definition in float64: MRTPO's steps 1-8 on q squared, each reward's beta as trained
-        expected, _ = reference_token_advantages(
-            credit.rewards.double(),
-            credit.relevance.double() ** 2,
-            credit.mask,
-            trainer.reward_weights.double(),
-            credit.reward_betas,
-            2.0,
-            G=4,
-        )
+        expected = reference(trainer, credit, credit.relevance.double() ** 2)
         torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
         # and not MRTPO's: the squared weights moved the advantages
-        mrtpo, _ = reference_token_advantages(
-            credit.rewards.double(),
-            credit.relevance.double(),
-            credit.mask,
-            trainer.reward_weights.double(),
-            credit.reward_betas,
-            2.0,
-            G=4,
-        )
+        mrtpo = reference(trainer, credit, credit.relevance.double())
         assert (credit.advantages.double() - mrtpo).abs().max() > 1e-3
 
 
@@ -208,3 +197,23 @@ def test_the_core_imports_and_names_nothing_of_the_research_room():
                 found.append(f"{path.name} names the rule {node.value!r}")
         found += [f"{path.name} names {word}" for word in names if re.search(rf"\b{word}\b", source, re.IGNORECASE)]
     assert not found, found
+
+
+def test_sample_credit_leaves_every_rule_and_term_state_as_it_was(tiny_model, tiny_tokenizer, tmp_path):
+    """``inspect`` trains nothing: CONCUR's trust (a term's state) and the shuffled ablation's generator (a rule's)
+    are as they were after sampling a batch's credit (they advanced before)."""
+    from trl_mrtpo.research import ResearchTrainer
+
+    trainer = ResearchTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, credit_assignment="shuffled", reward_weighting="concur"),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    generator = trainer.credit_rule.generator.get_state()
+    record = trainer.sample_credit([dict(row) for row in make_basic_dataset(2)], 4)
+    assert record.replayed.any()
+    assert trainer._concur_trust == {}
+    assert torch.equal(trainer.credit_rule.generator.get_state(), generator)

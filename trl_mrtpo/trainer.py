@@ -6,6 +6,7 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -325,12 +326,15 @@ class MRTPOTrainer(GRPOTrainer):
         :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
         inputs = [dict(row) for row in rows for _ in range(num_generations)]
         was_training, specificity = self.model.training, self.reward_strength.specificity.clone()
+        states = [(part, copy.deepcopy(part.state())) for part in self._stateful()]
         self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
         try:
             self._generate_and_score_completions(inputs)
-        finally:  # an inspection trains nothing: the module's mode and the strength state are as they were
+        finally:  # an inspection trains nothing: the module's mode, strength, rule and term states are as they were
             self.model.train(was_training)
             self.reward_strength.specificity = specificity
+            for part, state in states:
+                part.restore(state)
         return self.last_credit
 
     def _announce_first_generation(self, inputs) -> None:
