@@ -43,9 +43,10 @@ def prm_share(seed: int, work_dir: str, num_prompts: int = 32, group: int = 8) -
     (before any RL): the token-level std of each, and the process part's share of the variance of their sum."""
     import torch
 
-    from trl_mrtpo.credit import group_advantages, process_advantages
+    from trl_mrtpo.credit import group_advantages
     from trl_mrtpo.gym.runs import gym_dataset, sample_words
     from trl_mrtpo.gym.task import oracle_process_reward, row_constraints, supervised_policy
+    from trl_mrtpo.steps.credit import process_advantages
 
     spec = variant_spec("default")
     model, tokenizer = supervised_policy(spec, seed, Path(work_dir) / "policies")

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from trl_mrtpo import MRTPOConfig
-from trl_mrtpo.credit import process_advantages
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
+from trl_mrtpo.steps.credit import process_advantages
 from trl_mrtpo.steps.process_rewards import checked_steps, checked_turn_steps, failure_boundary
 from trl_mrtpo.trajectories import trajectory
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mrtpo"
-# Measured (4,342) when the rules, terms, relevance provider and subpackages landed; the aim is about 2,500. It
+# Measured (4,336) when the rules, terms, relevance provider and subpackages landed; the aim is about 2,500. It
 # may only fall: lower it when the method's modules shrink.
-METHOD_LINES_CEILING = 4350
+METHOD_LINES_CEILING = 4340
 
 
 def module_path(name: str) -> Path | None:
@@ -99,3 +99,14 @@ if __name__ == "__main__":
     for name, lines in modules.items():
         print(f"{lines:5d} {name}")
     print(f"{sum(modules.values())} lines in {len(modules)} modules")
+
+
+def test_names_moved_out_of_a_module_warn_and_resolve():
+    import trl_mrtpo.credit
+    from trl_mrtpo.steps import credit
+
+    for name in ("process_advantages", "failure_suffix_mask"):
+        with pytest.warns(FutureWarning, match=f"`trl_mrtpo.credit.{name}` moved to `trl_mrtpo.steps.credit.{name}`"):
+            assert getattr(trl_mrtpo.credit, name) is getattr(credit, name)
+    with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
+        assert trl_mrtpo.credit.nothing is None  # raises first

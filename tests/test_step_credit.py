@@ -14,9 +14,10 @@ from tests.reference import (
     reference_token_advantages,
 )
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit import failure_suffix_mask, group_advantages, process_advantages, token_advantages
+from trl_mrtpo.credit import group_advantages, token_advantages
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research.credit import token_advantages_preserving_totals
+from trl_mrtpo.steps.credit import failure_suffix_mask, process_advantages
 from trl_mrtpo.steps.process_rewards import Step, checked_steps, step_spans, token_positions
 from trl_mrtpo.utils import completion_text
 

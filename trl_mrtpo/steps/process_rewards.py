@@ -25,12 +25,12 @@ import torch
 from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
-from ..credit import failure_suffix_mask, process_advantages
 from ..info_blocks import Prompt, call_builder, check_builders
 from ..rules import CreditSetup, CreditTerm, credit_rule, register_credit_term
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name, reward_columns
 from ..validation import own_copies, within_float32
+from .credit import failure_suffix_mask, process_advantages
 
 NO_BOUNDARY = -1
 
