@@ -170,6 +170,9 @@ def test_an_unknown_rule_is_refused_by_name(tmp_path):
         make_args(tmp_path, credit_assignment="sqaured")
     with pytest.raises(TypeError, match="must be a CreditRule subclass"):
         register_credit_rule("bad", object)
+    with pytest.raises(ValueError, match="'blind' reads relevance but replays nothing"):
+        register_credit_rule("blind", type("Blind", (CreditRule,), {"reads": ("relevance",)}))
+    assert "bad" not in credit_rule_names() and "blind" not in credit_rule_names()
 
 
 def core_modules() -> list[Path]:

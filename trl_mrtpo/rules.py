@@ -209,6 +209,8 @@ def register_credit_rule(name: str, rule: type[CreditRule], config_class: type |
         raise TypeError(f"credit rule {name!r} must be a CreditRule subclass, got {rule!r}.")
     if rule.removal not in (None, "each", "all"):
         raise ValueError(f"credit rule {name!r}: removal must be 'each', 'all' or None, got {rule.removal!r}.")
+    if rule.removal is None and rule.reads:
+        raise ValueError(f"credit rule {name!r} reads {', '.join(rule.reads)} but replays nothing (removal=None).")
     _RULES[name] = RegisteredRule(rule, config_class)
 
 

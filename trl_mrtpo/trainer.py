@@ -400,6 +400,7 @@ class MRTPOTrainer(GRPOTrainer):
         relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
         reads = [*(rule.reads if self._replays and beta > 0 else ()), *(name for term in terms for name in term.reads)]
+        reads = list(dict.fromkeys(reads))  # each quantity computed once, however many read it
         quantities = {}
         if reads:  # the policy's time for credit: logged as replay seconds
             with self._replay_clock():
