@@ -220,3 +220,32 @@ def test_sample_credit_leaves_every_rule_and_term_state_as_it_was(tiny_model, ti
     assert record.replayed.any()
     assert trainer._concur_trust == {}
     assert torch.equal(trainer.credit_rule.generator.get_state(), generator)
+
+
+def test_a_checkpoint_with_another_rules_state_entry_resumes(tiny_tokenizer, tmp_path):
+    """Before the shuffled ablation's generator was that rule's state, every research checkpoint held it: such a file
+    resumes a run of another rule (the entry means nothing there); an entry no rule writes is still refused."""
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.research import ResearchTrainer
+
+    def research_run(resume=None):
+        trainer = ResearchTrainer(
+            model=build_tiny_model(tiny_tokenizer),
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path, research=True, save_strategy="steps", save_steps=1),
+            train_dataset=make_basic_dataset(8),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    research_run()
+    path = tmp_path / "checkpoint-1" / "mrtpo_state_0.pt"
+    state = torch.load(path, weights_only=True)
+    assert "shuffle_generator" not in state
+    torch.save({**state, "shuffle_generator": torch.Generator().get_state()}, path)
+    assert research_run(resume=str(tmp_path / "checkpoint-1")).state.global_step == 2
+    torch.save({**state, "stray": 1}, path)
+    with pytest.raises(ValueError, match="entry stray is unknown"):
+        research_run(resume=str(tmp_path / "checkpoint-1"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -84,12 +84,17 @@ def write_credit_state(checkpoint: str, process_index: int, identity: dict, stat
 
 
 def load_credit_state(
-    checkpoint: str, process_index: int, identity: dict, entries: dict[str, StateCheck]
+    checkpoint: str,
+    process_index: int,
+    identity: dict,
+    entries: dict[str, StateCheck],
+    foreign: Collection[str] = (),
 ) -> dict | None:
     """This process's state of ``checkpoint`` (:func:`read_credit_state`). The core state is the same on every
     process (per-reward strength reads the batch over all of them, the collapse monitor their means), so a process
     without its own file (a resume on more processes, or a checkpoint uploaded by the main process alone) reads the
-    lowest rank's; None with a warning when the folder holds none (the state starts afresh)."""
+    lowest rank's; None with a warning when the folder holds none (the state starts afresh). ``foreign``: entries
+    other credit rules write, dropped when this run does not read them."""
     path = credit_state_path(checkpoint, process_index)
     if not os.path.isfile(path):
         ranks = sorted(int(m[1]) for m in map(STATE_FILE.fullmatch, os.listdir(checkpoint)) if m)
@@ -101,11 +106,13 @@ def load_credit_state(
             return None
         path = credit_state_path(checkpoint, ranks[0])
         # a generation buffer holds its own rank's slice of the batch: another rank's is never applied
-        return {**read_credit_state(path, identity, entries), "generation_buffer": None}
-    return read_credit_state(path, identity, entries)
+        return {**read_credit_state(path, identity, entries, foreign), "generation_buffer": None}
+    return read_credit_state(path, identity, entries, foreign)
 
 
-def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck]) -> dict:
+def read_credit_state(
+    path: str, identity: dict, entries: dict[str, StateCheck], foreign: Collection[str] = ()
+) -> dict:
     """The trainer's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only)
     and checked against the run resuming from it: a damaged or foreign file, one written for other rewards or
     credit settings, or an entry that is missing, unknown or not what ``entries`` expects, stops with a message
@@ -146,6 +153,8 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
             "with a fresh MRTPO state."
         )
 
+    # an entry another rule writes (a file from before that rule owned it) means nothing to this run
+    state = {key: value for key, value in state.items() if key in entries or key not in foreign}
     unknown = set(state) - {"version", *entries, *identity}
     if unknown:
         refuse(", ".join(sorted(map(str, unknown))), "unknown")

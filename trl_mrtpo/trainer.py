@@ -48,7 +48,16 @@ from .info_blocks import InfoBlock, assistant_header, check_builders
 from .ops.divergence import validate_triton_kernel
 from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
 from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier
-from .rules import CreditInputs, CreditSetup, CreditTerm, as_term, build_credit_terms, credit_rule, quantity
+from .rules import (
+    CreditInputs,
+    CreditSetup,
+    CreditTerm,
+    as_term,
+    build_credit_terms,
+    credit_rule,
+    quantity,
+    registered_rules,
+)
 from .strength import RewardStrength
 from .trajectories import check_tool_results
 from .validation import (
@@ -275,7 +284,9 @@ class MRTPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             entries = self._credit_state()[1]
-            state = load_credit_state(checkpoint, self.accelerator.process_index, self._state_identity(), entries)
+            foreign = {entry for registered in registered_rules().values() for entry in registered.rule.state_checks}
+            rank, identity = self.accelerator.process_index, self._state_identity()
+            state = load_credit_state(checkpoint, rank, identity, entries, foreign - set(entries))
             if state is not None:
                 self._restore_credit_state(state)
 
