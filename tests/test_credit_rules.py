@@ -16,6 +16,7 @@ from trl_mrtpo import MRTPOConfig
 from trl_mrtpo.credit import replayed_token_weights
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.relevance import Relevance
 from trl_mrtpo.rules import (
     CreditRule,
     credit_rule_names,
@@ -249,3 +250,45 @@ def test_a_checkpoint_with_another_rules_state_entry_resumes(tiny_tokenizer, tmp
     torch.save({**state, "stray": 1}, path)
     with pytest.raises(ValueError, match="entry stray is unknown"):
         research_run(resume=str(tmp_path / "checkpoint-1"))
+
+
+class FirstTokens:
+    """A relevance provider that knows the answer: each replayed pair's q is 1 on the completion's first two model
+    tokens (no policy forward)."""
+
+    def __init__(self):
+        self.removals = []
+
+    def __call__(self, trainer, batch, removal):
+        self.removals.append(removal)
+        replayed = batch.varying.clone()
+        relevance = torch.zeros((*replayed.shape, batch.mask.shape[1]))
+        relevance[..., :2] = 1.0
+        relevance = relevance * batch.mask[:, None, :] * replayed[..., None]
+        return Relevance(relevance, replayed, True)
+
+
+def test_a_relevance_provider_replaces_the_replay(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    import trl_mrtpo.relevance
+
+    monkeypatch.setattr(trl_mrtpo.relevance, "replay_relevance", lambda *a, **k: pytest.fail("the policy replayed"))
+    provider = FirstTokens()
+    trainer = CreditTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, per_device_train_batch_size=8, num_generations=4),
+        train_dataset=make_basic_dataset(16),
+        processing_class=tiny_tokenizer,
+        relevance_provider=provider,
+    )
+    trainer.train()
+    assert provider.removals == ["each", "each"]
+    for credit in trainer.credits:
+        assert credit.replayed.any() and (credit.relevance[..., 2:] == 0).all()
+        torch.testing.assert_close(
+            credit.advantages.double(),
+            reference(trainer, credit, credit.relevance.double()),
+            atol=2e-5,
+            rtol=2e-5,
+        )
