@@ -20,6 +20,7 @@ from trl_mrtpo.relevance import Relevance
 from trl_mrtpo.rules import (
     CreditRule,
     credit_rule_names,
+    quantity,
     register_credit_rule,
     register_credit_term,
     unregister_credit_rule,
@@ -174,6 +175,8 @@ def test_an_unknown_rule_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="'blind' reads relevance but replays nothing"):
         register_credit_rule("blind", type("Blind", (CreditRule,), {"reads": ("relevance",)}))
     assert "bad" not in credit_rule_names() and "blind" not in credit_rule_names()
+    with pytest.raises(ValueError, match="no provider of the quantity 'entropy' is registered"):
+        quantity("entropy")
 
 
 def core_modules() -> list[Path]:
