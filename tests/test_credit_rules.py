@@ -295,3 +295,27 @@ def test_a_relevance_provider_replaces_the_replay(tiny_model, tiny_tokenizer, tm
             atol=2e-5,
             rtol=2e-5,
         )
+
+
+def test_two_terms_that_replace_steps_6_to_8_are_refused(tiny_model, tiny_tokenizer, tmp_path):
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.rules import CreditTerm
+
+    class Replacing(CreditTerm):
+        combine = staticmethod(lambda *args, **kwargs: None)
+
+    for name in ("first_combine", "second_combine"):
+        register_credit_term(name, lambda setup: Replacing())
+    try:
+        with pytest.raises(ValueError, match="first_combine, second_combine each replace steps 6-8; at most one"):
+            MRTPOTrainer(
+                model=tiny_model,
+                reward_funcs=BASIC.rewards,
+                info_blocks=BASIC.info_blocks,
+                args=make_args(tmp_path),
+                train_dataset=make_basic_dataset(4),
+                processing_class=tiny_tokenizer,
+            )
+    finally:
+        unregister_credit_term("first_combine")
+        unregister_credit_term("second_combine")

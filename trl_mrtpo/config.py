@@ -13,7 +13,7 @@ from .constants import (
     REPLAY_BATCH_SIZE,
 )
 from .ops.triton_divergence import is_available as triton_available
-from .rules import credit_rule_names, replays_each_reward
+from .rules import credit_rule_names, registered_rules
 from .validation import check_credit_rule, check_field_types, check_finite_fields
 
 
@@ -190,8 +190,9 @@ class MRTPOConfig(GRPOConfig):
         if floor is not None and not 0.0 < floor <= 0.5:
             raise ValueError(f"reward_strength_floor must be in (0, 0.5] or None, got {floor}.")
         default_floor = type(self).__dataclass_fields__["reward_strength_floor"].default
-        if floor not in (None, default_floor) and not replays_each_reward(self.credit_assignment):
-            modes = [name for name in credit_rule_names(self) if replays_each_reward(name)]
+        # the rules that replay each reward's block on its own: each reward has its own q to read
+        modes = [name for name in credit_rule_names(self) if registered_rules()[name].rule.removal == "each"]
+        if floor not in (None, default_floor) and self.credit_assignment not in modes:
             raise ValueError(
                 f"reward_strength_floor={floor!r} has no effect unless credit_assignment is one of "
                 f"{', '.join(modes)} (it reads each reward's own q profile); got "

@@ -70,12 +70,12 @@ class CreditInputs:
     reduce_sum: ReduceSum | None  # sums over data-parallel processes (None on one)
     process: torch.Tensor | None = None  # [B, C] added token advantages (terms)
     failure_suffix: torch.Tensor | None = None  # [B, K, C] bool: negative credit dropped here (terms)
-    combine: Combine = weighted_token_advantages  # steps 6-8
+    combine: Combine | None = None  # a term's replacement for steps 6-8 (None: weighted_token_advantages)
 
     def combined(self, weights: torch.Tensor, max_second_moment_ratio: float | None) -> TokenCredit:
         """Steps 6-8 with ``weights`` ``[B, K, C]``, with the terms' additions."""
         batch = self.batch
-        return self.combine(
+        return (self.combine or weighted_token_advantages)(
             batch.group_advantages,
             weights,
             batch.mask,
@@ -230,17 +230,6 @@ def credit_rule_names(config: Any = None) -> list[str]:
 
 def registered_rules() -> dict[str, RegisteredRule]:
     return dict(_RULES)
-
-
-def credit_rule(name: str) -> RegisteredRule:
-    if name not in _RULES:
-        raise ValueError(f"credit_assignment={name!r} is not a registered credit rule; they are {', '.join(_RULES)}.")
-    return _RULES[name]
-
-
-def replays_each_reward(name: str) -> bool:
-    """Whether the rule ``name`` replays each reward's block on its own (each reward then has its own q)."""
-    return name in _RULES and _RULES[name].rule.removal == "each"
 
 
 def register_credit_term(name: str, factory: Callable[[CreditSetup], CreditTerm | Callable | None]) -> None:

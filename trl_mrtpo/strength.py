@@ -8,14 +8,18 @@ import torch
 
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from .credit import ReduceSum, relevance_specificity, reward_strength
+from .credit_state import specificity_problem
+from .rules import Stateful
 
 
-class RewardStrength:
+class RewardStrength(Stateful):
     """Reward k's beta is ``beta_n * g_k``, ``g_k`` from the running specificity ``m_k`` of its q.
 
     ``floor`` None turns it off (every reward uses ``beta_n``: the published rule). ``m_k`` is NaN until the first
-    reading, and ``g_k`` is then 1.
+    reading, and ``g_k`` is then 1. ``m_k`` is checkpointed as ``reward_specificity``.
     """
+
+    state_checks = {"reward_specificity": specificity_problem}
 
     def __init__(self, floor: float | None, num_rewards: int):
         self.floor = floor
@@ -24,6 +28,12 @@ class RewardStrength:
     @property
     def active(self) -> bool:
         return self.floor is not None
+
+    def state(self) -> dict:
+        return {"reward_specificity": self.specificity.clone()}
+
+    def restore(self, state: dict) -> None:
+        self.specificity = state["reward_specificity"].clone().double()
 
     def read(self, relevance: torch.Tensor, replayed: torch.Tensor, reduce_sum: ReduceSum | None) -> None:
         """Folds one train batch's reading into ``m_k`` (momentum ``STRENGTH_MOMENTUM``, the first reading taken as

@@ -54,7 +54,6 @@ from .rules import (
     CreditTerm,
     as_term,
     build_credit_terms,
-    credit_rule,
     quantity,
     registered_rules,
 )
@@ -62,6 +61,7 @@ from .strength import RewardStrength
 from .trajectories import check_tool_results
 from .validation import (
     check_config_class,
+    check_credit_rule,
     check_dataset,
     check_environment_arguments,
     check_finite_rewards,
@@ -160,8 +160,12 @@ class MRTPOTrainer(GRPOTrainer):
             list(self.reward_func_names),
             {"process_rewards": process_rewards, "failure_boundaries": failure_boundaries},
         )
-        self.credit_rule = credit_rule(args.credit_assignment).rule(setup)
+        self.credit_rule = check_credit_rule(args).rule(setup)
         self.credit_terms: dict[str, CreditTerm] = build_credit_terms(setup)
+        replacing = [name for name, term in self.credit_terms.items() if term.combine is not None]
+        if len(replacing) > 1:
+            raise ValueError(f"The credit terms {', '.join(replacing)} each replace steps 6-8; at most one may.")
+        self._combine = self.credit_terms[replacing[0]].combine if replacing else None  # None: the rule's own
         term_functions = [func for term in self.credit_terms.values() for func in term.functions]
         for func in [*term_functions, *self.reward_funcs]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
@@ -218,8 +222,8 @@ class MRTPOTrainer(GRPOTrainer):
         self.credit_terms["steps"] = as_term(term)
 
     def _stateful(self) -> list:
-        """The rule and the terms, whose state the checkpoint keeps beside the core's."""
-        return [self.credit_rule, *self.credit_terms.values()]
+        """Per-reward strength, the rule and the terms: the state the checkpoint keeps beside the core's."""
+        return [self.reward_strength, self.credit_rule, *self.credit_terms.values()]
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id (:mod:`.hub_ids`)."""
@@ -240,7 +244,6 @@ class MRTPOTrainer(GRPOTrainer):
         streaks = dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}
         state = {
             "collapse_streaks": streaks,
-            "reward_specificity": self.reward_strength.specificity.clone(),
             "generation_buffer": generation_buffer(self),
         }
         entries = dict(CORE_STATE_ENTRIES)
@@ -252,7 +255,6 @@ class MRTPOTrainer(GRPOTrainer):
     def _restore_credit_state(self, state: dict) -> None:
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
-        self.reward_strength.specificity = state["reward_specificity"].clone().double()
         restore_generation_buffer(self, state["generation_buffer"])
         for part in self._stateful():
             part.restore(state)
@@ -336,14 +338,13 @@ class MRTPOTrainer(GRPOTrainer):
         """Generate ``num_generations`` responses per row with the policy, score, replay, and return the batch's
         :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
         inputs = [dict(row) for row in rows for _ in range(num_generations)]
-        was_training, specificity = self.model.training, self.reward_strength.specificity.clone()
+        was_training = self.model.training
         states = [(part, copy.deepcopy(part.state())) for part in self._stateful()]
         self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
         try:
             self._generate_and_score_completions(inputs)
         finally:  # an inspection trains nothing: the module's mode, strength, rule and term states are as they were
             self.model.train(was_training)
-            self.reward_strength.specificity = specificity
             for part, state in states:
                 part.restore(state)
         return self.last_credit
@@ -420,7 +421,6 @@ class MRTPOTrainer(GRPOTrainer):
                         relevance, replayed = self._replay(batch)
                     else:
                         quantities[name] = quantity(name)(self, batch)
-        combines = [term.combine for term in terms if term.combine is not None]
         inputs = CreditInputs(
             batch,
             relevance,
@@ -431,7 +431,7 @@ class MRTPOTrainer(GRPOTrainer):
             self.args.max_second_moment_ratio,
             self._reduce_sum(),
             **added,
-            **({"combine": combines[-1]} if combines else {}),
+            combine=self._combine,
         )
         credit = rule.advantages(inputs)
         for term in terms:

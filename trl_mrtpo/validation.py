@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .rules import credit_rule_names, registered_rules
+from .rules import RegisteredRule, credit_rule_names, registered_rules
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -117,12 +117,12 @@ def public_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__name__}"
 
 
-def check_credit_rule(config: Any) -> None:
-    """``credit_assignment`` names a credit rule registered for this configuration's class."""
+def check_credit_rule(config: Any) -> RegisteredRule:
+    """The credit rule ``credit_assignment`` names, refused unless it is registered for this configuration's class."""
     names = credit_rule_names(config)
     name = config.credit_assignment
     if name in names:
-        return
+        return registered_rules()[name]
     entry = registered_rules().get(name)
     where = f" (it needs a {public_name(entry.config_class)})" if entry is not None else ""
     raise ValueError(f"credit_assignment={name!r} is unknown; choose one of {', '.join(names)}{where}.")
@@ -143,7 +143,7 @@ def options_beyond(config: Any, config_class: type) -> list[str]:
 
 def check_config_class(args: Any, config_class: type, trainer_name: str) -> None:
     """``args`` is a ``config_class``; a subclass whose own options are set is refused (this trainer would ignore
-    them), naming the trainer that reads them when the subclass says (its ``room`` and ``trainer``)."""
+    them), naming the trainer that reads them when the subclass says (its ``room`` and ``room_trainer``)."""
     if not isinstance(args, config_class):
         raise TypeError(
             f"args must be a {config_class.__name__}, got {type(args).__name__}; {config_class.__name__} accepts "

@@ -26,10 +26,10 @@ from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
 from ..info_blocks import Prompt, call_builder, check_builders
-from ..rules import CreditSetup, CreditTerm, credit_rule, register_credit_term
+from ..rules import CreditSetup, CreditTerm, register_credit_term
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name, reward_columns
-from ..validation import own_copies, within_float32
+from ..validation import check_credit_rule, own_copies, within_float32
 from .credit import failure_suffix_mask, process_advantages
 
 NO_BOUNDARY = -1
@@ -394,7 +394,7 @@ class StepCredit(CreditTerm):
         process_rewards = check_process_rewards(setup.options.get("process_rewards"))
         weights = process_reward_weights(setup.args.process_reward_weights, len(process_rewards))
         builders = check_builders(setup.options.get("failure_boundaries"), setup.reward_names, "failure_boundaries")
-        keeps_trl = credit_rule(setup.args.credit_assignment).rule.keeps_trl_advantages
+        keeps_trl = check_credit_rule(setup.args).rule.keeps_trl_advantages
         rules = check_step_rules(process_rewards, builders, keeps_trl)
         return cls(process_rewards, weights, builders, setup.reward_names, rules)
 
