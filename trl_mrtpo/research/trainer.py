@@ -20,14 +20,9 @@ from ..relevance import ReplayRelevance
 from ..replay import lm_head_parameters, replayed_hidden_states
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
-from .rules import RESEARCH_STATE_ENTRIES, concur_trust_problem, shuffle_generator_problem
+from .rules import RESEARCH_STATE_ENTRIES
 
-__all__ = [
-    "RESEARCH_STATE_ENTRIES",
-    "ResearchTrainer",
-    "concur_trust_problem",
-    "shuffle_generator_problem",
-]
+__all__ = ["RESEARCH_STATE_ENTRIES", "ResearchTrainer"]  # the state entries' checks live in research/rules.py now
 
 
 class ResearchTrainer(MRTPOTrainer):
