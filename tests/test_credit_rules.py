@@ -319,3 +319,18 @@ def test_two_terms_that_replace_steps_6_to_8_are_refused(tiny_model, tiny_tokeni
     finally:
         unregister_credit_term("first_combine")
         unregister_credit_term("second_combine")
+
+
+def test_a_registered_rule_is_chosen_from_the_command_line(tmp_path, squared_rule):
+    """A script that registers a rule and parses its flags as TRL's scripts do (``TrlParser``) can choose it: the
+    parser does not fix the choices when the configuration class is made; ``__post_init__`` checks the name."""
+    from trl import TrlParser
+
+    (config,) = TrlParser((MRTPOConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--credit_assignment", squared_rule, "--use_cpu", "true"]
+    )
+    assert config.credit_assignment == "squared"
+    with pytest.raises(ValueError, match="'sqaured' is unknown; choose one of mrtpo, gdpo, grpo, squared"):
+        TrlParser((MRTPOConfig,)).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--credit_assignment", "sqaured", "--use_cpu", "true"]
+        )

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mrtpo"
-# Measured (4,359) when the rules, terms, relevance provider and subpackages landed; the aim is about 2,500. It
-# may only fall: lower it when the method's modules shrink.
-METHOD_LINES_CEILING = 4360
+# Measured (4,359) when the rules, terms, relevance provider and subpackages landed, 4,119 once the Triton kernel
+# registered itself as a divergence backend; the aim is about 2,500. It may only fall: lower it when the method's
+# modules shrink.
+METHOD_LINES_CEILING = 4119
 
 
 def module_path(name: str) -> Path | None:
@@ -110,3 +111,8 @@ def test_names_moved_out_of_a_module_warn_and_resolve():
             assert getattr(trl_mrtpo.credit, name) is getattr(credit, name)
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
         assert trl_mrtpo.credit.nothing is None  # raises first
+    from trl_mrtpo.ops import divergence, triton_divergence
+
+    moved = "`trl_mrtpo.ops.divergence.validate_triton_kernel` moved to `trl_mrtpo.ops.triton_divergence"
+    with pytest.warns(FutureWarning, match=moved):
+        assert divergence.validate_triton_kernel is triton_divergence.validate_triton_kernel

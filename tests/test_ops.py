@@ -74,8 +74,61 @@ def test_replay_divergence_rejects_mismatched_shapes():
 @pytest.mark.parametrize("backend, expected", [("auto", "torch"), ("torch", "torch"), ("triton", "triton")])
 def test_auto_is_torch_until_the_kernel_has_passed_on_a_gpu(backend, expected, monkeypatch):
     """One decision on every process and device: ``auto`` never picks the kernel, even on CUDA with Triton."""
-    from trl_mrtpo.ops import divergence
+    from trl_mrtpo.ops import divergence, triton_divergence
 
-    monkeypatch.setattr(divergence.triton_divergence, "is_available", lambda: True)
+    monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     assert divergence.chosen_backend(backend) == expected
+
+
+def test_a_registered_divergence_backend_is_checked_at_start_up_and_runs_the_replay(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    """A backend registered in this file: ``divergence_backend`` names it, its start-up check sees the real lm_head
+    once, every replay runs it, and the advantages are those of the torch path it wraps (bit for bit); one that
+    cannot run here is refused by the configuration with its own words; the built-in names are not taken."""
+    from tests.helpers import RecordingTrainer, make_args
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+    from trl_mrtpo.ops.divergence import BACKENDS, DivergenceBackend, register_divergence_backend
+
+    checked, computed = [], []
+
+    def compute(hidden_all, hidden_removed, weight, bias, temperature):
+        computed.append(hidden_removed.shape[0])
+        return replay_divergence(hidden_all, hidden_removed, weight, bias, temperature, backend="torch")
+
+    def train(backend):
+        torch.manual_seed(0)
+        trainer = RecordingTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path / backend, divergence_backend=backend, max_steps=1, seed=3),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+        )
+        trainer.train()
+        return trainer.batches[0]["advantages"]
+
+    initial = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    register_divergence_backend("wrapped", DivergenceBackend(compute, check=lambda *args: checked.append(args)))
+    register_divergence_backend("absent", DivergenceBackend(compute, missing=lambda: "needs the absent extra"))
+    try:
+        advantages = train("wrapped")
+        assert len(checked) == 1 and checked[0][0].shape == tiny_model.lm_head.weight.shape
+        with_blocks = sum(builder is not None for builder in BASIC.info_blocks)
+        assert computed and all(count == with_blocks for count in computed)
+        with torch.no_grad():
+            for name, p in tiny_model.named_parameters():
+                p.copy_(initial[name])
+        assert torch.equal(advantages, train("torch"))
+        with pytest.raises(ValueError, match="divergence_backend='absent' needs the absent extra"):
+            make_args(tmp_path, divergence_backend="absent")
+    finally:
+        BACKENDS.pop("wrapped", None)
+        BACKENDS.pop("absent", None)
+    with pytest.raises(ValueError, match="divergence_backend must be one of auto, torch, triton, got 'wrapped'"):
+        make_args(tmp_path, divergence_backend="wrapped")
+    with pytest.raises(ValueError, match="'torch' is built in"):
+        register_divergence_backend("torch", DivergenceBackend(compute))

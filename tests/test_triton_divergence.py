@@ -144,11 +144,11 @@ def test_an_explicit_kernel_is_checked_at_its_real_shape_and_a_partial_last_tile
 
     weight = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
     _pretend_triton(monkeypatch, right)
-    divergence.validate_triton_kernel(weight, None, 0.7)
+    triton_divergence.validate_triton_kernel(weight, None, 0.7)
     assert seen == [(4096, 50), (4096, 49)]
     _pretend_triton(monkeypatch, wrong)
     with pytest.raises(ValueError, match=r"disagrees with the torch path on 4096 synthetic tokens .*vocabulary 49"):
-        divergence.validate_triton_kernel(weight, None, 0.7)
+        triton_divergence.validate_triton_kernel(weight, None, 0.7)
 
 
 def test_the_trainer_checks_an_explicit_kernel_at_start_up(monkeypatch, tiny_model, tiny_tokenizer, tmp_path):

@@ -7,12 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .constants import (
-    CREDIT_ASSIGNMENTS,
-    DIVERGENCE_BACKENDS,
-    REPLAY_BATCH_SIZE,
-)
-from .ops.triton_divergence import is_available as triton_available
+from .constants import REPLAY_BATCH_SIZE
+from .ops.divergence import BACKENDS, divergence_backends
 from .rules import credit_rule_names, registered_rules
 from .validation import check_credit_rule, check_field_types, check_finite_fields
 
@@ -58,7 +54,8 @@ class MRTPOConfig(GRPOConfig):
             Completion tokens per divergence chunk of the torch backend; `None` keeps about 2M logits at once.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` (chunked), `"triton"` (fused kernel, CUDA, needs the `kernels` extra; checked against the torch
-            path at start-up on synthetic tokens of the lm_head's shape), or `"auto"`: torch, until the kernel has
+            path at start-up on synthetic tokens of the lm_head's shape), another registered backend
+            ([`trl_mrtpo.ops.divergence.register_divergence_backend`]), or `"auto"`: torch, until the kernel has
             passed `benchmarks/gpu_check.py` on a GPU.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
@@ -86,9 +83,9 @@ class MRTPOConfig(GRPOConfig):
     credit_assignment: str = field(
         default="mrtpo",
         metadata={
-            "help": "Where each reward's credit lands: 'mrtpo', 'gdpo' (uniform per-reward normalisation) or "
-            "'grpo' (plain GRPOTrainer).",
-            "choices": list(CREDIT_ASSIGNMENTS),
+            # no argparse choices: a rule registered after this class is made is chosen by name too
+            "help": "Where each reward's credit lands: 'mrtpo', 'gdpo' (uniform per-reward normalisation), 'grpo' "
+            "(plain GRPOTrainer) or another registered credit rule."
         },
     )
     credit_beta: float = field(
@@ -125,8 +122,7 @@ class MRTPOConfig(GRPOConfig):
     divergence_backend: str = field(
         default="auto",
         metadata={
-            "help": "JS divergence backend: auto, triton (CUDA, `kernels` extra) or torch.",
-            "choices": DIVERGENCE_BACKENDS,
+            "help": "JS divergence backend: auto, triton (CUDA, `kernels` extra), torch or another registered one."
         },
     )
     info_block_separator: str = field(
@@ -202,11 +198,11 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.collapse_warning_steps < 0:
             raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
-        if self.divergence_backend not in DIVERGENCE_BACKENDS:
-            raise ValueError(
-                f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {self.divergence_backend!r}."
-            )
-        if self.divergence_backend == "triton" and not triton_available():
-            raise ValueError("divergence_backend='triton' needs Triton: pip install 'trl-mrtpo[kernels]'.")
+        backend = self.divergence_backend
+        if backend not in divergence_backends():
+            raise ValueError(f"divergence_backend must be one of {', '.join(divergence_backends())}, got {backend!r}.")
+        missing = BACKENDS[backend].missing() if backend in BACKENDS else None
+        if missing:
+            raise ValueError(f"divergence_backend={backend!r} {missing}.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")

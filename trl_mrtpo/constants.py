@@ -19,7 +19,6 @@ VOCAB_TILE = 4096
 REPLAY_BATCH_SIZE = 8
 MIN_SHARED_PREFIX = 16  # a shorter shared prefix is not worth its own forward
 
-DIVERGENCE_BACKENDS = ("auto", "torch", "triton")
 CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo")
 
 # Per-reward strength (MRTPOConfig.reward_strength): momentum of the running specificity, and how often a reward
@@ -30,12 +29,6 @@ STRENGTH_PROBE_INTERVAL = 10
 # A local model folder that is a copy of a Hub model names its id in this file (the embedded model's conversion writes
 # it): adapters and model cards then name the Hub id, which whoever downloads them can load.
 HUB_ID_FILE = "hub_id.txt"
-# The start-up check of an explicit ``divergence_backend="triton"``: synthetic tokens of the real lm_head's shape
-# compared with the torch path, and the tolerance on q (bits in [0, 1]). Interpreter runs agree to ~1e-6 in fp32; the
-# bound leaves room for bf16 tensor-core dots.
-VALIDATION_TOKENS = 4096
-VALIDATION_ATOL = 1e-3
-VALIDATION_RTOL = 2e-2
 # `trl-mrtpo demo`: the short-answers task, whose four rewards all vary from the first steps (benchmarks/demo.md)
 DEMO_SETTINGS = {
     "task": "short",

@@ -45,7 +45,7 @@ from .diagnostics import (
 )
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders
-from .ops.divergence import validate_triton_kernel
+from .ops.divergence import BACKENDS
 from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
 from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier
 from .rules import (
@@ -196,9 +196,10 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             with gathered_for_probe(policy):
                 self._replay_temperature = self.temperature / logit_multiplier(policy)
-                if args.divergence_backend == "triton":  # an explicit kernel is checked before any step uses it
+                backend = BACKENDS.get(args.divergence_backend)
+                if backend is not None and backend.check is not None:  # checked before any step uses it
                     with lm_head_parameters(policy) as (weight, bias):
-                        validate_triton_kernel(weight, bias, self._replay_temperature)
+                        backend.check(weight, bias, self._replay_temperature)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
         self._scored: Scored | None = None
         self._replay_seconds = 0.0

@@ -1,23 +1,44 @@
-"""Jensen-Shannon divergence between next-token distributions, in fp32 and log space (docs/method.md step 4)."""
+"""Jensen-Shannon divergence between next-token distributions, in fp32 and log space (docs/method.md step 4).
+
+The torch path is here; other backends (the fused Triton kernel, :mod:`trl_mrtpo.ops.triton_divergence`) register
+themselves by name with :func:`register_divergence_backend` and compute the same q."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..constants import (
-    DEFAULT_CHUNK_ELEMENTS,
-    DIVERGENCE_BACKENDS,
-    LN2,
-    MAX_LOG_RATIO,
-    MIN_CHUNK_TOKENS,
-    VALIDATION_ATOL,
-    VALIDATION_RTOL,
-    VALIDATION_TOKENS,
-    VOCAB_TILE,
-)
-from . import triton_divergence
+from .._moved import moved_attributes
+from ..constants import DEFAULT_CHUNK_ELEMENTS, LN2, MAX_LOG_RATIO, MIN_CHUNK_TOKENS, VOCAB_TILE
+
+
+@dataclass(frozen=True)
+class DivergenceBackend:
+    """A registered way to compute :func:`replay_divergence`: ``compute(hidden_all, hidden_removed, weight, bias,
+    temperature)`` returns ``[M, N]`` fp32 q; ``check(weight, bias, temperature)`` runs once at start-up when a run
+    names the backend; ``missing()`` says what to install when it cannot run here (None: it can)."""
+
+    compute: Callable[..., torch.Tensor]
+    check: Callable[..., None] | None = None
+    missing: Callable[[], str | None] = lambda: None
+
+
+BACKENDS: dict[str, DivergenceBackend] = {}
+
+
+def register_divergence_backend(name: str, backend: DivergenceBackend) -> None:
+    """``divergence_backend=name`` runs ``backend``; ``"auto"`` and ``"torch"`` are this module's."""
+    if name in ("auto", "torch"):
+        raise ValueError(f"the divergence backend {name!r} is built in")
+    BACKENDS[name] = backend
+
+
+def divergence_backends() -> tuple[str, ...]:
+    """What ``divergence_backend`` may name."""
+    return ("auto", "torch", *BACKENDS)
 
 
 def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
@@ -57,9 +78,9 @@ def _js_terms(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tenso
 
 
 def chosen_backend(backend: str) -> str:
-    """The backend ``replay_divergence`` runs: an explicit ``"torch"`` or ``"triton"`` as given; ``"auto"`` is
-    ``"torch"`` on every device until the Triton kernel has passed ``benchmarks/gpu_check.py`` on a GPU (it has run
-    in Triton's CPU interpreter only): one decision for every process, never a per-rank fallback."""
+    """The backend ``replay_divergence`` runs: an explicit name as given; ``"auto"`` is ``"torch"`` on every device
+    until the Triton kernel has passed ``benchmarks/gpu_check.py`` on a GPU (it has run in Triton's CPU interpreter
+    only): one decision for every process, never a per-rank fallback."""
     return "torch" if backend == "auto" else backend
 
 
@@ -79,11 +100,11 @@ def replay_divergence(
     - ``torch`` (CPU, or GPUs without Triton): the ``M + 1`` contexts of a token chunk go through the shared lm_head
       in one fp32 matmul; ``P_all``'s log-softmax is computed once per chunk and shared by every removed context.
       Memory is bounded by the chunk.
-    - ``triton`` (CUDA): :func:`trl_mrtpo.ops.triton_divergence.fused_replay_divergence` tiles the vocabulary, with
-      fp32 accumulation and one log-normaliser per context shared across rewards.
+    - ``triton`` (CUDA), registered by :mod:`trl_mrtpo.ops.triton_divergence`: tiles the vocabulary, with fp32
+      accumulation and one log-normaliser per context shared across rewards.
 
-    ``auto`` is ``torch`` (:func:`chosen_backend`); ``triton`` is an explicit choice, checked once at start-up
-    (:func:`validate_triton_kernel`).
+    ``auto`` is ``torch`` (:func:`chosen_backend`); a registered backend is an explicit choice, checked once at
+    start-up (its ``check``).
 
     Args:
         hidden_all: ``[N, H]`` last hidden states at the N completion positions after ``P_all``.
@@ -92,7 +113,7 @@ def replay_divergence(
         temperature: sampling temperature; logits are divided by it.
         chunk_size: tokens per chunk of the torch path; default keeps ``(M + 1) * chunk * V`` near 2M elements,
             with at least 8 tokens.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        backend: ``"auto"``, ``"torch"`` or a registered backend's name.
 
     Returns:
         ``[M, N]`` fp32 relevance in [0, 1].
@@ -104,40 +125,11 @@ def replay_divergence(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if backend not in DIVERGENCE_BACKENDS:
-        raise ValueError(f"backend must be one of {DIVERGENCE_BACKENDS}, got {backend!r}")
-    if chosen_backend(backend) == "triton":
-        return triton_divergence.fused_replay_divergence(
-            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
-        )
+    if backend not in divergence_backends():
+        raise ValueError(f"backend must be one of {divergence_backends()}, got {backend!r}")
+    if chosen_backend(backend) != "torch":
+        return BACKENDS[backend].compute(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
     return _torch_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, chunk_size)
-
-
-@torch.no_grad()
-def validate_triton_kernel(
-    lm_head_weight: torch.Tensor, lm_head_bias: torch.Tensor | None, temperature: float, seed: int = 0
-) -> None:
-    """The start-up check of an explicit ``divergence_backend="triton"``: the kernel against the torch path on
-    :data:`VALIDATION_TOKENS` synthetic tokens with two removed contexts, at the real lm_head's shape and one row
-    fewer (so the last vocabulary tile is partial whatever the tile size), in the weight's dtype and device. Raises
-    ``ValueError`` naming the sizes when they disagree beyond the tolerance."""
-    generator = torch.Generator(device=lm_head_weight.device).manual_seed(seed)
-    hidden_size = lm_head_weight.shape[1]
-    shape = (3, VALIDATION_TOKENS, hidden_size)
-    hidden = torch.randn(shape, generator=generator, device=lm_head_weight.device).to(lm_head_weight.dtype)
-    for rows in (lm_head_weight.shape[0], lm_head_weight.shape[0] - 1):
-        weight = lm_head_weight[:rows]
-        bias = None if lm_head_bias is None else lm_head_bias[:rows]
-        fused = triton_divergence.fused_replay_divergence(hidden[0], hidden[1:], weight, bias, temperature).float()
-        reference = _torch_divergence(hidden[0], hidden[1:], weight, bias, temperature, None)
-        error = (fused - reference).abs().max().item()
-        bound = VALIDATION_ATOL + VALIDATION_RTOL * reference.abs().max().item()
-        if not (fused.shape == reference.shape and math.isfinite(error) and error <= bound):
-            raise ValueError(
-                f"divergence_backend='triton': the fused kernel disagrees with the torch path on {VALIDATION_TOKENS} "
-                f"synthetic tokens (max |diff| {error:.3g} > {bound:.3g}; 2 removed contexts, hidden {hidden_size}, "
-                f"vocabulary {rows}, {lm_head_weight.dtype}). Use divergence_backend='torch' (or 'auto')."
-            )
 
 
 def _torch_divergence(
@@ -204,3 +196,6 @@ def _tiled_divergence(
         logprobs = logits.sub_(normaliser[:, rows, None])
         total[:, rows] += _js_terms(logprobs[0], logprobs[1:])
     return ((0.5 / LN2) * total).clamp_(0.0, 1.0)
+
+
+__getattr__ = moved_attributes(__name__, {"validate_triton_kernel": "trl_mrtpo.ops.triton_divergence"})

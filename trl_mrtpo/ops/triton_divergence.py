@@ -15,17 +15,27 @@ kernels run on CPU tensors for testing; the interpreter's ``tl.dot`` is wrong on
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from ..constants import LN2, MAX_LOG_RATIO
+from .divergence import DivergenceBackend, _torch_divergence, register_divergence_backend
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the `kernels` extra is not installed: the torch path is used
     triton = None
+
+
+# The start-up check of an explicit ``divergence_backend="triton"``: synthetic tokens of the real lm_head's shape
+# compared with the torch path, and the tolerance on q (bits in [0, 1]). Interpreter runs agree to ~1e-6 in fp32; the
+# bound leaves room for bf16 tensor-core dots.
+VALIDATION_TOKENS = 4096
+VALIDATION_ATOL = 1e-3
+VALIDATION_RTOL = 2e-2
 
 
 def is_available() -> bool:
@@ -223,3 +233,41 @@ def fused_replay_divergence(
         stacked.stride(0), weight.stride(0), inv_temperature, **meta,
     )  # fmt: skip
     return out.mul_(0.5 / LN2).clamp_(0.0, 1.0)
+
+
+@torch.no_grad()
+def validate_triton_kernel(
+    lm_head_weight: torch.Tensor, lm_head_bias: torch.Tensor | None, temperature: float, seed: int = 0
+) -> None:
+    """The start-up check of an explicit ``divergence_backend="triton"``: the kernel against the torch path on
+    :data:`VALIDATION_TOKENS` synthetic tokens with two removed contexts, at the real lm_head's shape and one row
+    fewer (so the last vocabulary tile is partial whatever the tile size), in the weight's dtype and device. Raises
+    ``ValueError`` naming the sizes when they disagree beyond the tolerance."""
+    generator = torch.Generator(device=lm_head_weight.device).manual_seed(seed)
+    hidden_size = lm_head_weight.shape[1]
+    shape = (3, VALIDATION_TOKENS, hidden_size)
+    hidden = torch.randn(shape, generator=generator, device=lm_head_weight.device).to(lm_head_weight.dtype)
+    for rows in (lm_head_weight.shape[0], lm_head_weight.shape[0] - 1):
+        weight = lm_head_weight[:rows]
+        bias = None if lm_head_bias is None else lm_head_bias[:rows]
+        fused = fused_replay_divergence(hidden[0], hidden[1:], weight, bias, temperature).float()
+        reference = _torch_divergence(hidden[0], hidden[1:], weight, bias, temperature, None)
+        error = (fused - reference).abs().max().item()
+        bound = VALIDATION_ATOL + VALIDATION_RTOL * reference.abs().max().item()
+        if not (fused.shape == reference.shape and math.isfinite(error) and error <= bound):
+            raise ValueError(
+                f"divergence_backend='triton': the fused kernel disagrees with the torch path on {VALIDATION_TOKENS} "
+                f"synthetic tokens (max |diff| {error:.3g} > {bound:.3g}; 2 removed contexts, hidden {hidden_size}, "
+                f"vocabulary {rows}, {lm_head_weight.dtype}). Use divergence_backend='torch' (or 'auto')."
+            )
+
+
+# Looked up at each call, so that the functions of this module are what runs (tests stand in for the kernel).
+register_divergence_backend(
+    "triton",
+    DivergenceBackend(
+        compute=lambda *args: fused_replay_divergence(*args),
+        check=lambda *args: validate_triton_kernel(*args),
+        missing=lambda: None if is_available() else "needs Triton: pip install 'trl-mrtpo[kernels]'",
+    ),
+)

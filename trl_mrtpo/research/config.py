@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..config import MRTPOConfig
-from ..constants import CREDIT_ASSIGNMENTS, MIN_SHARED_PREFIX
+from ..constants import MIN_SHARED_PREFIX
 from ..validation import options_beyond
 
 RESEARCH_CREDIT_ASSIGNMENTS = ("joint", "shuffled", "cort")  # the rules research/rules.py registers
@@ -113,8 +113,7 @@ class ResearchConfig(MRTPOConfig):
         default="mrtpo",
         metadata={
             "help": "Where each reward's credit lands: 'mrtpo', 'gdpo', 'grpo', 'joint' or 'shuffled' (ablations), "
-            "'cort' (CoRT).",
-            "choices": [*CREDIT_ASSIGNMENTS, *RESEARCH_CREDIT_ASSIGNMENTS],
+            "'cort' (CoRT), or another registered credit rule."
         },
     )
     replay_min_shared_prefix: int | None = field(
