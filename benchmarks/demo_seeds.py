@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/demo_seeds.py --seeds 0 1 2 3 4 --threads 1
 
-Runs ``trl-mrtpo demo`` (its defaults, ``trl_mrtpo.constants.DEMO_SETTINGS``) once per seed in a fresh process,
+Runs ``trl-mrtpo demo`` (its defaults, ``trl_mrtpo.scripts.DEMO_SETTINGS``) once per seed in a fresh process,
 timed end to end, and reads each run's ``trainer_state.json``; a seed whose folder already holds the result is not
 run again. Writes ``results/demo_seeds.csv`` (per seed: wall seconds, each reward first 5 -> last 5 steps, the
 tracked reward, the mean of the rewards, first 5 -> last 5) and prints the table for ``benchmarks/demo.md``.

@@ -334,3 +334,27 @@ def test_a_registered_rule_is_chosen_from_the_command_line(tmp_path, squared_rul
         TrlParser((MRTPOConfig,)).parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--credit_assignment", "sqaured", "--use_cpu", "true"]
         )
+
+
+def test_a_rule_named_by_its_import_path_is_imported_and_registered(tmp_path, tiny_model, tiny_tokenizer):
+    """As TRL's ``reward_funcs`` take dotted paths, ``credit_assignment`` may name a ``CreditRule`` subclass by its
+    import path (how a recipe or ``trl-mrtpo train`` selects a rule of one's own): it is imported, registered under
+    that path and trained with; a path that does not import, or that is not a rule, is refused by name."""
+    path = "tests.test_credit_rules.SquaredRelevance"
+    try:
+        trainer = run(tiny_model, tiny_tokenizer, tmp_path, max_steps=1, credit_assignment=path)
+        assert isinstance(trainer.credit_rule, SquaredRelevance) and trainer.credit_rule.batches == 1
+        assert path in credit_rule_names()
+        from trl_mrtpo.scripts.train import make_parser
+
+        parsed = make_parser().parse_args_and_config(
+            ["--output_dir", str(tmp_path), "--credit_assignment", path, "--use_cpu", "true", "--task", "basic"]
+        )
+        assert parsed[1].credit_assignment == path
+    finally:
+        unregister_credit_rule(path)
+    with pytest.raises(ValueError, match=r"credit_assignment='tests.no_such_module.Rule' is not a registered rule.*"):
+        make_args(tmp_path, credit_assignment="tests.no_such_module.Rule")
+    with pytest.raises(TypeError, match="credit rule 'tests.helpers.make_args' must be a CreditRule subclass"):
+        make_args(tmp_path, credit_assignment="tests.helpers.make_args")
+    assert "tests.helpers.make_args" not in credit_rule_names()

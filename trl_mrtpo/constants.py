@@ -29,14 +29,3 @@ STRENGTH_PROBE_INTERVAL = 10
 # A local model folder that is a copy of a Hub model names its id in this file (the embedded model's conversion writes
 # it): adapters and model cards then name the Hub id, which whoever downloads them can load.
 HUB_ID_FILE = "hub_id.txt"
-# `trl-mrtpo demo`: the short-answers task, whose four rewards all vary from the first steps (benchmarks/demo.md)
-DEMO_SETTINGS = {
-    "task": "short",
-    "steps": 14,
-    "prompts_per_step": 2,
-    "num_generations": 4,
-    "max_completion_length": 24,
-    "learning_rate": 3e-4,  # constant: a linear decay over the demo's steps would halve the 60-step runs' start rate
-    "temperature": 0.7,
-    "warmup_steps": 4,
-}

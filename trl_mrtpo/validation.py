@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
 import math
 import numbers
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .rules import RegisteredRule, credit_rule_names, registered_rules
+from .rules import RegisteredRule, credit_rule_names, register_credit_rule, registered_rules
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -118,9 +119,18 @@ def public_name(cls: type) -> str:
 
 
 def check_credit_rule(config: Any) -> RegisteredRule:
-    """The credit rule ``credit_assignment`` names, refused unless it is registered for this configuration's class."""
-    names = credit_rule_names(config)
+    """The credit rule ``credit_assignment`` names, refused unless it is registered for this configuration's class
+    (a dotted import path is imported and registered first)."""
     name = config.credit_assignment
+    if name not in registered_rules() and "." in name:  # a rule of one's own by import path, as TRL's reward_funcs
+        module, _, attribute = name.rpartition(".")
+        try:
+            rule = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError, ValueError) as error:
+            message = f"credit_assignment={name!r} is not a registered rule, and it does not import: {error}"
+            raise ValueError(message) from error
+        register_credit_rule(name, rule)
+    names = credit_rule_names(config)
     if name in names:
         return registered_rules()[name]
     entry = registered_rules().get(name)

@@ -8,9 +8,10 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..constants import CREDIT_ASSIGNMENTS, DEMO_SETTINGS
+from ..constants import CREDIT_ASSIGNMENTS
 from ..kits import SINGLE_TURN_KITS
 from ..research.config import RESEARCH_CREDIT_ASSIGNMENTS
+from . import DEMO_SETTINGS
 from .evaluation import BENCHMARKS
 
 THREADS_HELP = "torch threads (default: the free cores: usable cores minus the 1-minute load average, at least 1)"

@@ -10,8 +10,8 @@ import warnings
 from transformers import TrainerCallback
 
 from ..config import MRTPOConfig
-from ..constants import DEMO_SETTINGS
 from ..observability.callbacks import CreditPlotCallback
+from . import DEMO_SETTINGS
 
 
 def cpu_run_config(output_dir: str, **overrides) -> MRTPOConfig:
