@@ -270,3 +270,19 @@ def test_an_integer_too_large_for_any_float_is_named(tmp_path, field, value, mes
     """An int beyond any float (10**400) in a configuration field: a named ValueError, not a bare OverflowError."""
     with pytest.raises(ValueError, match=message):
         make_args(tmp_path, **{field: value})
+
+
+def test_the_train_command_refuses_a_bad_value_with_its_message_not_a_traceback(capsys):
+    """``trl-mrtpo train`` with a value a configuration refuses (an unknown credit rule, a beta out of range): the
+    message, after the usage line, exit status 2, as argparse refuses a flag; not a traceback."""
+    from trl_mrtpo.scripts.cli import main
+
+    for flag, value, message in [
+        ("--credit_assignment", "mrtop", "credit_assignment='mrtop' is unknown; choose one of mrtpo, gdpo, grpo"),
+        ("--credit_beta", "2", "credit_beta must be in [0, 1], got 2.0."),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            main(["train", "--config", "recipes/cpu/basic-smollm2.yaml", flag, value])
+        assert stopped.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("usage: trl-mrtpo train") and f"error: {message}" in err

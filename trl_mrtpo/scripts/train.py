@@ -362,7 +362,11 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
 def run(argv: Sequence[str]):
     """``trl-mrtpo train ARGV``."""
     argv = list(argv)
-    parsed = make_parser().parse_args_and_config(argv)
+    parser = make_parser()
+    try:
+        parsed = parser.parse_args_and_config(argv)
+    except (TypeError, ValueError) as error:  # a value a configuration refuses: its message, as argparse refuses one
+        parser.error(str(error))
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
     return main(*parsed, recipe=recipe)
 
