@@ -379,3 +379,37 @@ def test_step_rule_arms_run_on_the_gym(tmp_path):
     ):
         records = train_run(spec, settings, 0, tmp_path / "policies", tmp_path / "out")
         assert len(records) == 2 and all(0.0 <= r["mean_reward"] <= 1.0 for r in records)
+
+
+def test_the_oracle_arm_is_a_relevance_provider_that_never_replays_the_policy(tmp_path, monkeypatch):
+    """``method="oracle"`` passes :func:`~trl_mrtpo.gym.runs.oracle_provider` as the trainer's relevance provider: the
+    policy is never replayed, and the credit is computed from the ground-truth q on every varying pair."""
+    import trl_mrtpo.gym.runs as runs
+    import trl_mrtpo.relevance
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.gym import RunSettings, train_run
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the oracle arm replayed the policy")
+
+    monkeypatch.setattr(trl_mrtpo.relevance, "replay_relevance", no_replay)
+    oracle_q, credits = [], []
+    ground_truth = runs.oracle_relevance
+    monkeypatch.setattr(runs, "oracle_relevance", lambda *args: oracle_q.append(ground_truth(*args)) or oracle_q[-1])
+    generate = MRTPOTrainer._generate_and_score_completions
+
+    def recording(self, inputs):
+        output = generate(self, inputs)
+        credits.append(self.last_credit)
+        return output
+
+    monkeypatch.setattr(MRTPOTrainer, "_generate_and_score_completions", recording)
+    spec = GymSpec(hidden_size=16, sft_teach_steps=20, sft_calibrate_steps=10)
+    settings = RunSettings(method="oracle", steps=2, credit_warmup_steps=0)
+    records = train_run(spec, settings, 0, tmp_path / "policies", tmp_path / "out")
+    assert len(records) == 2 and len(credits) == len(oracle_q) == 2
+    for credit, q in zip(credits, oracle_q):
+        groups = credit.rewards.view(-1, settings.num_generations, spec.num_constraints)
+        varying = (groups.amax(1) > groups.amin(1)).repeat_interleave(settings.num_generations, dim=0)
+        assert credit.replayed.any() and torch.equal(credit.replayed, varying)
+        torch.testing.assert_close(credit.relevance, q, rtol=0, atol=0)

@@ -13,7 +13,9 @@ import torch
 
 from ..credit import relevance_specificity
 from ..info_blocks import build_contexts
+from ..relevance import Relevance
 from ..replay import replay_relevance
+from ..utils import completion_text
 from .task import (
     KINDS,
     GymSpec,
@@ -105,6 +107,15 @@ def oracle_relevance(completions: Sequence[str], rows: Sequence[dict], num_posit
     return relevance
 
 
+def oracle_provider(trainer: Any, batch: Any, removal: str) -> Relevance:
+    """A relevance provider that never runs the policy: the oracle's q (:func:`oracle_relevance`) on every pair whose
+    reward varies within its group."""
+    mask = batch.mask
+    texts = [completion_text(c) for c in batch.completions]
+    relevance = oracle_relevance(texts, batch.inputs, mask.shape[1]).to(mask.device)
+    return Relevance(relevance, batch.varying.clone(), True)
+
+
 def _process_rewards(spec: GymSpec, settings: RunSettings) -> list:
     if settings.process == "oracle":
         return [oracle_process_reward(spec.length)]
@@ -120,24 +131,13 @@ def _process_rewards(spec: GymSpec, settings: RunSettings) -> list:
 
 def _gym_trainer_class():
     from ..research import ResearchTrainer
-    from ..utils import completion_text
 
     class GymTrainer(ResearchTrainer):
-        """Records every generation's rewards with the constraints they were scored against; with ``oracle``, q is
-        the ground truth (:func:`oracle_relevance`) on the pairs the replay would have replayed."""
+        """Records every generation's rewards with the constraints they were scored against."""
 
-        def __init__(self, *args, oracle: bool = False, **kwargs):
+        def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.scored_batches: list[tuple[torch.Tensor, list]] = []
-            self.oracle = oracle
-
-        def _replay(self, batch):
-            if not self.oracle:
-                return super()._replay(batch)
-            mask = batch.mask
-            texts = [completion_text(c) for c in batch.completions]
-            relevance = oracle_relevance(texts, batch.inputs, mask.shape[1]).to(mask.device)
-            return relevance, batch.varying.clone()
 
         def record_rewards(self, inputs, rewards):
             self.scored_batches.append((rewards.detach().cpu().clone(), [row["constraints"] for row in inputs]))
@@ -237,7 +237,7 @@ def train_run(
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
-            oracle=settings.method == "oracle",
+            relevance_provider=oracle_provider if settings.method == "oracle" else None,
             process_rewards=_process_rewards(spec, settings),
             failure_boundaries=boundaries,
         )
