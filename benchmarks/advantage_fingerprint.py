@@ -1,5 +1,6 @@
-"""The token advantages of every credit rule and term, three steps each on the tiny test model: a fingerprint to
-compare two trees bit for bit after a refactor (nothing may move).
+"""The token advantages of every credit rule and term, three steps each on the tiny test model, and of the credit
+gym's oracle arm (its q from a relevance provider), six steps on the quick gym: a fingerprint to compare two trees
+bit for bit after a refactor (nothing may move).
 
     OMP_NUM_THREADS=1 python benchmarks/advantage_fingerprint.py --output new.pt          # in each tree
     python benchmarks/advantage_fingerprint.py --compare old.pt new.pt
@@ -71,6 +72,35 @@ def fingerprint(work_dir: Path) -> dict[str, list[torch.Tensor]]:
     return out
 
 
+def gym_oracle_fingerprint(work_dir: Path) -> dict[str, list[torch.Tensor]]:
+    """The gym's oracle arm, static and SAW weighting, on the quick gym's policy (seed 0)."""
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.gym.runs import RunSettings, train_run
+    from trl_mrtpo.gym.task import GymSpec
+
+    out, generate = {}, MRTPOTrainer._generate_and_score_completions
+    for weighting in ("static", "saw"):
+        seen = []
+
+        def recording(self, inputs, seen=seen):
+            output = generate(self, inputs)
+            seen.append(output["advantages"].clone())
+            return output
+
+        MRTPOTrainer._generate_and_score_completions = recording  # the gym builds its trainer itself
+        try:
+            settings = RunSettings(
+                method="oracle", steps=6, prompts_per_step=4, num_generations=4, credit_warmup_steps=2,
+                reward_weighting=weighting,
+            )  # fmt: skip
+            spec = GymSpec(sft_teach_steps=80, sft_calibrate_steps=20)
+            train_run(spec, settings, 0, work_dir / "gym_policies", work_dir / f"gym_oracle_{weighting}")
+        finally:
+            MRTPOTrainer._generate_and_score_completions = generate
+        out[f"gym/oracle/{weighting}"] = seen
+    return out
+
+
 def compare(old: dict, new: dict) -> list[str]:
     """One line per arm: equal bit for bit, or the largest difference."""
     lines = []
@@ -95,7 +125,8 @@ def main(argv=None) -> None:
         print("\n".join(lines))
         sys.exit(0 if all("identical" in line for line in lines) else 1)
     torch.set_num_threads(1)
-    torch.save(fingerprint(Path(args.work_dir)), args.output)
+    work_dir = Path(args.work_dir)
+    torch.save({**fingerprint(work_dir), **gym_oracle_fingerprint(work_dir)}, args.output)
 
 
 if __name__ == "__main__":
