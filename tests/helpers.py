@@ -12,15 +12,17 @@ from trl_mrtpo.research import ResearchConfig, ResearchTrainer, needs_research
 
 
 class Recording:
-    """Keeps what the loss receives and what the replay produced."""
+    """Keeps what the loss receives, what the replay produced, and every generation's credit record (rewards, q,
+    replayed pairs, advantages)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.batches, self.replays = [], []
+        self.batches, self.replays, self.credits = [], [], []
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         self.batches.append({k: v for k, v in output.items() if isinstance(v, torch.Tensor)})
+        self.credits.append(self.last_credit)
         return output
 
     def _replay(self, batch):
@@ -37,6 +39,9 @@ class RecordingTrainer(Recording, MRTPOTrainer):
 
 class ResearchRecordingTrainer(Recording, ResearchTrainer):
     pass
+
+
+CreditTrainer = ResearchRecordingTrainer  # the name the advantage-path tests use
 
 
 def recording_trainer(**kwargs) -> Recording:

@@ -11,24 +11,11 @@ import math
 import pytest
 import torch
 
-from tests.helpers import ResearchRecordingTrainer, graded_length, graded_length_too, make_args
+from tests.helpers import CreditTrainer, graded_length, graded_length_too, make_args
 from tests.reference import reference_saw, reference_strength_betas, reference_token_advantages
 from trl_mrtpo.credit import warmup_beta
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-
-
-class CreditTrainer(ResearchRecordingTrainer):
-    """Keeps every generation's credit record (rewards, q, replayed pairs, advantages)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.credits = []
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.credits.append(self.last_credit)
-        return output
 
 
 def run(

@@ -89,11 +89,6 @@ def scripted_trainer(
     class Scripted(base):
         _generate_single_turn = scripted_turn
 
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            self.credits = [*getattr(self, "credits", []), self.last_credit]
-            return output
-
     return Scripted(
         model=build_tiny_model(tokenizer),
         reward_funcs=[answered, used_tool],
@@ -198,13 +193,7 @@ def test_mrtpo_credit_with_a_rollout_func_and_its_env_mask(tiny_tokenizer, tmp_p
             )
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": env_mask}
 
-    class Recorded(RecordingTrainer):
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            self.credits = [*getattr(self, "credits", []), self.last_credit]
-            return output
-
-    trainer = Recorded(
+    trainer = RecordingTrainer(
         model=build_tiny_model(tokenizer),
         reward_funcs=[answered, used_tool],
         info_blocks=BLOCKS,

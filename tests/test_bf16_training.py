@@ -18,9 +18,8 @@ from peft import LoraConfig
 
 import trl_mrtpo.relevance
 from tests.conftest import needs_bf16_attention, tiny_model_of
-from tests.helpers import make_args
+from tests.helpers import CreditTrainer, make_args
 from tests.reference import reference_strength_betas, reference_token_advantages
-from tests.test_advantage_paths import CreditTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.replay import replay_relevance

@@ -77,21 +77,10 @@ def later_tokens_term():
         unregister_credit_term("later_tokens")
 
 
-class CreditTrainer(RecordingTrainer):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.credits = []
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        self.credits.append(self.last_credit)
-        return output
-
-
 def run(tiny_model, tiny_tokenizer, output_dir, resume=None, **overrides):
     values = dict(max_steps=2, per_device_train_batch_size=8, num_generations=4, reward_strength_floor=0.003)
     values.update(overrides)
-    trainer = CreditTrainer(
+    trainer = RecordingTrainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,
@@ -276,7 +265,7 @@ def test_a_relevance_provider_replaces_the_replay(tiny_model, tiny_tokenizer, tm
 
     monkeypatch.setattr(trl_mrtpo.relevance, "replay_relevance", lambda *a, **k: pytest.fail("the policy replayed"))
     provider = FirstTokens()
-    trainer = CreditTrainer(
+    trainer = RecordingTrainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,

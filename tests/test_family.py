@@ -231,11 +231,6 @@ def test_cort_trains_and_matches_plain_forwards(tiny_model, tiny_tokenizer, tmp_
             self.cort_replayed = replayed
             return contrast, replayed
 
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            self.credits = [*getattr(self, "credits", []), self.last_credit]
-            return output
-
     trainer = CheckingTrainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,

@@ -117,11 +117,6 @@ def scripted_run(
             contexts.append((context_ids, batch.completions))
             return wanted, context_ids, completion_ids
 
-        def _generate_and_score_completions(self, inputs):
-            output = super()._generate_and_score_completions(inputs)
-            self.credits = [*getattr(self, "credits", []), self.last_credit]
-            return output
-
     args = make_args(tmp_path, max_steps=steps, max_completion_length=length, per_device_train_batch_size=rows,
                      num_generations=6, max_tool_calling_iterations=iterations)  # fmt: skip
     trainer = Scripted(

@@ -6,9 +6,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from tests.helpers import graded_length, make_args
+from tests.helpers import CreditTrainer, graded_length, make_args
 from tests.reference import reference_token_advantages
-from tests.test_advantage_paths import CreditTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 
