@@ -41,9 +41,6 @@ class ResearchRecordingTrainer(Recording, ResearchTrainer):
     pass
 
 
-CreditTrainer = ResearchRecordingTrainer  # the name the advantage-path tests use
-
-
 def recording_trainer(**kwargs) -> Recording:
     """A recording MRTPOTrainer, or a recording ResearchTrainer for a ResearchConfig."""
     research = isinstance(kwargs["args"], ResearchConfig)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import CreditTrainer, graded_length, graded_length_too, make_args
+from tests.helpers import ResearchRecordingTrainer, graded_length, graded_length_too, make_args
 from tests.reference import reference_saw, reference_strength_betas, reference_token_advantages
 from trl_mrtpo.credit import warmup_beta
 from trl_mrtpo.kits.basic import KIT as BASIC
@@ -24,7 +24,7 @@ def run(
     tmp_path,
     rewards=BASIC.rewards,
     blocks=BASIC.info_blocks,
-    trainer_class=CreditTrainer,
+    trainer_class=ResearchRecordingTrainer,
     **overrides,
 ):
     values = dict(max_steps=2, per_device_train_batch_size=8, num_generations=4, replay_only_varying=True)
@@ -162,7 +162,7 @@ def test_concur_shapes_the_auxiliary_advantages(tiny_model, tiny_tokenizer, tmp_
     assert varied > 0  # the gate had something to remove
 
 
-class LossInputsTrainer(CreditTrainer):
+class LossInputsTrainer(ResearchRecordingTrainer):
     """Also keeps what `_compute_loss` receives."""
 
     def __init__(self, *args, **kwargs):
@@ -224,7 +224,7 @@ def test_the_loss_receives_the_advantages_computed_at_generation(tiny_model, tin
 def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, tiny_tokenizer, tmp_path):
     import copy
 
-    trainer = CreditTrainer(
+    trainer = ResearchRecordingTrainer(
         model=tiny_model,
         reward_funcs=[graded_length, graded_length_too, *BASIC.rewards[:3]],
         info_blocks=[None, lambda **_: "Be long.", *BASIC.info_blocks[:3]],
@@ -300,7 +300,7 @@ def test_taco_on_mrtpo_matches_float64_reference(tiny_model, tiny_tokenizer, tmp
     """TACO stacked on MRTPO: the surprisal the trainer computes equals plain forwards, and the advantages handed to
     the loss equal the float64 MRTPO reference with positive token advantages scaled by TACO's factor."""
 
-    class SurprisalTrainer(CreditTrainer):
+    class SurprisalTrainer(ResearchRecordingTrainer):
         def _surprisal(self, output):
             surprisal = super()._surprisal(output)
             model, by_hand = self.model, torch.zeros(surprisal.shape, dtype=torch.float64)

@@ -18,7 +18,7 @@ from peft import LoraConfig
 
 import trl_mrtpo.relevance
 from tests.conftest import needs_bf16_attention, tiny_model_of
-from tests.helpers import CreditTrainer, make_args
+from tests.helpers import ResearchRecordingTrainer, make_args
 from tests.reference import reference_strength_betas, reference_token_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -51,7 +51,7 @@ def bf16_run(tiny_tokenizer, tmp_path, monkeypatch, architecture, peft, mode, fl
 
     monkeypatch.setattr(trl_mrtpo.relevance, "replay_relevance", spied)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) if peft else None
-    trainer = CreditTrainer(
+    trainer = ResearchRecordingTrainer(
         model=model,
         reward_funcs=BASIC.rewards,
         info_blocks=BASIC.info_blocks,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from tests.helpers import CreditTrainer, graded_length, make_args
+from tests.helpers import ResearchRecordingTrainer, graded_length, make_args
 from tests.reference import reference_token_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -56,7 +56,7 @@ def test_mrtpo_through_the_vllm_path_with_importance_correction_and_lora(
     tiny_model, tiny_tokenizer, tmp_path, stand_in
 ):
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    trainer = CreditTrainer(
+    trainer = ResearchRecordingTrainer(
         model=tiny_model,
         reward_funcs=[graded_length, *BASIC.rewards],
         info_blocks=[lambda **_: "Be long.", *BASIC.info_blocks],
