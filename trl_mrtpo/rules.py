@@ -71,10 +71,13 @@ class CreditInputs:
     process: torch.Tensor | None = None  # [B, C] added token advantages (terms)
     failure_suffix: torch.Tensor | None = None  # [B, K, C] bool: negative credit dropped here (terms)
     combine: Combine | None = None  # a term's replacement for steps 6-8 (None: weighted_token_advantages)
+    check_weights: Callable[[torch.Tensor], None] | None = None  # the trainer's finiteness check of the weights
 
     def combined(self, weights: torch.Tensor, max_second_moment_ratio: float | None) -> TokenCredit:
         """Steps 6-8 with ``weights`` ``[B, K, C]``, with the terms' additions."""
         batch = self.batch
+        if self.check_weights is not None:
+            self.check_weights(weights)
         return (self.combine or weighted_token_advantages)(
             batch.group_advantages,
             weights,

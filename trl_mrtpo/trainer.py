@@ -43,6 +43,7 @@ from .diagnostics import (
     q_statistics,
     token_strings,
 )
+from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders
 from .ops.divergence import BACKENDS
@@ -201,6 +202,9 @@ class MRTPOTrainer(GRPOTrainer):
                     with lm_head_parameters(policy) as (weight, bias):
                         backend.check(weight, bias, self._replay_temperature)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
+        provider = f"the relevance provider {_name(relevance_provider)}" if relevance_provider else "the replay"
+        self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
+        self._guard: CreditGuard | None = None  # this generation batch's finiteness check
         self._scored: Scored | None = None
         self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced
@@ -313,6 +317,9 @@ class MRTPOTrainer(GRPOTrainer):
             return output
         scored, self._scored = self._scored, None
         mode = "train" if self.model.training else "eval"
+        reduce_sum = self._reduce_sum()
+        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
+        self._guard = CreditGuard(self._credit_parts, self.reward_func_names, rank, processes, reduce_sum)
         batch = self._weighted_batch(scored, output, mode)
         if "tool_mask" in output:  # every tool batch, whether or not a view of it is built
             check_tool_results(batch.completions, multimodal=self._is_vlm)
@@ -320,14 +327,17 @@ class MRTPOTrainer(GRPOTrainer):
         self._replay_seconds = 0.0
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        rank = self.accelerator.process_index
         added = {"process": None, "failure_suffix": None}
-        for term in self.credit_terms.values():
+        for name, term in self.credit_terms.items():
             contribution, logged = term(batch, tokenizer, num_generations, rank, self.state)
+            if contribution["process"] is not None:
+                self._guard.note_non_finite(f"added:{name}", contribution["process"], batch.mask, per_reward=False)
             added = {key: _joined(added[key], contribution[key]) for key in added}
             for name, value in logged:
                 log_metric(self, mode, f"mrtpo/{name}", value)
         credit, relevance, replayed = self._token_credit(batch, beta, added)
+        self._guard.note_non_finite("final", credit.advantages, batch.mask, per_reward=False)
+        self._guard.raise_if_bad()  # every process raises alike: the flags rode in steps 7-8's sums
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
         self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta, self.reward_strength.betas(beta))
@@ -387,9 +397,11 @@ class MRTPOTrainer(GRPOTrainer):
         group_adv, varying = group_advantages(rewards, num_generations)
         reward_weights = self.reward_weights.to(group_adv)  # step 2's c_k, reweighed by any term
         training = mode == "train"
-        for term in self.credit_terms.values():
-            group_adv, reward_weights = term.weigh(rewards, group_adv, reward_weights, num_generations, training)
         local = local_slice(scored, self.accelerator.process_index)
+        self._note_weighting("weighting", group_adv[local], reward_weights)
+        for name, term in self.credit_terms.items():
+            group_adv, reward_weights = term.weigh(rewards, group_adv, reward_weights, num_generations, training)
+            self._note_weighting(f"weighting:{name}", group_adv[local], reward_weights)
         return ScoredBatch(
             inputs=scored.inputs,
             prompts=scored.prompts,
@@ -402,6 +414,11 @@ class MRTPOTrainer(GRPOTrainer):
             mask=credit_mask(output),
             output=output,
         )
+
+    def _note_weighting(self, part: str, advantages: torch.Tensor, reward_weights: torch.Tensor) -> None:
+        """The local ``[B, K]`` per-reward advantages and the ``[K]`` reward weights, for the finiteness check."""
+        values = advantages * reward_weights.to(advantages)  # NaN or inf in either gives NaN or inf here
+        self._guard.note_non_finite(part, values, torch.ones_like(values, dtype=torch.bool), per_reward=True)
 
     def _token_credit(
         self, batch: ScoredBatch, beta: float, added: dict
@@ -430,9 +447,12 @@ class MRTPOTrainer(GRPOTrainer):
             beta,
             self.reward_strength.betas(beta),
             self.args.max_second_moment_ratio,
-            self._reduce_sum(),
+            self._guard_reduce_sum(),
             **added,
             combine=self._combine,
+            check_weights=lambda weights: self._guard.note_non_finite(
+                "rule", weights, batch.mask[:, None, :], per_reward=True
+            ),
         )
         credit = rule.advantages(inputs)
         for term in terms:
@@ -444,6 +464,10 @@ class MRTPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes == 1:
             return None
         return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
+
+    def _guard_reduce_sum(self):
+        """The sum over processes that carries the finiteness flags (None on one process)."""
+        return None if self.accelerator.num_processes == 1 else self._guard.reduce_sum
 
     def _replay_inputs(self, batch: ScoredBatch, joint: bool):
         """Step 2 on the local batch (:func:`~trl_mrtpo.relevance.replay_inputs`): per response, the replayed rewards,
@@ -463,11 +487,16 @@ class MRTPOTrainer(GRPOTrainer):
         """Steps 3-4 from the relevance provider; on a train batch, step 5's strength reading of the placed q; then
         q as the terms and the rule read it."""
         relevance, replayed, any_replayed = self.relevance_provider(self, batch, self.credit_rule.removal)
+        read = replayed[..., None] & batch.mask[:, None, :].bool()  # q is read on replayed pairs' tokens only
+        self._guard.note_non_finite("q", relevance, read, per_reward=True)
+        self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
+        relevance = relevance.clamp(min=0.0)  # [-1e-6, 0) is rounding
         if self.model.training:
-            self.reward_strength.read(relevance, replayed, self._reduce_sum())
+            self.reward_strength.read(relevance, replayed, self._guard_reduce_sum())
         if any_replayed:
             for part in [*self.credit_terms.values(), self.credit_rule]:
                 relevance = part.relevance(relevance, replayed, batch)
+            self._guard.note_non_finite("q_adjusted", relevance, read, per_reward=True)
         return relevance, replayed
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
@@ -521,6 +550,11 @@ class MRTPOTrainer(GRPOTrainer):
 
         card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
         card.save(os.path.join(self.args.output_dir, "README.md"))
+
+
+def _name(function) -> str:
+    """A user's object by the name they know it by: a function's, or an instance's class."""
+    return repr(getattr(function, "__name__", type(function).__name__))
 
 
 def _joined(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,212 @@
+"""Bad credit: nothing non-finite reaches the optimizer. A NaN or infinity in q (a provider's or the replay's), in a
+term's added advantages, in a response weighting or in a rule's token weights is a named error before the step, naming
+the part, the reward and the sample, and the parameters are as they were; q below -1e-6 is refused, q in [-1e-6, 0)
+reads as 0."""
+
+import pytest
+import torch
+
+from tests.helpers import RecordingTrainer, make_args
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.credit import replayed_token_weights
+from trl_mrtpo.finite_credit import NonFiniteCredit
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.relevance import Relevance, ReplayRelevance
+from trl_mrtpo.rules import (
+    CreditRule,
+    CreditTerm,
+    register_credit_rule,
+    register_credit_term,
+    unregister_credit_rule,
+    unregister_credit_term,
+)
+
+
+class SpoiltQ:
+    """A relevance provider: q is 1 on the first two model tokens of each replayed pair, and ``value`` where
+    ``where(relevance)`` says (on the first replayed pair's first token by default)."""
+
+    def __init__(self, value: float, everywhere: bool = False):
+        self.value, self.everywhere = value, everywhere
+
+    def __call__(self, trainer, batch, removal):
+        replayed = batch.varying.clone()
+        relevance = torch.zeros((*replayed.shape, batch.mask.shape[1]))
+        relevance[..., :2] = 1.0
+        if self.everywhere:
+            relevance[:] = self.value
+        elif replayed.any():
+            b, k = replayed.nonzero()[0].tolist()
+            relevance[b, k, 0] = self.value
+        relevance = relevance * batch.mask[:, None, :] * replayed[..., None]
+        return Relevance(relevance, replayed, bool(replayed.any()))
+
+
+def trainer_for(tiny_model, tiny_tokenizer, tmp_path, **kwargs):
+    overrides = kwargs.pop("args", {})
+    return RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4, **overrides),
+        train_dataset=make_basic_dataset(16),
+        processing_class=tiny_tokenizer,
+        **kwargs,
+    )
+
+
+def refused(trainer, match: str) -> str:
+    """Trains, expects the named error, and checks that no parameter moved."""
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    with pytest.raises(NonFiniteCredit, match=match) as error:
+        trainer.train()
+    for name, p in trainer.model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    return str(error.value)
+
+
+@pytest.mark.parametrize("everywhere", [False, True], ids=["one-token", "all-nan"])
+def test_nan_q_from_a_provider_is_refused_naming_it_the_reward_and_the_sample(
+    tiny_model, tiny_tokenizer, tmp_path, everywhere
+):
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=SpoiltQ(float("nan"), everywhere))
+    message = refused(trainer, r"non-finite q \(NaN or inf\) from the relevance provider 'SpoiltQ', for reward '")
+    assert "first at sample" in message and "Check what the relevance provider 'SpoiltQ' returns" in message
+
+
+def test_inf_q_from_a_provider_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=SpoiltQ(float("inf")))
+    refused(trainer, "non-finite q")
+
+
+def test_q_below_zero_is_refused_and_rounding_below_zero_reads_as_zero(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path / "negative", relevance_provider=SpoiltQ(-1e-3))
+    refused(trainer, r"q below -1e-06 from the relevance provider 'SpoiltQ'")
+    advantages = []
+    for value in (-5e-7, 0.0):
+        torch.manual_seed(0)
+        trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path / str(value), relevance_provider=SpoiltQ(value))
+        trainer.train()
+        assert trainer.credits[0].replayed.any()
+        advantages.append(trainer.credits[0].advantages)
+    torch.testing.assert_close(advantages[0], advantages[1], atol=0, rtol=0)
+
+
+class NanLogitsReplay(ReplayRelevance):
+    """The built-in replay of a policy whose logits overflow: the lm_head gives NaN while it replays."""
+
+    def __call__(self, trainer, batch, removal):
+        head = trainer.model.get_output_embeddings()
+        original = head.weight.data.clone()
+        head.weight.data[0, 0] = float("nan")
+        try:
+            return super().__call__(trainer, batch, removal)
+        finally:
+            head.weight.data.copy_(original)
+
+
+def test_nan_logits_in_the_replay_are_refused_naming_the_replay(tiny_model, tiny_tokenizer, tmp_path):
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path)
+    trainer.relevance_provider = NanLogitsReplay()
+    message = refused(trainer, r"non-finite q \(NaN or inf\) from the replay, for reward")
+    assert "logits are not finite" in message
+
+
+class NanTerm(CreditTerm):
+    """A term whose added advantages (``add``) or response weighting (``weigh``) holds a NaN."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def weigh(self, rewards, advantages, reward_weights, num_generations, training):
+        if self.where == "weigh":
+            reward_weights = reward_weights.clone()
+            reward_weights[1] = float("nan")
+        return advantages, reward_weights
+
+    def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
+        process = None
+        if self.where == "add":
+            process = torch.zeros(batch.mask.shape)
+            process[2, 0] = float("nan")
+        return {"process": process, "failure_suffix": None}, []
+
+
+@pytest.mark.parametrize(
+    "where, match",
+    [
+        ("add", r"non-finite added token advantages from the term 'nan_term', for 1 sample; first at sample 2 "),
+        ("weigh", r"non-finite per-reward advantages or reward weights from the term 'nan_term', for reward '"),
+    ],
+)
+def test_a_terms_nan_is_refused_naming_the_term(tiny_model, tiny_tokenizer, tmp_path, where, match):
+    register_credit_term("nan_term", lambda setup: NanTerm(where))
+    try:
+        refused(trainer_for(tiny_model, tiny_tokenizer, tmp_path), match)
+    finally:
+        unregister_credit_term("nan_term")
+
+
+class NanWeights(CreditRule):
+    """Step 5 with a NaN weight on one token of the last sample's first reward."""
+
+    removal = "each"
+    reads = ("relevance",)
+
+    def weights(self, inputs):
+        weights = replayed_token_weights(inputs.relevance, inputs.replayed, inputs.batch.mask, inputs.betas)
+        weights[-1, 0, 0] = float("nan")
+        return weights
+
+
+def test_a_rules_nan_weights_are_refused_naming_the_rule(tiny_model, tiny_tokenizer, tmp_path):
+    register_credit_rule("nan_weights", NanWeights)
+    try:
+        trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, args={"credit_assignment": "nan_weights"})
+        message = refused(trainer, r"non-finite token weights from the credit rule 'nan_weights', for reward '")
+        assert "first at sample 7 " in message
+    finally:
+        unregister_credit_rule("nan_weights")
+
+
+def test_finite_credit_trains_as_before(tiny_model, tiny_tokenizer, tmp_path):
+    """The check only reads: a finite run trains, and its advantages are finite."""
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert torch.isfinite(trainer.last_credit.advantages).all()
+
+
+@pytest.mark.slow
+def test_nan_on_one_process_raises_the_same_error_on_every_process(tmp_path, tiny_tokenizer):
+    """Two processes (DDP over gloo): q is NaN on process 1 only; both raise the same error in the same batch (the
+    flag rides in steps 7-8's sums), and neither waits for the other."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import build_tiny_model
+    from tests.test_ddp import DISTRIBUTED_VARIABLES
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/cpu_ddp.yaml",
+        "--main_process_port", "0", "tests/nan_rank_worker.py", str(tmp_path), str(model_dir),
+    ]  # fmt: skip
+    inherited = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED_VARIABLES}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+    messages = [(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert messages[0] == messages[1], messages
+    assert "non-finite q (NaN or inf) from the relevance provider 'nan_on_process_one'" in messages[0]
+    assert "first at sample 3 of process 1" in messages[0], messages[0]

@@ -1,0 +1,147 @@
+"""Every generation batch's credit is checked for NaN and infinity before the optimizer can see it
+(docs/behaviour.md, "Non-finite credit").
+
+A non-finite value in q, in a term's added advantages, in a response weighting or in a rule's token weights would give
+NaN parameters after one step, or make a pair's credit silently uniform (a NaN q has no mean). :class:`CreditGuard`
+counts such values per part and reward as the trainer meets them, without a host sync; the counts ride in the sums of
+steps 7 and 8, which every process enters every batch, so every process raises the same :class:`NonFiniteCredit` in
+the same batch, naming the part, the reward and the first sample, with one host sync per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .credit import ReduceSum
+
+NEGATIVE_Q_TOLERANCE = 1e-6  # q from a provider in [-1e-6, 0) is rounding and reads as 0; below it is refused
+
+
+class NonFiniteCredit(ValueError):
+    """A generation batch's credit holds NaN or infinity (or q below 0); raised before the optimizer step."""
+
+
+def credit_parts(provider: str, rule: str, terms: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """The parts of a batch's credit that are checked: key -> (what it is, what to do). ``provider`` names the
+    relevance provider (``"the replay"``: the built-in one), ``rule`` the credit rule, ``terms`` the credit terms."""
+    replay = provider == "the replay"
+    hint_q = (
+        "The policy's logits are not finite: the policy has diverged, or fp16 overflowed (train in bf16)."
+        if replay
+        else f"Check what {provider} returns."
+    )
+    term_hint = "Check the term's inputs (its reward functions' values) and its arithmetic."
+    return {
+        "q": (f"non-finite q (NaN or inf) from {provider}", hint_q),
+        "q_negative": (f"q below -{NEGATIVE_Q_TOLERANCE:g} from {provider}", "q is a divergence in [0, 1]."),
+        "q_adjusted": ("non-finite q (NaN or inf) after the terms' and the rule's adjustments", term_hint),
+        "weighting": (
+            "non-finite per-reward advantages or reward weights",
+            "Check the configuration's reward_weights.",
+        ),
+        **{
+            f"weighting:{t}": (f"non-finite per-reward advantages or reward weights from the term '{t}'", term_hint)
+            for t in terms
+        },
+        **{f"added:{t}": (f"non-finite added token advantages from the term '{t}'", term_hint) for t in terms},
+        "rule": (f"non-finite token weights from the credit rule '{rule}'", "Check the rule's weights()."),
+        "final": ("non-finite token advantages after steps 5-8 and the terms' finish", term_hint),
+    }
+
+
+class CreditGuard:
+    """One generation batch's check (see the module's docstring).
+
+    Args:
+        parts: per part's key (:func:`credit_parts`), what it is in words and what to do.
+        reward_names: the reward functions' names, K of them.
+        rank, num_processes: this process and the data-parallel size.
+        reduce_sum: sums a tensor over the processes (None on one process).
+    """
+
+    def __init__(
+        self,
+        parts: Mapping[str, tuple[str, str]],
+        reward_names: Sequence[str],
+        rank: int,
+        num_processes: int,
+        reduce_sum: ReduceSum | None,
+    ):
+        self.parts, self.reward_names = dict(parts), list(reward_names)
+        self.rank, self.num_processes = rank, num_processes
+        self._reduce_sum = reduce_sum
+        self._counts: torch.Tensor | None = None  # [parts, K + 1] samples with a bad value; column K: no reward axis
+        self._first: torch.Tensor | None = None  # [processes, parts] 1 + the first bad local sample (0: none)
+        self._received: torch.Tensor | None = None  # the flags summed over the processes by the last reduction
+        self._sent: torch.Tensor | None = None  # this process's flags when they were last sent
+
+    def _flags(self, device: torch.device) -> torch.Tensor:
+        if self._counts is None:
+            self._counts = torch.zeros(len(self.parts), len(self.reward_names) + 1, dtype=torch.float64, device=device)
+            self._first = torch.zeros(self.num_processes, len(self.parts), dtype=torch.float64, device=device)
+        return torch.cat([self._counts.flatten(), self._first.flatten()])
+
+    def note(self, part: str, bad: torch.Tensor, per_reward: bool) -> None:
+        """Records one part's bad values: ``bad`` is bool ``[B, K, ...]`` when ``per_reward``, else ``[B, ...]``;
+        True where sample b (and reward k) holds one."""
+        self._flags(bad.device)
+        if bad.shape[0] == 0:
+            return
+        index = list(self.parts).index(part)
+        if per_reward:
+            bad = bad.reshape(*bad.shape[:2], -1).any(-1)
+            self._counts[index, :-1] += bad.sum(0).to(self._counts)
+            bad = bad.any(-1)
+        else:
+            bad = bad.reshape(bad.shape[0], -1).any(-1)
+            self._counts[index, -1] += bad.sum().to(self._counts)
+        positions = torch.arange(1, bad.numel() + 1, device=bad.device, dtype=torch.float64)
+        first = torch.where(bad.any(), torch.where(bad, positions, positions.new_tensor(float("inf"))).min(), 0.0)
+        known = self._first[self.rank, index]
+        self._first[self.rank, index] = torch.where(known > 0, known, first)
+
+    def note_non_finite(self, part: str, values: torch.Tensor, where: torch.Tensor, per_reward: bool) -> None:
+        """Records the NaN and infinite entries of ``values`` where ``where`` (broadcastable) is True."""
+        self.note(part, ~torch.isfinite(values) & where.bool(), per_reward)
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The trainer's sum over processes, carrying this batch's flags with it (no extra collective)."""
+        self._sent = self._flags(tensor.device)
+        summed = self._reduce_sum(torch.cat([tensor.flatten(), self._sent.to(tensor.dtype)]))
+        self._received = summed[tensor.numel() :].to(self._sent)
+        return summed[: tensor.numel()].view_as(tensor)
+
+    def raise_if_bad(self) -> None:
+        """Raises :class:`NonFiniteCredit` if any process noted a bad value (one host sync)."""
+        if self._counts is None:
+            return
+        flags = self._flags(self._counts.device)
+        if self._reduce_sum is not None and self._received is None:
+            # a batch whose credit summed nothing over the processes (a rule that skips steps 7-8) sums the flags now
+            flags = self._reduce_sum(flags)
+        elif self._reduce_sum is not None:  # what every process sent, and what this one noted since (local only)
+            flags = self._received + flags - self._sent
+        size = self._counts.numel()
+        counts = flags[:size].view_as(self._counts).tolist()
+        first = flags[size:].view_as(self._first).tolist()
+        for index, (part, hint) in enumerate(self.parts.values()):
+            per_reward = counts[index]
+            if not any(per_reward):
+                continue
+            rewards = [
+                f"reward '{name}' ({int(n)} sample{'s' * (n != 1)})"
+                for name, n in zip(self.reward_names, per_reward)
+                if n
+            ]
+            if per_reward[-1]:
+                rewards.append(f"{int(per_reward[-1])} sample{'s' * (per_reward[-1] != 1)}")
+            process = next((r for r, row in enumerate(first) if row[index] > 0), self.rank)
+            located = f"first at sample {int(first[process][index]) - 1}"
+            if self.num_processes > 1:
+                located += f" of process {process}"
+            raise NonFiniteCredit(
+                f"MRTPO: {part}, for {', '.join(rewards)}; {located} of this generation batch. Nothing was trained on "
+                f"it. {hint}"
+            )
