@@ -22,7 +22,8 @@ from trl_mrtpo.kits.sql import (
     sql_format_reward,
     sql_reference_block,
 )
-from trl_mrtpo.kits.sql_sandbox import run_query, sandbox_connection
+from trl_mrtpo.kits.sql_sandbox import run_query
+from trl_mrtpo.kits.sql_sandbox_child import sandbox_connection
 
 
 @pytest.fixture(scope="module")
@@ -287,7 +288,7 @@ def test_an_operation_past_the_time_limit_kills_the_sandbox_child(dbs):
 
     started = time.monotonic()
     with pytest.raises(QueryTimeout, match="longer than 0.05 s"):
-        _WORKER.run(dbs["shop"], "SELECT printf('%.*c', 2000000000, 'x')", 0.05, 10)
+        _WORKER.run(dbs["shop"], "SELECT printf('%.*c', 2000000000, 'x')", 0.05, 10, 1000)
     assert time.monotonic() - started < 1.0
     assert run_query(dbs["shop"], "SELECT count(*) FROM customers").rows == ((4,),)
 

@@ -25,7 +25,14 @@ from typing import Any
 
 from ..utils import completion_text
 from . import Kit, Spans
-from .sql_sandbox import QueryResult, check_single_query, run_query
+from .sql_sandbox import (
+    MAX_REFERENCE_RESULT_BYTES,
+    MAX_RESULT_BYTES,
+    QueryResult,
+    check_single_query,
+    result_bytes,
+    run_query,
+)
 
 FORMAT_RULE = (
     "Format: answer with exactly one SQLite query inside a ```sql ... ``` code block, and nothing else in code."
@@ -66,12 +73,29 @@ def sql_format_reward(completions: list, **kwargs) -> list[float]:
     return [float(_query_of(c) is not None) for c in completions]
 
 
-def sql_executable_reward(completions: list, db_path: list[str], **kwargs) -> list[float]:
+def run_reference(db_path: str, reference: str) -> QueryResult:
+    """The reference query's result, which may hold up to :data:`MAX_REFERENCE_RESULT_BYTES`."""
+    return run_query(str(db_path), reference, max_bytes=MAX_REFERENCE_RESULT_BYTES)
+
+
+def run_prediction(db_path: str, sql: str, reference: str | None) -> tuple[QueryResult, QueryResult | None]:
+    """A model-written query's result and its reference's (None without one). The prediction may hold twice what
+    the reference's result holds (at least :data:`MAX_RESULT_BYTES`, at most :data:`MAX_REFERENCE_RESULT_BYTES`),
+    so a correct query for a large reference result is not refused for its size."""
+    gold = run_reference(db_path, reference) if reference else None
+    cap = MAX_RESULT_BYTES
+    if gold is not None and gold.rows is not None:
+        cap = min(max(2 * result_bytes(gold), MAX_RESULT_BYTES), MAX_REFERENCE_RESULT_BYTES)
+    return run_query(str(db_path), sql, max_bytes=cap), gold
+
+
+def sql_executable_reward(completions: list, db_path: list[str], query: list[str] | None = None, **kwargs):
     """1 when the query runs without error on the sample's database (0 when there is no well-formed query)."""
+    n = len(completions)
     out = []
-    for completion, db in zip(completions, _per_sample(db_path, len(completions))):
+    for completion, db, reference in zip(completions, _per_sample(db_path, n), _per_sample(query, n)):
         sql = _query_of(completion)
-        out.append(float(sql is not None and run_query(str(db), sql).error is None))
+        out.append(float(sql is not None and run_prediction(db, sql, reference)[0].error is None))
     return out
 
 
@@ -81,7 +105,7 @@ def sql_execution_reward(completions: list, db_path: list[str], query: list[str]
     out = []
     for completion, db, reference in zip(completions, _per_sample(db_path, n), _per_sample(query, n)):
         sql = _query_of(completion)
-        out.append(float(sql is not None and same_result(run_query(str(db), sql), run_query(str(db), reference))))
+        out.append(float(sql is not None and same_result(*run_prediction(db, sql, reference))))
     return out
 
 
@@ -95,7 +119,7 @@ def sql_error_block(*, prompt, completion, row, score) -> str | None:
     sql = extract_sql(completion)
     if sql is None:
         return None
-    error = run_query(str(row["db_path"]), sql).error
+    error = run_prediction(row["db_path"], sql, row.get("query"))[0].error
     return None if error is None else f"Your SQL failed with this error: {error}"
 
 
@@ -128,7 +152,7 @@ def sql_error_boundary(*, prompt, completion, row, score) -> int | None:
     sql = extract_sql(text)
     if match is None or sql is None:
         return None
-    offset = _error_offset(sql, run_query(str(row["db_path"]), sql).error or "")
+    offset = _error_offset(sql, run_prediction(row["db_path"], sql, row.get("query"))[0].error or "")
     if offset is None or offset < 1:
         return None
     return match.start(1) + match.group(1).index(sql) + offset
@@ -299,13 +323,34 @@ def builtin_sql_dataset(num_prompts: int = 0, seed: int = 0, cache_dir: str | No
     return make_sql_dataset(cache_dir or cache_root() / "sql_data").shuffle(seed=seed)
 
 
+def oversized_references(rows: list[dict]) -> list[int]:
+    """The rows whose reference query's result holds more than :data:`MAX_REFERENCE_RESULT_BYTES`: no prediction
+    could be scored against them (each is run once, in the sandbox; the results are cached for training)."""
+    from tqdm.auto import tqdm
+
+    oversized = []
+    for i, row in enumerate(tqdm(rows, desc="Running the reference queries", disable=len(rows) < 100)):
+        error = run_reference(row["db_path"], row["query"]).error or ""
+        if error.startswith("the result holds more than"):
+            oversized.append(i)
+    return oversized
+
+
 def _published_loader(name: str):
     def load(data_path: str | None, data_split_file: str | None, database_dir: str = "database"):
         from datasets import Dataset
 
         if not data_path or not data_split_file:
             raise ValueError(f"data_loader={name} needs data_path and data_split_file")
-        return Dataset.from_list(load_spider_or_bird(data_path, data_split_file, database_dir))
+        rows = load_spider_or_bird(data_path, data_split_file, database_dir)
+        oversized = oversized_references(rows)
+        if oversized:
+            examples = "; ".join(f"example {i}: {rows[i]['query'][:200]!r}" for i in oversized[:5])
+            raise ValueError(
+                f"{data_split_file}: {len(oversized)} reference result(s) hold more than {MAX_REFERENCE_RESULT_BYTES} "
+                f"bytes, past what a prediction may be compared with ({examples}); remove these examples."
+            )
+        return Dataset.from_list(rows)
 
     return load
 

@@ -1,43 +1,47 @@
-"""The sandbox for model-written SQL: every such query runs through :func:`run_query`, in a separate sandbox
-process that is killed when a query outlives its time limit (even a single SQLite operation cannot hold a reward past
-it), on a fresh read-only connection (URI ``mode=ro``) with an authorizer that allows reads and nothing else (no
-writes, ATTACH, PRAGMA, extension loading), a progress-handler time limit, a value-size limit, a row cap and a cap on
-the bytes a result holds. ``sqlglot`` rejects anything that is not a single query before SQLite sees it, and any
-``printf`` / ``format`` whose width or precision could build a value of any size in one step (SQLite's printf
-ignores the value-size limit). Results are cached in a byte-bounded cache.
+"""The sandbox for model-written SQL: every such query runs through :func:`run_query`, in a sandbox child process
+(:mod:`trl_mrtpo.kits.sql_sandbox_child`): a fresh interpreter started with ``subprocess`` (never a fork of the
+trainer), whose address space is bounded (1 GiB) and which is killed when a query outlives its time limit (even a
+single SQLite operation cannot hold a reward past it). Each query gets a fresh read-only connection (URI ``mode=ro``)
+with an authorizer that allows reads and nothing else (no writes, ATTACH, PRAGMA, extension loading), a
+progress-handler time limit, a value-size limit, a row cap and a cap on the bytes a result holds. ``sqlglot`` rejects
+anything that is not a single query before SQLite sees it, and any ``printf`` / ``format`` whose width or precision
+could build a value of any size in one step (SQLite's printf ignores the value-size limit). Results are cached in a
+byte-bounded cache.
 
 Security-critical: kept apart from the SQL kit's rewards and data so that it can be read and reviewed on its own.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import multiprocessing
+import os
 import re
-import sqlite3
+import select
+import subprocess
+import sys
 import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import sqlglot
 from sqlglot import exp
 
+from . import sql_sandbox_child
+from .sql_sandbox_child import QueryTimeout, row_bytes, timeout_message
+
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_ROWS = 10_000
-MAX_VALUE_BYTES = 10_000_000  # largest string or blob model SQL may build
-MAX_RESULT_BYTES = 1_000_000  # largest result (all rows' values) a query may return
+MAX_RESULT_BYTES = 1_000_000  # largest result (all rows' values) a query may return, unless its reference is larger
+MAX_REFERENCE_RESULT_BYTES = 64_000_000  # largest result a reference query may return (and a prediction of it)
 MAX_FORMAT_WIDTH = 1_000  # largest width or precision a printf / format conversion may ask for
 CACHE_BYTES = 64_000_000  # the result cache's size; the least recently used results leave first
+SANDBOX_MEMORY_BYTES = 1 << 30  # the sandbox child's address space
 # a printf conversion: flags, width (digits or *), precision (. digits or .*), then the conversion letter
 _CONVERSION = re.compile(r"%[-+ 0#,!]*(\*|\d+)?(?:\.(\*|\d*))?[a-zA-Z%]")
-
-# Authorizer: reading is all model SQL may do. Functions are allowed except extension loading.
-_ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
-_DENIED_FUNCTIONS = {"load_extension", "readfile", "writefile", "edit", "fts3_tokenizer", "randomblob", "zeroblob"}
 
 
 @dataclass(frozen=True)
@@ -107,29 +111,20 @@ def _is_ordered(sql: str) -> bool:
     return statement.args.get("order") is not None
 
 
-def _authorizer(action, arg1, arg2, db_name, trigger):
-    if action == sqlite3.SQLITE_FUNCTION and (arg2 or "").lower() in _DENIED_FUNCTIONS:
-        return sqlite3.SQLITE_DENY
-    return sqlite3.SQLITE_OK if action in _ALLOWED_ACTIONS else sqlite3.SQLITE_DENY
-
-
-def _normalise(value: Any) -> Any:
-    return round(value, 6) if isinstance(value, float) else value
-
-
-class QueryTimeout(Exception):
-    """A query hit the time limit; kept out of the cache, since a busy machine can cause it."""
-
-
 def run_query(
-    db_path: str, sql: str, timeout_s: float = DEFAULT_TIMEOUT_S, max_rows: int = DEFAULT_MAX_ROWS
+    db_path: str,
+    sql: str,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    max_rows: int = DEFAULT_MAX_ROWS,
+    max_bytes: int = MAX_RESULT_BYTES,
 ) -> QueryResult:
     """Run one model-written query in the sandbox. Never raises for bad SQL; the error text is SQLite's own.
 
-    Results are cached per (database, query, limits): the database is opened read-only, so a query's result cannot
-    change while training runs. Time-outs are not cached.
+    ``max_bytes`` caps what the result holds (:func:`result_bytes`). Results are cached per (database, query,
+    limits): the database is opened read-only, so a query's result cannot change while training runs. Time-outs are
+    not cached.
     """
-    key = (str(db_path), sql, timeout_s, max_rows)
+    key = (str(db_path), sql, timeout_s, max_rows, max_bytes)
     cached = RESULTS.get(key)
     if cached is not None:
         return cached
@@ -141,23 +136,19 @@ def run_query(
     return result
 
 
-def _uncached_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
+def _uncached_query(db_path: str, sql: str, timeout_s: float, max_rows: int, max_bytes: int) -> QueryResult:
     ok, reason = check_single_query(sql)
     if not ok:
         return QueryResult(None, reason)
     if not Path(db_path).is_file():
         return QueryResult(None, f"database not found: {db_path}")
-    return _WORKER.run(db_path, sql, timeout_s, max_rows)
-
-
-def _row_bytes(row: tuple) -> int:
-    """What one result row holds: its strings' and blobs' lengths, 8 per number or NULL, 8 for the row itself."""
-    return sum(len(v) if isinstance(v, (str, bytes)) else 8 for v in row) + 8
+    result = _WORKER.run(db_path, sql, timeout_s, max_rows, max_bytes)
+    return result if result.rows is None else replace(result, ordered=_is_ordered(sql))
 
 
 def result_bytes(result: QueryResult) -> int:
     """What a result holds: its rows (:func:`_row_bytes`) and its error text."""
-    return sum(_row_bytes(row) for row in result.rows or ()) + len(result.error or "")
+    return sum(row_bytes(row) for row in result.rows or ()) + len(result.error or "")
 
 
 class ResultCache:
@@ -195,12 +186,8 @@ class ResultCache:
 RESULTS = ResultCache(CACHE_BYTES)
 
 
-def _timeout_message(timeout_s: float) -> str:
-    return f"the query ran longer than {timeout_s:g} s and was stopped"
-
-
 class _SandboxWorker:
-    """A long-lived child process that runs the queries, so that every query ends within its limit.
+    """The sandbox child (:mod:`~trl_mrtpo.kits.sql_sandbox_child`), started on the first query and reused.
 
     One SQLite operation can run for seconds without returning to the progress handler (``printf('%.*c',
     2000000000, 'x')`` builds a 2 GB string in one opcode), so the parent waits at most ``timeout_s`` plus a short
@@ -210,96 +197,64 @@ class _SandboxWorker:
 
     GRACE_S = 0.3
 
-    def __init__(self):
-        self._process = None
-        self._pipe = None
+    def __init__(self, memory_bytes: int = SANDBOX_MEMORY_BYTES):
+        self.memory_bytes = memory_bytes
+        self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     def _start(self) -> None:
-        methods = multiprocessing.get_all_start_methods()
-        context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        self._pipe, child = context.Pipe()
-        self._process = context.Process(target=_serve_queries, args=(child,), daemon=True)
-        self._process.start()
-        child.close()
+        # -I: no user site, no environment variables, not even the script's folder on sys.path: the standard library
+        command = [sys.executable, "-I", sql_sandbox_child.__file__, str(self.memory_bytes)]
+        self._process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0
+        )
 
     def _stop(self) -> None:
         if self._process is not None:
             self._process.kill()
-            self._process.join()
-            self._pipe.close()
-        self._process = self._pipe = None
+            self._process.wait()
+            self._process.stdin.close()
+            self._process.stdout.close()
+        self._process = None
 
-    def run(self, db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
+    def _read_line(self, deadline: float) -> bytes | None:
+        """The child's reply, or None when it is not complete by ``deadline``; EOFError when the child died."""
+        stdout, chunks = self._process.stdout, []
+        while True:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([stdout], [], [], wait)[0]:
+                return None
+            chunk = os.read(stdout.fileno(), 1 << 20)
+            if not chunk:
+                raise EOFError
+            chunks.append(chunk)
+            if chunk.endswith(b"\n"):
+                return b"".join(chunks)
+
+    def run(self, db_path: str, sql: str, timeout_s: float, max_rows: int, max_bytes: int) -> QueryResult:
+        request = {"db": db_path, "sql": sql, "timeout_s": timeout_s, "max_rows": max_rows, "max_bytes": max_bytes}
         with self._lock:
-            if self._process is None or not self._process.is_alive():
+            if self._process is None or self._process.poll() is not None:
                 self._start()
-            self._pipe.send((db_path, sql, timeout_s, max_rows))
-            if self._pipe.poll(timeout_s + self.GRACE_S):
-                try:
-                    status, payload = self._pipe.recv()
-                except EOFError:  # the child died (e.g. out of memory): a failure, and a fresh child next time
-                    self._stop()
-                    return QueryResult(None, "the query crashed the SQL sandbox")
-                if status == "timeout":
-                    raise QueryTimeout(payload)
-                return payload
-            self._stop()
-            raise QueryTimeout(_timeout_message(timeout_s))
+            try:
+                self._process.stdin.write((json.dumps(request) + "\n").encode())
+                line = self._read_line(time.monotonic() + timeout_s + self.GRACE_S)
+            except (EOFError, BrokenPipeError):  # the child died: a failure, and a fresh child next time
+                self._stop()
+                return QueryResult(None, "the query crashed the SQL sandbox")
+            if line is None:
+                self._stop()
+                raise QueryTimeout(timeout_message(timeout_s))
+        reply = json.loads(line)
+        if "timeout" in reply:
+            raise QueryTimeout(reply["timeout"])
+        if reply["rows"] is None:
+            return QueryResult(None, reply["error"])
+        return QueryResult(tuple(tuple(_decoded(v) for v in row) for row in reply["rows"]), None)
 
 
-def _serve_queries(pipe) -> None:
-    """The sandbox child: run each request and send back ``("ok", QueryResult)`` or ``("timeout", message)``."""
-    while True:
-        try:
-            request = pipe.recv()
-        except EOFError:
-            return
-        try:
-            pipe.send(("ok", _execute_query(*request)))
-        except QueryTimeout as timeout:
-            pipe.send(("timeout", str(timeout)))
+def _decoded(value):
+    return bytes.fromhex(value["blob"]) if isinstance(value, dict) else value
 
 
 _WORKER = _SandboxWorker()
-
-
-def _execute_query(db_path: str, sql: str, timeout_s: float, max_rows: int) -> QueryResult:
-    """Run one checked query on a sandbox connection (in the sandbox child)."""
-    path = Path(db_path)
-    deadline = time.monotonic() + timeout_s
-    try:
-        conn = sandbox_connection(path, deadline)
-    except sqlite3.Error as error:
-        return QueryResult(None, f"cannot open database: {error}")
-    try:
-        rows, size = [], 0
-        for row in conn.execute(sql):  # row by row: a result past a cap is refused before it is all built
-            rows.append(row)
-            size += _row_bytes(row)
-            if len(rows) > max_rows:
-                return QueryResult(None, f"the result has more than {max_rows} rows")
-            if size > MAX_RESULT_BYTES:
-                return QueryResult(None, f"the result holds more than {MAX_RESULT_BYTES} bytes")
-        return QueryResult(tuple(tuple(_normalise(v) for v in row) for row in rows), None, _is_ordered(sql))
-    except sqlite3.OperationalError as error:
-        if time.monotonic() > deadline:
-            raise QueryTimeout(_timeout_message(timeout_s)) from error
-        return QueryResult(None, str(error))
-    except (sqlite3.Error, ValueError, OverflowError, MemoryError) as error:
-        return QueryResult(None, str(error) or type(error).__name__)
-    finally:
-        conn.close()
-
-
-def sandbox_connection(db_path: str | Path, deadline: float) -> sqlite3.Connection:
-    """A fresh read-only connection that may only read, and that aborts any statement after ``deadline``
-    (``time.monotonic()`` seconds). The second line of defence behind :func:`check_single_query`.
-    """
-    conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
-    conn.set_authorizer(_authorizer)
-    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
-    # One opcode can allocate a huge value (randomblob(1e9)) before the progress handler runs again: cap sizes.
-    if hasattr(conn, "setlimit"):  # Python >= 3.11
-        conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES)
-    return conn

@@ -202,16 +202,22 @@ def evaluate_instruction_following(generate: Callable, benchmark: str, limit: in
 def evaluate_sql(
     generate: Callable, root: str, split_file: str, database_dir: str = "database", limit: int | None = None
 ) -> BenchmarkResult:
-    """Execution accuracy on a local Spider or BIRD split (the answer must be in a ```sql fence)."""
-    from ..kits.sql import load_spider_or_bird, sql_execution_reward
+    """Execution accuracy on a local Spider or BIRD split (the answer must be in a ```sql fence). An item whose
+    reference result is past what a prediction may be compared with is excluded (counted, and listed in the
+    details), not scored wrong."""
+    from ..kits.sql import load_spider_or_bird, oversized_references, sql_execution_reward
 
     rows = load_spider_or_bird(root, split_file, database_dir)[:limit]
-    outputs = generate([r["prompt"] for r in rows])
-    scores = sql_execution_reward(outputs, [r["db_path"] for r in rows], [r["query"] for r in rows])
+    excluded = set(oversized_references(rows))
+    kept = [r for i, r in enumerate(rows) if i not in excluded]
+    outputs = generate([r["prompt"] for r in kept])
+    scores = sql_execution_reward(outputs, [r["db_path"] for r in kept], [r["query"] for r in kept])
     details = [
-        {"question": r["question"], "output": o, "correct": bool(score)} for r, o, score in zip(rows, outputs, scores)
+        {"question": r["question"], "output": o, "correct": bool(score)} for r, o, score in zip(kept, outputs, scores)
     ]
-    return BenchmarkResult(split_file, {"execution_accuracy": sum(scores) / max(len(rows), 1)}, len(rows), details)
+    details += [{"question": rows[i]["question"], "excluded": "reference result too large"} for i in sorted(excluded)]
+    metrics = {"execution_accuracy": sum(scores) / max(len(kept), 1), "excluded_references": float(len(excluded))}
+    return BenchmarkResult(split_file, metrics, len(kept), details)
 
 
 def format_table(results: Sequence[BenchmarkResult]) -> str:
@@ -219,7 +225,8 @@ def format_table(results: Sequence[BenchmarkResult]) -> str:
     lines = [f"{'benchmark':<28}{'prompts':>8}  {'metric':<22}{'value':>8}"]
     for result in results:
         for metric, value in result.metrics.items():
-            shown = f"{value:.0f}" if metric == "skipped_instructions" else f"{100 * value:.1f}%"
+            counted = metric in ("skipped_instructions", "excluded_references")
+            shown = f"{value:.0f}" if counted else f"{100 * value:.1f}%"
             lines.append(f"{result.name:<28}{result.count:>8}  {metric:<22}{shown:>8}")
     return "\n".join(lines)
 
