@@ -67,6 +67,7 @@ SDFT_TRAINER_ATTRIBUTES = ("_metrics",)
 SDFT_BATCH_KEYS = ("completion_ids", "raw_completion_lengths")  # read from sample_rollouts' batch
 
 __all__ = [
+    "compile_chat_template",
     "get_comet_experiment_url",
     "get_config_model_id",
     "get_trackio_space_url",
@@ -84,6 +85,16 @@ __all__ = [
     "whole_policy",
     "wrap_environments",
 ]
+
+
+def compile_chat_template(text: str):
+    """Compiles a chat template as ``apply_chat_template`` does (transformers 5's private
+    ``chat_template_utils._compile_jinja_template``: its sandboxed environment and ``{% generation %}`` tag), so a
+    template that does not parse is refused when it is set, not at the first render; raises
+    ``jinja2.TemplateSyntaxError``."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(text)
 
 
 def tokenize_prompts(trainer, prompts: list, owners: list[int] | None = None) -> list[list[int]]:

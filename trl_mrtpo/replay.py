@@ -85,6 +85,11 @@ def logit_multiplier(model: nn.Module) -> float:
         logits = model(input_ids=input_ids, use_cache=False).logits
         hidden = decoder(input_ids=input_ids).last_hidden_state.double()
         raw = hidden @ weight.double().T + (bias.double() if bias is not None else 0.0)
+    if not (torch.isfinite(logits).all() and torch.isfinite(raw).all()):
+        raise ValueError(
+            f"The logits of {type(model).__name__} overflow {logits.dtype} (inf or NaN on a two-token probe): neither "
+            "sampling nor the replay could read them. Load the model in bfloat16 or float32 (dtype=...)."
+        )
     # two roundings to the logits' dtype (the matmul, then a scale applied after it), never tighter than fp32's 1e-3
     rtol = max(1e-3, 2 * torch.finfo(logits.dtype).eps)
     logits = logits.double()

@@ -191,6 +191,8 @@ def run_demo(
     Returns the trainer."""
     from ..kits import get_kit
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # max_steps=0 would train an epoch
+        raise ValueError(f"run_demo: steps must be an integer >= 1, got {steps!r}.")
     path, model_name = demo_model(model)
     device, device_text = demo_device()
     print(f"Device: {device_text}. Task: {task}. Credit: {method}.", flush=True)

@@ -201,6 +201,8 @@ def inspect_credit(
     recipe_args: MRTPOConfig | None = None,
     trainer_class: type | None = None,
     process_rewards: list | None = None,
+    chat_template: str | None = None,
+    environment_factory=None,
 ) -> tuple:
     """Sample (or, with ``completions``, replay existing responses of) a few prompts, score and replay them with the
     control sentence added, and return the credit record and the localisation report. Writes the heatmap page to
@@ -212,9 +214,11 @@ def inspect_credit(
     credit would do with each reward, per-reward strength read with ``reward_strength_floor``). ``model``: a hub id,
     a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
 
-    ``recipe_args`` (a recipe's config), ``trainer_class`` and ``process_rewards`` score as that recipe trains: its
-    credit settings (every field MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and
-    temperature; ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
+    ``chat_template`` (Jinja text) replaces the tokenizer's; ``environment_factory`` (TRL's) gives a multi-turn tool
+    task its tools (a kit's own environment is used when ``task`` names it). ``recipe_args`` (a recipe's config),
+    ``trainer_class`` and ``process_rewards`` score as that recipe trains: its credit settings (every field
+    MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and temperature;
+    ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
     """
     import tempfile
 
@@ -227,9 +231,12 @@ def inspect_credit(
     torch.manual_seed(seed)
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
     policy, tokenizer = load_policy(model, adapter)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if reward_funcs is None:
         kit = get_kit(task)
         reward_funcs, info_blocks = kit.rewards, kit.info_blocks
+        environment_factory = environment_factory or kit.environment
         dataset = dataset if dataset is not None else kit.dataset(num_prompts, seed, None)
     else:
         kit, task = None, "your"
@@ -274,6 +281,7 @@ def inspect_credit(
         processing_class=tokenizer,
         rollout_func=rollout,
         process_rewards=process_rewards or None,
+        **({"environment_factory": environment_factory} if environment_factory is not None else {}),
     )
     what = "Replaying the given" if completions else "Sampling, scoring and replaying"
     print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...", flush=True)
@@ -417,11 +425,14 @@ def inspect_recipe(
     config: str, adapter: str | None = None, **settings
 ) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
     """``inspect_credit`` on the task a training recipe describes (the YAML ``trl-mrtpo train --config`` reads: its
-    model, with ``adapter`` applied; ``task`` or ``reward_funcs`` / ``info_blocks``; process rewards; its dataset or
-    mixture; its credit settings and trainer), then the verdicts."""
+    model, with ``adapter`` applied, and its chat template; ``task`` or ``reward_funcs`` / ``info_blocks``; the task's
+    environment and tools; process rewards; its dataset or mixture; its credit settings and trainer), then the
+    verdicts."""
     import tempfile
 
     from .train import (
+        chat_template,
+        check_recipe,
         load_datasets,
         make_parser,
         recipe_model,
@@ -436,6 +447,7 @@ def inspect_recipe(
     script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
         ["--config", config, *overrides]
     )
+    check_recipe(script_args, training_args)
     trainer_class = recipe_trainer_class(script_args, training_args)
     if trainer_class is None:
         raise ValueError("trainer: opsd has no token credit to inspect; inspect the recipe with trainer: mrtpo.")
@@ -453,5 +465,7 @@ def inspect_recipe(
         recipe_args=training_args,
         trainer_class=trainer_class,
         process_rewards=recipe_process_rewards(script_args),
+        chat_template=chat_template(script_args.chat_template_path) if script_args.chat_template_path else None,
+        environment_factory=kit.environment if kit is not None else None,
         **{"reward_strength_floor": training_args.reward_strength_floor, **settings},
     )

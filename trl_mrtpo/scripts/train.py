@@ -105,32 +105,59 @@ class MRTPOScriptArguments(ScriptArguments):
         check_field_types(self, own)
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}.")
+        if self.task is not None and self.task not in KIT_NAMES:
+            raise ValueError(f"task={self.task!r} is unknown; choose one of {', '.join(KIT_NAMES)}.")
+
+
+TEMPLATE_SUFFIXES = (".jinja", ".jinja2", ".j2")
 
 
 def chat_template(path: str) -> str:
-    """The Jinja text ``chat_template_path`` names: a file, a template TRL ships by name, or a tokenizer's."""
+    """The Jinja text ``chat_template_path`` names: a template file (any name), a template TRL ships by name, or a
+    tokenizer's (a folder or hub id). A file that is empty or does not parse is refused naming it and the option."""
     import os
 
     import trl
+
+    shipped_folder = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
+    shipped = os.path.join(shipped_folder, f"{path}.jinja")
+    for candidate in (path, *(() if os.sep in path else (shipped,))):
+        if os.path.isfile(candidate):
+            with open(candidate, encoding="utf-8") as handle:
+                return checked_template(handle.read(), f"chat_template_path={path!r} ({candidate})")
+    if not os.path.exists(path) and (os.path.isabs(path) or path.endswith(TEMPLATE_SUFFIXES)):
+        raise ValueError(f"chat_template_path={path!r}: no such file.")
     from transformers import AutoTokenizer
 
-    shipped = os.path.join(os.path.dirname(trl.__file__), "chat_templates", f"{path}.jinja")
-    for candidate in (path, shipped):
-        if candidate.endswith(".jinja") and os.path.isfile(candidate):
-            with open(candidate) as handle:
-                return handle.read()
     try:
         template = AutoTokenizer.from_pretrained(path).chat_template
     except (OSError, ValueError) as error:
-        files = os.listdir(os.path.dirname(shipped))
-        names = sorted(name.removesuffix(".jinja") for name in files if name.endswith(".jinja"))
+        names = sorted(name.removesuffix(".jinja") for name in os.listdir(shipped_folder) if name.endswith(".jinja"))
         raise ValueError(
-            f"chat_template_path={path!r} is neither a .jinja file, a template TRL ships ({', '.join(names)[:80]}...) "
-            "nor a tokenizer that loads."
+            f"chat_template_path={path!r} is neither a template file, a template TRL ships ({', '.join(names)}) nor "
+            "a tokenizer that loads."
         ) from error
     if not template:
         raise ValueError(f"chat_template_path={path!r}: the tokenizer there has no chat template.")
-    return template
+    return checked_template(template, f"chat_template_path={path!r}")
+
+
+def checked_template(text: str, where: str) -> str:
+    """``text`` when it is a chat template that compiles as ``apply_chat_template`` compiles it; else a ValueError
+    naming ``where``."""
+    from jinja2 import TemplateSyntaxError
+
+    from .._trl import compile_chat_template
+
+    if not text.strip():
+        raise ValueError(f"{where} is empty: a chat template is needed.")
+    try:
+        compile_chat_template(text)
+    except TemplateSyntaxError as error:
+        raise ValueError(
+            f"{where} does not parse as a Jinja template (line {error.lineno}: {error.message})."
+        ) from None
+    return text
 
 
 def make_parser():
@@ -359,13 +386,24 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     return trainer
 
 
+def check_recipe(script_args: MRTPOScriptArguments, training_args) -> None:
+    """What a recipe can get wrong that is known before the model loads: its trainer against its settings (a
+    research-only option without ``trainer: research``) and its chat template (a file that is missing, empty or
+    does not parse)."""
+    recipe_trainer_class(script_args, training_args)
+    if script_args.chat_template_path:
+        chat_template(script_args.chat_template_path)
+
+
 def run(argv: Sequence[str]):
-    """``trl-mrtpo train ARGV``."""
+    """``trl-mrtpo train ARGV``: a value the recipe gets wrong is refused after the usage line with exit status 2,
+    as argparse refuses a flag, before the model loads."""
     argv = list(argv)
     parser = make_parser()
     try:
         parsed = parser.parse_args_and_config(argv)
-    except (TypeError, ValueError) as error:  # a value a configuration refuses: its message, as argparse refuses one
+        check_recipe(*parsed[:2])
+    except (TypeError, ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
     return main(*parsed, recipe=recipe)
