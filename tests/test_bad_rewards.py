@@ -1,0 +1,381 @@
+"""Bad rewards: what a reward function, a process reward, a verifier or a recipe's reward names return or name, and
+rewards at any float32 scale. Each case ends in a clear error naming the function and the sample, or in the
+float64 reference's numbers."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import make_args, train
+from tests.reference import reference_token_advantages
+from tests.test_bad_info_blocks import _view
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.credit import group_advantages, token_advantages
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.steps.process_rewards import checked_steps
+from trl_mrtpo.steps.step_labels import MathShepherd
+from trl_mrtpo.validation import check_reward_values, checked_reward
+
+NAN, INF = float("nan"), float("inf")
+
+
+# ---------------------------------------------------------------- reward return values
+@pytest.mark.parametrize(
+    "values, error, message",
+    [
+        ({"a": 1.0, "b": 0.0, "c": 1.0}, TypeError, "reward function 'r' returned a dict"),
+        ("101", TypeError, "reward function 'r' returned a str"),
+        (None, TypeError, "reward function 'r' returned a NoneType"),
+        (1.0, TypeError, "reward function 'r' returned a float"),
+        ([1.0, 0.0], ValueError, "returned 2 rewards for 3 completions"),
+        ([1.0, [0.0], 1.0], TypeError, "returned list .* for sample 1"),
+        ([1.0, "1", 1.0], TypeError, "returned str '1' for sample 1"),
+        ([1.0, 0.0, 1 + 2j], TypeError, "returned complex .* for sample 2"),
+        ([1.0, INF, 1.0], ValueError, "returned inf for sample 1"),
+        ([-INF, 0.0, 1.0], ValueError, "returned -inf for sample 0"),
+        ([1e39, 0.0, 1.0], ValueError, "returned 1e\\+39 for sample 0; .* float32's range"),
+        ([torch.ones(2), 0.0, 1.0], TypeError, r"tensor of shape \(2,\) .* for sample 0"),
+        ([torch.tensor(1j), 0.0, 1.0], TypeError, "tensor of shape .* for sample 0"),
+        ([np.array([1.0, 2.0]), 0.0, 1.0], TypeError, "returned ndarray .* for sample 0"),
+    ],
+)
+def test_bad_reward_values_name_the_function_and_sample(values, error, message):
+    with pytest.raises(error, match=message):
+        check_reward_values("r", values, 3)
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        ([1, 0.5, True], [1.0, 0.5, 1.0]),
+        ([None, 0.0, 2.0], [None, 0.0, 2.0]),
+        ([np.float32(0.25), np.int64(3), np.bool_(False)], [0.25, 3.0, 0.0]),
+        ([torch.tensor(0.5), torch.tensor([2.0]), torch.tensor(True)], [0.5, 2.0, 1.0]),
+        (np.array([1.0, 0.0, 3e38]), [1.0, 0.0, 3e38]),
+        (torch.tensor([1.0, 0.0, -1.0]), [1.0, 0.0, -1.0]),
+        ((0.0, 1.0, 0.0), [0.0, 1.0, 0.0]),
+    ],
+)
+def test_good_reward_values_become_floats(values, expected):
+    checked = check_reward_values("r", values, 3)
+    assert [v is None for v in checked] == [e is None for e in expected]
+    assert [v for v in checked if v is not None] == pytest.approx([e for e in expected if e is not None], rel=1e-6)
+
+
+def test_nan_reward_means_does_not_apply():
+    assert math.isnan(check_reward_values("r", [NAN, 1.0], 2)[0])
+
+
+def test_trainer_checks_reward_values_where_they_return(tiny_model, tiny_tokenizer, tmp_path):
+    def as_dict(completions, **_):
+        return {i: 1.0 for i in range(len(completions))}
+
+    with pytest.raises(TypeError, match="reward function 'as_dict' returned a dict"):
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[as_dict, *BASIC.rewards[1:]])
+
+
+def test_trainer_checks_async_reward_values(tiny_model, tiny_tokenizer, tmp_path):
+    async def strings(completions, **_):
+        return ["1"] * len(completions)
+
+    with pytest.raises(TypeError, match="reward function 'strings' returned str '1' for sample 0"):
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[strings, *BASIC.rewards[1:]])
+
+
+# ---------------------------------------------------------------- statistics at user scale
+@pytest.mark.parametrize("scale", [1.0, 1e19, 2e19, 1e30, 3e38])
+def test_group_advantages_at_any_float32_scale(scale):
+    rewards = torch.tensor([[0.0], [1.0], [0.0], [1.0]]) * scale
+    advantages, varying = group_advantages(rewards, 4)
+    assert varying.all()
+    # (r - mean) / (std + 1e-4), std = sqrt(1/3) (Bessel) of 0/1 values, in float64
+    expected = 0.5 * scale / (math.sqrt(1 / 3) * scale + 1e-4)
+    torch.testing.assert_close(advantages[:, 0], torch.tensor([-expected, expected, -expected, expected]))
+
+
+@pytest.mark.parametrize("weight", [1e19, 1e30])
+def test_the_cap_binds_at_any_reward_weight(weight):
+    """Scaling every reward weight scales nothing after step 8: the cap and the advantages are those at weight 1."""
+    gen = torch.Generator().manual_seed(0)
+    advantages, varying = group_advantages(torch.randint(0, 2, (8, 2), generator=gen).float(), 4)
+    q, mask = torch.rand(8, 2, 6, generator=gen), torch.ones(8, 6, dtype=torch.long)
+    small = token_advantages(advantages, q, varying, mask, torch.ones(2), 1.0, 1.1)
+    large = token_advantages(advantages, q, varying, mask, torch.full((2,), weight), 1.0, 1.1)
+    assert small.cap_factor < 1 and large.cap_factor == pytest.approx(small.cap_factor, rel=1e-5)
+    torch.testing.assert_close(large.advantages, small.advantages, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- random reward outputs and weights
+value = st.one_of(
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True, width=64),
+    st.sampled_from([0.0, 1.0, 0.5, 1e19, -2e30, 3e38, 1e39]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    columns=st.lists(st.lists(value, min_size=8, max_size=8), min_size=1, max_size=3),
+    weights=st.lists(st.sampled_from([1.0, 0.5, 2.0, 1e19, 1e30]), min_size=3, max_size=3),
+    beta=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
+def test_a_clear_error_or_the_float64_reference(columns, weights, beta, seed):
+    names = [f"reward_{k}" for k in range(len(columns))]
+    checked = []
+    for name, column in zip(names, columns):
+        try:
+            checked.append(check_reward_values(name, column, 8))
+        except (TypeError, ValueError) as error:
+            assert name in str(error) and "sample" in str(error)
+            return
+    rewards = torch.tensor([[NAN if v is None else v for v in row] for row in zip(*checked)], dtype=torch.float32)
+    c = torch.tensor(weights[: len(columns)])
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(5)[None] < torch.randint(1, 6, (8,), generator=gen)[:, None]).long()
+    q = torch.rand(8, len(columns), 5, generator=gen)
+    advantages, varying = group_advantages(rewards, 4)
+    credit = token_advantages(advantages, q, varying, mask, c, beta, 2.0)
+    expected, _ = reference_token_advantages(rewards, q, mask, c, beta, 2.0, 4)
+    assert torch.isfinite(credit.advantages).all()
+    torch.testing.assert_close(credit.advantages.double(), expected, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("name", ["/", "no_such_reward", "os.no_such_function"])
+def test_recipe_reward_names_that_resolve_to_nothing(name):
+    from trl_mrtpo.kits import resolve
+
+    with pytest.raises(ValueError, match=f"(unknown|cannot import) reward {name!r}"):
+        resolve(name, "reward")
+
+
+@pytest.mark.parametrize(
+    "missing, call, extra",
+    [
+        ("sqlglot", lambda: __import__("trl_mrtpo.kits").kits.get_kit("sql"), "sql"),
+        ("if_verifiable", lambda: __import__("trl_mrtpo.kits").kits.get_kit("if"), "if"),
+        ("nltk", lambda: __import__("trl_mrtpo.kits").kits.get_kit("if"), "if"),
+    ],
+)
+def test_a_kit_without_its_extra_names_the_install(monkeypatch, missing, call, extra):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(ImportError, match=f"needs the '{missing}' package.*pip install \"trl-mrtpo\\[{extra}\\]\""):
+        call()
+
+
+def test_a_dotted_path_resolves_without_any_kit(monkeypatch):
+    """On a core install (no kit extras) a user's reward by dotted path resolves; a kit's name says which kits could
+    not be searched."""
+    import importlib.util
+
+    from trl_mrtpo import kits
+
+    real = importlib.util.find_spec
+    missing = {"sqlglot", "if_verifiable", "nltk"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    imported, real_get_kit = [], kits.get_kit
+    monkeypatch.setattr(kits, "get_kit", lambda name: imported.append(name) or real_get_kit(name))
+    assert kits.resolve("json.dumps", "reward") is __import__("json").dumps
+    assert kits.resolve("json.loads", "process_reward") is __import__("json").loads
+    assert imported == []  # no kit was imported for a dotted path
+    with pytest.raises(ValueError, match="unknown reward 'no_such_reward'.*Not searched: the 'sql' kit needs"):
+        kits.resolve("no_such_reward", "reward")
+
+
+# ---------------------------------------------------------------- numbers at the edge of float range
+def test_reward_weights_near_float32_max_give_the_advantages_of_weight_one():
+    """c_k A_k summed over rewards passes float32's range at weights of 3e38: combined in float64, the rescaled
+    advantages are those of weights 1 (the rescale is scale-free)."""
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    advantages, varying = group_advantages(rewards, 2)
+    q = torch.rand(4, 2, 5, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 5, dtype=torch.long)
+    huge = token_advantages(advantages, q, varying, mask, torch.tensor([3e38, 3e38]), 0.5).advantages
+    unit = token_advantages(advantages, q, varying, mask, torch.ones(2), 0.5).advantages
+    assert huge.dtype == torch.float32 and torch.isfinite(huge).all()
+    torch.testing.assert_close(huge, unit, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_score_beyond_float32_is_named():
+    """Scores of 1e308 overflow the group statistics in float64 (their squares): refused like rewards are."""
+    with pytest.raises(ValueError, match="Step 0 of the process reward 'steps' on sample 4 has score 1e\\+308"):
+        checked_steps([(0, 2, 1e308)], "steps", 4, "abc")
+
+
+def test_a_reward_too_large_for_any_float_is_named():
+    with pytest.raises(ValueError, match="reward function 'r' returned 1000000000.* for sample 1"):
+        check_reward_values("r", [0.0, 10**400], 2)
+
+
+# ---------------------------------------------------------------- user functions get copies
+def test_a_reward_function_that_edits_prompts_and_completions_changes_nothing_for_others():
+    def vandal(prompts, completions, **_):
+        prompts[0][0]["content"] = "HACKED"
+        completions[0][0]["content"] = "HACKED"
+        return [1.0] * len(completions)
+
+    prompts = [[{"role": "user", "content": "Say hi."}]]
+    completions = [[{"role": "assistant", "content": "hi"}]]
+    assert checked_reward(vandal, "vandal")(prompts=prompts, completions=completions) == [1.0]
+    assert prompts[0][0]["content"] == "Say hi." and completions[0][0]["content"] == "hi"
+
+
+def test_a_process_reward_that_edits_prompts_changes_nothing_the_trainer_keeps(tiny_model, tiny_tokenizer, tmp_path):
+    def vandal_steps(prompts, completions, **_):
+        for prompt in prompts:
+            prompt[-1]["content"] += " HACKED"
+        return [None] * len(completions)
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        process_rewards=[vandal_steps],
+        args=make_args(tmp_path, credit_assignment="mrtpo", max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert not any("HACKED" in str(prompt) for prompt in trainer.last_credit.prompts)
+
+
+# ---------------------------------------------------------------- Math-Shepherd's verifier
+def _shepherd(verifier, tiny_model, tiny_tokenizer, **kwargs):
+    return MathShepherd(verifier, model=tiny_model, tokenizer=tiny_tokenizer, max_new_tokens=4, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "verdict, message",
+    [
+        (None, "returned NoneType None"),
+        ("yes", "returned str 'yes'"),
+        ([1.0], "returned list"),
+        (NAN, "returned float nan"),
+    ],
+)
+def test_a_bad_verdict_names_the_verifier_and_sample(tiny_model, tiny_tokenizer, verdict, message):
+    def check(prompt, completion, row):
+        return verdict if completion == "two words" else True
+
+    shepherd = _shepherd(check, tiny_model, tiny_tokenizer)
+    # one step per response: its label is the verdict on the response itself (no sampling)
+    with pytest.raises(TypeError, match=f"math_shepherd's verifier 'check' on sample 1 {message}"):
+        shepherd.label(["p", "q"], ["one step", "two words"])
+
+
+def test_a_raising_verifier_is_named_with_the_sample(tiny_model, tiny_tokenizer):
+    def check(prompt, completion, row):
+        return row["answer"] in completion  # no such column
+
+    with pytest.raises(RuntimeError, match="verifier 'check' on sample 0 raised KeyError: 'answer'"):
+        _shepherd(check, tiny_model, tiny_tokenizer).label(["p"], ["one step"])
+
+
+def test_a_nan_threshold_is_refused():
+    with pytest.raises(ValueError, match="threshold must be a finite number, got nan"):
+        MathShepherd(lambda *_: 1.0, threshold=NAN)
+
+
+# ---------------------------------------------------------------- OPSD scores with the same checks
+def test_opsd_reward_values_are_checked(tiny_model, tiny_tokenizer, tmp_path):
+    from trl_mrtpo.baselines.opsd import opsd_config, opsd_trainer_class
+
+    def bad(completions, **_):
+        return [{"score": 1.0}] * len(completions)
+
+    trainer = opsd_trainer_class()(
+        tiny_model,
+        [bad],
+        [BASIC.info_blocks[0]],
+        opsd_config(make_args(tmp_path, max_steps=1)),
+        make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    with pytest.raises(TypeError, match="reward function 'bad' returned dict .* for sample 0"):
+        trainer.train()
+
+
+def test_self_certainty_scores_the_sampling_distribution_of_a_model_that_scales_its_logits(tmp_path, tiny_tokenizer):
+    """Granite divides its logits by 4 in forward: self-certainty is KL(U || p) of what the model samples from,
+    computed here from ``model(x).logits / T`` in float64 (it scored at T, as if the logits were unscaled)."""
+    import math
+
+    from tests.test_replay import _scaled_model
+    from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+    from trl_mrtpo.baselines.self_certainty import SelfCertaintyReward
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    model, _ = _scaled_model("granite")
+    model.resize_token_embeddings(len(tiny_tokenizer))
+    reward = SelfCertaintyReward()
+    MRTPOTrainer(
+        model=model,
+        reward_funcs=[*BASIC.rewards, reward],
+        info_blocks=[*BASIC.info_blocks, None],
+        args=MRTPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", temperature=0.8,
+            credit_assignment="gdpo",
+        ),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )  # fmt: skip
+    prompt = [{"role": "user", "content": "Say hi."}]
+    completion_ids = [5, 9, 17, 30]
+    (score,) = reward([prompt], ["x"], [completion_ids])
+    text = tiny_tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor([prompt_ids + completion_ids])).logits.double()[0]
+    logprobs = torch.log_softmax(logits[len(prompt_ids) - 1 : -1] / 0.8, -1)
+    expected = (-math.log(logits.shape[-1]) - logprobs.mean(-1)).mean().item()
+    assert score == pytest.approx(expected, abs=2e-6)  # fp32: -log V - mean log p cancels to ~5e-4
+
+
+NOT_CALLABLE = 0.5  # what a recipe's dotted path may name by mistake
+
+A_MODEL_ID = "some-org/some-reward-model"
+
+
+@pytest.mark.parametrize("attribute,kind", [("NOT_CALLABLE", "float"), ("A_MODEL_ID", "str")])
+@pytest.mark.parametrize("role", ["reward", "info_block", "process reward"])
+def test_a_dotted_path_to_something_not_callable_is_refused_by_name(attribute, kind, role):
+    """A float failed inside TRL ("'float' object has no attribute '__call__'"); a string was fetched from the Hub
+    as a reward model."""
+    from trl_mrtpo.kits import resolve
+
+    path = f"tests.test_bad_rewards.{attribute}"
+    with pytest.raises(ValueError, match=rf"{role} '{path}' is a {kind} .*not a function"):
+        resolve(path, role)
+
+
+MULTI_ELEMENT_SCORES = {
+    "tensor of two": lambda: torch.tensor([0.5, 1.0]),
+    "numpy of two": lambda: __import__("numpy").array([0.5, 1.0]),
+    "empty tensor": lambda: torch.tensor([]),
+}
+
+
+@pytest.mark.parametrize("path", ["span", "turn"])
+@pytest.mark.parametrize("score", list(MULTI_ELEMENT_SCORES), ids=list(MULTI_ELEMENT_SCORES))
+def test_a_step_scored_with_several_numbers_is_refused_naming_the_reward(path, score):
+    """Item 9: a score that is an array of several (or no) elements crashed inside ``.item()``; a one-element
+    tensor is still a number."""
+    from trl_mrtpo.steps.process_rewards import checked_steps, checked_turn_steps
+
+    view, _ = _view()
+    check = {
+        "span": lambda s: checked_steps([(0, 2, s)], "prm", 3, "abc"),
+        "turn": lambda s: checked_turn_steps([(view.turns[0], s)], "prm", 3, view),
+    }[path]
+    with pytest.raises(ValueError, match="Step 0 of the process reward 'prm' on sample 3 has score"):
+        check(MULTI_ELEMENT_SCORES[score]())
+    assert check(torch.tensor([0.25]))[0][-1 if path == "span" else 0] == 0.25

@@ -1,0 +1,228 @@
+"""Bad state: checkpointed MRTPO state that is unreadable, inconsistent or written for another run is refused naming
+the file and the entry; a resume without state warns and trains."""
+
+import pytest
+import torch
+
+from tests.helpers import make_args, train
+from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, STATE_VERSION, read_credit_state
+from trl_mrtpo.kits.basic import KIT as BASIC
+from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.research.trainer import RESEARCH_STATE_ENTRIES
+
+# ---------------------------------------------------------------- checkpoint state
+IDENTITY = {
+    "reward_names": ["a", "b"],
+    "credit_assignment": "mrtpo",
+    "reward_weighting": "static",
+    "concur_primary": 0,
+}
+
+STATE_ENTRIES = {**CORE_STATE_ENTRIES, **RESEARCH_STATE_ENTRIES}  # a research run's checkpoint: every entry
+
+
+def _state(**changes):
+    state = {
+        "version": STATE_VERSION,
+        **IDENTITY,
+        "concur_trust": {},
+        "shuffle_generator": torch.Generator().get_state(),
+        "collapse_streaks": {},
+        "reward_specificity": torch.zeros(2, dtype=torch.float64),
+        "generation_buffer": None,
+    }
+    state.update(changes)
+    return state
+
+
+class Foreign:
+    pass
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "cannot be read as MRTPO's checkpoint state"),
+        (b"\x80\x04garbage", "cannot be read as MRTPO's checkpoint state"),
+        (Foreign(), "cannot be read as MRTPO's checkpoint state"),  # weights_only refuses arbitrary objects
+        ({"model": torch.zeros(1)}, "is not an MRTPO checkpoint state \\(found: model\\)"),
+        (_state(version=0), "has MRTPO state version 0"),
+        (_state(reward_names=["a", "c"]), "reward_names: \\['a', 'c'\\] in the checkpoint, \\['a', 'b'\\] now"),
+        (_state(credit_assignment="gdpo"), "credit_assignment: 'gdpo' in the checkpoint, 'mrtpo' now"),
+        (_state(reward_weighting="concur", concur_primary=1), "reward_weighting: 'concur' .*concur_primary: 1"),
+    ],
+)
+def test_bad_checkpoint_state_names_the_file(tmp_path, content, message):
+    path = tmp_path / "mrtpo_state_0.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    with pytest.raises(ValueError, match=f"{path}.*{message}" if "found" not in message else message):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+def test_good_checkpoint_state_loads(tmp_path):
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(), path)
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_names"] == ["a", "b"]
+
+
+def test_resuming_with_other_rewards_is_refused(tiny_model, tiny_tokenizer, tmp_path):
+    train(tiny_model, tiny_tokenizer, tmp_path / "run", save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards[:2],
+        info_blocks=BASIC.info_blocks[:2],
+        args=make_args(tmp_path / "run", max_steps=4),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    with pytest.raises(ValueError, match="mrtpo_state_0.pt was written by a run with another setup \\(reward_names"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_resuming_a_checkpoint_without_mrtpo_state_warns_and_trains(tiny_model, tiny_tokenizer, tmp_path, caplog):
+    """A checkpoint written before MRTPO saved its state (or by GRPOTrainer) still resumes, with a warning."""
+    import logging
+
+    train(tiny_model, tiny_tokenizer, tmp_path / "run", save_strategy="steps", save_steps=2)
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    (checkpoint / "mrtpo_state_0.pt").unlink()
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path / "run", max_steps=4),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    with caplog.at_level(logging.WARNING):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 4
+    assert any("mrtpo_state_0.pt is missing" in record.getMessage() for record in caplog.records)
+
+
+# ---------------------------------------------------------------- checkpoint state contents
+@pytest.mark.parametrize(
+    "changes, entry",
+    [
+        (dict(reward_specificity=torch.zeros(3)), "reward_specificity"),
+        (dict(reward_specificity=torch.zeros(2, dtype=torch.long)), "reward_specificity"),
+        (dict(shuffle_generator=torch.zeros(7, dtype=torch.uint8)), "shuffle_generator"),
+        (dict(concur_trust={"1": {"count": 3, "total": 1.0}}), "concur_trust is \\['1'\\]"),
+        (
+            dict(concur_trust={"1": {"count": 2.5, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}),
+            "concur_trust is \\['1'\\].count = 2.5",
+        ),
+        (dict(collapse_streaks={"a": -1}), "collapse_streaks"),
+        (dict(optimizer_hint=1), "optimizer_hint"),
+    ],
+)
+def test_an_inconsistent_checkpoint_state_names_the_file_and_entry(tmp_path, changes, entry):
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(**changes), path)
+    with pytest.raises(ValueError, match=f"{path}: entry {entry}"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+def test_a_truncated_checkpoint_state_names_the_file(tmp_path):
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(), path)
+    path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match=f"{path} cannot be read as MRTPO's checkpoint state"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), -0.25, 1.5])
+def test_a_checkpointed_strength_outside_its_range_is_refused_naming_the_file(value, tmp_path):
+    """Resumed without a word, inf kept a reward at full beta for good and -inf rested it for good."""
+    from trl_mrtpo.credit_state import read_credit_state
+
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(reward_specificity=torch.tensor([0.2, value], dtype=torch.float64)), path)
+    with pytest.raises(ValueError, match=rf"{path}: entry reward_specificity is .* \(each in \[0, 1\], or NaN"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    torch.save(_state(reward_specificity=torch.tensor([0.2, float("nan")], dtype=torch.float64)), path)
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_specificity"][0] == 0.2
+
+
+def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_model, tiny_tokenizer, tmp_path):
+    """What ``inspect`` calls: it read the batch into the running strength and left the model in train mode."""
+    from tests.helpers import make_args
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, reward_strength_floor=0.25),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.model.eval()
+    record = trainer.sample_credit([dict(make_basic_dataset(1)[0])], 4)
+    assert record.replayed.any()
+    assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()
+
+
+@pytest.mark.parametrize(
+    "buffer", [{"step": 3}, {"step": -1, "processes": 1, "inputs": []}, {"step": 3, "processes": 1, "inputs": [3]}]
+)
+def test_a_checkpointed_generation_buffer_of_another_shape_is_refused_naming_the_entry(buffer, tmp_path):
+    from trl_mrtpo.credit_state import read_credit_state
+
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(generation_buffer=buffer), path)
+    with pytest.raises(ValueError, match="mrtpo_state_0.pt: entry generation_buffer is"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+def test_a_version_3_state_reads_as_one_without_a_generation_buffer(tmp_path):
+    """Checkpoints written before the buffer was saved still resume (the buffer, if any, is sampled again)."""
+    from trl_mrtpo.credit_state import read_credit_state
+
+    old = _state(version=3)
+    del old["generation_buffer"]
+    torch.save(old, tmp_path / "mrtpo_state_0.pt")
+    assert read_credit_state(str(tmp_path / "mrtpo_state_0.pt"), IDENTITY, STATE_ENTRIES)["generation_buffer"] is None
+
+
+def test_a_generation_buffer_from_another_number_of_processes_is_sampled_again(caplog):
+    """A buffer holds its rank's slice of the batch: on another number of processes it is left out, with a warning;
+    on the same it is put back with TRL's micro-step counter."""
+    from types import SimpleNamespace
+
+    from trl_mrtpo._trl import restore_generation_buffer
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), _step=0, _buffered_inputs=None)
+    buffer = {"step": 3, "processes": 2, "inputs": [{"advantages": torch.ones(2)}]}
+    restore_generation_buffer(trainer, buffer)
+    assert (trainer._step, trainer._buffered_inputs) == (0, None)
+    assert any("written on 2 processes; on 1" in record.getMessage() for record in caplog.records)
+    restore_generation_buffer(trainer, {**buffer, "processes": 1})
+    assert trainer._step == 3 and trainer._buffered_inputs == buffer["inputs"]
+
+
+def test_good_input_of_every_checked_family_passes(tmp_path):
+    """The checks refuse nothing a correct run gives them (a finite reward, typed fields, a proper state)."""
+    import math
+
+    from datasets import Dataset
+
+    from trl_mrtpo.steps.process_rewards import checked_steps
+    from trl_mrtpo.validation import check_reward_values
+
+    assert check_reward_values("r", [0.0, 3e38, None], 3) == [0.0, 3e38, None]
+    assert make_args(tmp_path, reward_weights=[1, 2.5], credit_beta=1).credit_beta == 1
+    path = tmp_path / "mrtpo_state_0.pt"
+    trust = {"1": {"count": 3, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}
+    torch.save(_state(concur_trust=trust, collapse_streaks={"a": 2}), path)
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["concur_trust"] == trust
+    assert math.isfinite(checked_steps([(0, 1, 3e38)], "p", 0, "ab")[0].score)
+    Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])
