@@ -123,9 +123,11 @@ class CreditGuard:
             flags = self._reduce_sum(flags)
         elif self._reduce_sum is not None:  # what every process sent, and what this one noted since (local only)
             flags = self._received + flags - self._sent
-        size = self._counts.numel()
-        counts = flags[:size].view_as(self._counts).tolist()
-        first = flags[size:].view_as(self._first).tolist()
+        values, size, width = flags.tolist(), self._counts.numel(), self._counts.shape[1]
+        counts = [values[i : i + width] for i in range(0, size, width)]
+        first = [
+            values[size + r * len(self.parts) : size + (r + 1) * len(self.parts)] for r in range(self.num_processes)
+        ]
         for index, (part, hint) in enumerate(self.parts.values()):
             per_reward = counts[index]
             if not any(per_reward):
