@@ -36,9 +36,16 @@ sys.path.insert(0, str(HERE))
 from provenance import write_provenance  # noqa: E402
 
 from trl_mrtpo import trainer as trainer_module  # noqa: E402
-from trl_mrtpo.credit import token_advantages  # noqa: E402
+from trl_mrtpo.credit import replayed_token_weights, weighted_token_advantages  # noqa: E402
 from trl_mrtpo.ops import replay_divergence  # noqa: E402
 from trl_mrtpo.replay import completion_hidden_states, lm_head_parameters, replay_relevance  # noqa: E402
+
+
+def steps_5_to_8(group_advantages, relevance, record, reward_weights):
+    """The token advantages of the ``mrtpo`` rule (rho 2, beta 0.5) for ``relevance``."""
+    weights = replayed_token_weights(relevance, record.replayed, record.mask, 0.5)
+    return weighted_token_advantages(group_advantages, weights, record.mask, reward_weights, 2.0).advantages
+
 
 COLUMNS = [
     "model",
@@ -192,9 +199,9 @@ def measure(model_name: str, task: str, args) -> list[dict]:
         # every reward varying (a random, group-centred advantage): how q's error reaches A, whichever rewards vary
         group = torch.randn(record.group_advantages.shape, generator=generator)
         group = group - group.mean(0, keepdim=True)
-        a32 = token_advantages(group, rel32, record.replayed, record.mask, weights, 0.5).advantages
-        a16 = token_advantages(group, rel16, record.replayed, record.mask, weights, 0.5).advantages
-        a16_alone = token_advantages(group, rel16_alone, record.replayed, record.mask, weights, 0.5).advantages
+        a32 = steps_5_to_8(group, rel32, record, weights)
+        a16 = steps_5_to_8(group, rel16, record, weights)
+        a16_alone = steps_5_to_8(group, rel16_alone, record, weights)
         adv_diff += float(((a16 - a32) ** 2).sum())
         adv_norm += float((a32**2).sum())
         route_diff += float(((a16_alone - a16) ** 2).sum())

@@ -1,5 +1,6 @@
 """Sampled-token log-probabilities from last hidden states: TRL's ``ChunkedLogProbFunction`` (what
-:func:`trl_mrtpo.ops.sampled_logprobs` calls) against a token-chunked fp32 ``log_softmax``, both against float64.
+:func:`trl_mrtpo.research.token_scores.sampled_logprobs` calls) against a token-chunked fp32 ``log_softmax``, both
+against float64.
 
 CPU, one thread, one call each after a warm-up, same inputs. Writes ``benchmarks/results/sampled_logprobs_cpu.csv``.
 

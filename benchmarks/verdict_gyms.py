@@ -23,9 +23,13 @@ from trl_mrtpo.scripts.inspection import inspect_credit
 
 
 def agent_gym(tmp: Path) -> list[tuple[str, int, int, object]]:
-    from trl_mrtpo.gym.agent import deciding_word_peaks, inspected_supervised_policy
+    from trl_mrtpo.gym.agent import agent_blocks, agent_rewards, deciding_word_peaks, supervised_trajectories
 
-    record, verdicts, words = inspected_supervised_policy(tmp)
+    policy, rows, trajectories, words = supervised_trajectories(tmp)
+    record, _, verdicts = inspect_credit(
+        model=policy, reward_funcs=agent_rewards(), info_blocks=agent_blocks(), dataset=rows,
+        completions=trajectories, output=None, return_verdicts=True,
+    )  # fmt: skip
     peaks = deciding_word_peaks(record, words)
     return [("agent", *peaks[v.reward], v) for v in verdicts]
 

@@ -4,11 +4,31 @@ configuration, and rewards with known orderings."""
 import torch
 
 from trl_mrtpo import MRTPOConfig, MRTPOTrainer
-from trl_mrtpo.credit import token_advantages, token_weights
+from trl_mrtpo.credit import TokenCredit, replayed_token_weights, token_weights, weighted_token_advantages
 from trl_mrtpo.diagnostics import CreditRecord
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research import ResearchConfig, ResearchTrainer, needs_research
+
+
+def token_advantages(
+    advantages,
+    relevance,
+    replayed,
+    mask,
+    reward_weights,
+    beta,
+    max_second_moment_ratio=2.0,
+    reduce_sum=None,
+    process=None,
+    failure_suffix=None,
+) -> TokenCredit:
+    """Steps 5-8 as the ``mrtpo`` rule computes them: step 5's weights on the replayed pairs
+    (:func:`~trl_mrtpo.credit.replayed_token_weights`), then :func:`~trl_mrtpo.credit.weighted_token_advantages`."""
+    weights = replayed_token_weights(relevance, replayed, mask, beta)
+    return weighted_token_advantages(
+        advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum, process, failure_suffix
+    )
 
 
 class Recording:

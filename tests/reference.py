@@ -39,6 +39,14 @@ def reference_parts(rewards, q, mask, c, beta, rho, G, eps=1e-4):
                 if not math.isnan(vals[j]):
                     adv[g * G + j, k] = (vals[j] - mean) / (std + eps)
                 varying[g * G + j, k] = std > 0
+    return (adv, *reference_weighted_parts(adv, varying, q, mask, c, betas, rho))
+
+
+def reference_weighted_parts(adv, weighted, q, mask, c, betas, rho):
+    """Steps 5-8 of :func:`reference_parts` from given ``[n, K]`` advantages, the pairs whose weights follow q
+    (``weighted``) and one beta per reward: the weights, the cap factor, the capped scores and step 8's std."""
+    n, k_count = adv.shape
+    adv, q, c, varying = adv.double(), q.double(), c.double(), weighted
     lengths = [int(m.sum()) for m in mask]
     scores, uniforms, weights = [], [], []
     for j in range(n):
@@ -68,7 +76,18 @@ def reference_parts(rewards, q, mask, c, beta, rho, G, eps=1e-4):
     flat = [v for row in capped for v in row]
     mean = sum(flat) / len(flat)
     std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1)) if len(flat) > 1 else 0.0
-    return adv, weights, s_cap, capped, std
+    return weights, s_cap, capped, std
+
+
+def reference_advantages_from(adv, weighted, q, mask, c, beta, rho):
+    """Steps 5-8 in float64 loops from given ``[n, K]`` advantages (a response weighting's, say): ``[n, T]``."""
+    betas = [float(b) for b in beta] if isinstance(beta, (list, tuple, torch.Tensor)) else [float(beta)] * adv.shape[1]
+    _, _, capped, std = reference_weighted_parts(adv, weighted, q, mask, c, betas, rho)
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for j, row in enumerate(capped):
+        for t, v in enumerate(row):
+            out[j, t] = v / std if std > 0 else v
+    return out
 
 
 def reference_token_advantages(rewards, q, mask, c, beta, rho, G, eps=1e-4):

@@ -133,7 +133,7 @@ def test_concur_shapes_the_auxiliary_advantages(tiny_model, tiny_tokenizer, tmp_
     """CONCUR (first reward primary, pass threshold 1): a failing response's auxiliary reward is gated to 0 before
     group normalisation, so failing responses of a group share one auxiliary advantage, never above a passing
     one's; the token advantages are then steps 5-8 of the recorded (projected) advantages."""
-    from trl_mrtpo.credit import token_advantages
+    from tests.reference import reference_advantages_from
 
     trainer = run(tiny_model, tiny_tokenizer, tmp_path, reward_weighting="concur", concur_ceiling_mode="tie")
     varied = 0
@@ -150,15 +150,16 @@ def test_concur_shapes_the_auxiliary_advantages(tiny_model, tiny_tokenizer, tmp_
                 if failing and passing:
                     low = credit.group_advantages[failing[0], k]
                     assert all(credit.group_advantages[j, k] >= low - 1e-6 for j in passing)
-        recomputed = token_advantages(
+        expected = reference_advantages_from(
             credit.group_advantages,
-            credit.relevance,
             credit.replayed,
+            credit.relevance,
             credit.mask,
             trainer.reward_weights,
-            credit.beta,
+            credit.reward_betas,
+            trainer.args.max_second_moment_ratio,
         )
-        torch.testing.assert_close(credit.advantages, recomputed.advantages)
+        torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
     assert varied > 0  # the gate had something to remove
 
 

@@ -130,9 +130,14 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     trajectories, the verdict says token credit will move a reward's credit only for rewards whose q peaks on their
     deciding word (the first call's entity, the last call's entity, the answer's value) in at least 3 of 4
     trajectories, on every CPU float path."""
-    from trl_mrtpo.gym.agent import deciding_word_peaks, inspected_supervised_policy
+    from trl_mrtpo.gym.agent import agent_blocks, agent_rewards, deciding_word_peaks, supervised_trajectories
+    from trl_mrtpo.scripts.inspection import inspect_credit
 
-    record, verdicts, words = inspected_supervised_policy(tmp_path)
+    policy, rows, trajectories, words = supervised_trajectories(tmp_path)
+    record, _, verdicts = inspect_credit(
+        model=policy, reward_funcs=agent_rewards(), info_blocks=agent_blocks(), dataset=rows,
+        completions=trajectories, output=None, return_verdicts=True,
+    )  # fmt: skip
     assert [v.reward for v in verdicts] == list(REWARD_NAMES)
     peaks = deciding_word_peaks(record, words)
     # The supervised policy differs with the CPU's float path (ATEN_CPU_CAPABILITY default / avx2 / avx512, seed 0):

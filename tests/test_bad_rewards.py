@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import make_args, train
+from tests.helpers import make_args, token_advantages, train
 from tests.reference import reference_token_advantages
 from tests.test_bad_info_blocks import _view
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit import group_advantages, token_advantages
+from trl_mrtpo.credit import group_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.steps.process_rewards import checked_steps

@@ -30,7 +30,6 @@ def _state(**changes):
         "shuffle_generator": torch.Generator().get_state(),
         "collapse_streaks": {},
         "reward_specificity": torch.zeros(2, dtype=torch.float64),
-        "generation_buffer": None,
     }
     state.update(changes)
     return state
@@ -171,42 +170,23 @@ def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_
     assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()
 
 
-@pytest.mark.parametrize(
-    "buffer", [{"step": 3}, {"step": -1, "processes": 1, "inputs": []}, {"step": 3, "processes": 1, "inputs": [3]}]
-)
-def test_a_checkpointed_generation_buffer_of_another_shape_is_refused_naming_the_entry(buffer, tmp_path):
-    from trl_mrtpo.credit_state import read_credit_state
+def test_a_version_4_state_is_read_without_its_generation_buffer(tmp_path, caplog):
+    """Version 4 held TRL's generation buffer, which the trainer leaves to TRL since version 5 (a resume inside a
+    buffer samples anew): its buffer is ignored with one logged line, the rest is read."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
 
     path = tmp_path / "mrtpo_state_0.pt"
-    torch.save(_state(generation_buffer=buffer), path)
-    with pytest.raises(ValueError, match="mrtpo_state_0.pt: entry generation_buffer is"):
+    torch.save(_state(version=4, generation_buffer={"step": 3, "processes": 1, "inputs": []}), path)
+    transformers_logging.get_logger("trl_mrtpo").setLevel(logging.INFO)
+    with caplog.at_level(logging.INFO):
+        state = read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    assert "generation_buffer" not in state and state["version"] == STATE_VERSION == 5
+    assert [r.getMessage() for r in caplog.records if "generation buffer is ignored" in r.getMessage()]
+    torch.save(_state(version=3), path)
+    with pytest.raises(ValueError, match="has MRTPO state version 3, this release reads version 5"):
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
-
-
-def test_a_version_3_state_reads_as_one_without_a_generation_buffer(tmp_path):
-    """Checkpoints written before the buffer was saved still resume (the buffer, if any, is sampled again)."""
-    from trl_mrtpo.credit_state import read_credit_state
-
-    old = _state(version=3)
-    del old["generation_buffer"]
-    torch.save(old, tmp_path / "mrtpo_state_0.pt")
-    assert read_credit_state(str(tmp_path / "mrtpo_state_0.pt"), IDENTITY, STATE_ENTRIES)["generation_buffer"] is None
-
-
-def test_a_generation_buffer_from_another_number_of_processes_is_sampled_again(caplog):
-    """A buffer holds its rank's slice of the batch: on another number of processes it is left out, with a warning;
-    on the same it is put back with TRL's micro-step counter."""
-    from types import SimpleNamespace
-
-    from trl_mrtpo._trl import restore_generation_buffer
-
-    trainer = SimpleNamespace(accelerator=SimpleNamespace(num_processes=1), _step=0, _buffered_inputs=None)
-    buffer = {"step": 3, "processes": 2, "inputs": [{"advantages": torch.ones(2)}]}
-    restore_generation_buffer(trainer, buffer)
-    assert (trainer._step, trainer._buffered_inputs) == (0, None)
-    assert any("written on 2 processes; on 1" in record.getMessage() for record in caplog.records)
-    restore_generation_buffer(trainer, {**buffer, "processes": 1})
-    assert trainer._step == 3 and trainer._buffered_inputs == buffer["inputs"]
 
 
 def test_good_input_of_every_checked_family_passes(tmp_path):

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import make_args, recording_trainer
-from trl_mrtpo.credit import group_advantages, token_advantages, token_weights
+from tests.helpers import make_args, recording_trainer, token_advantages
+from trl_mrtpo.credit import group_advantages, token_weights
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research.credit import (

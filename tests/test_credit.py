@@ -7,13 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import token_advantages
 from tests.reference import reference_token_advantages
 from trl_mrtpo.credit import (
     batch_rescale,
     cap_redistribution,
     combine,
     group_advantages,
-    token_advantages,
     token_weights,
     warmup_beta,
 )

@@ -215,9 +215,9 @@ def test_sample_credit_leaves_every_rule_and_term_state_as_it_was(tiny_model, ti
     assert torch.equal(trainer.credit_rule.generator.get_state(), generator)
 
 
-def test_a_checkpoint_with_another_rules_state_entry_resumes(tiny_tokenizer, tmp_path):
-    """Before the shuffled ablation's generator was that rule's state, every research checkpoint held it: such a file
-    resumes a run of another rule (the entry means nothing there); an entry no rule writes is still refused."""
+def test_a_checkpoint_entry_this_runs_rule_and_terms_do_not_write_is_refused(tiny_tokenizer, tmp_path):
+    """A state entry is read only by the rule or term that writes it: another rule's entry (the shuffled ablation's
+    generator, in a run of the default rule) and an entry no rule writes are refused, naming the entry."""
     from tests.conftest import build_tiny_model
     from trl_mrtpo.research import ResearchTrainer
 
@@ -237,11 +237,10 @@ def test_a_checkpoint_with_another_rules_state_entry_resumes(tiny_tokenizer, tmp
     path = tmp_path / "checkpoint-1" / "mrtpo_state_0.pt"
     state = torch.load(path, weights_only=True)
     assert "shuffle_generator" not in state
-    torch.save({**state, "shuffle_generator": torch.Generator().get_state()}, path)
-    assert research_run(resume=str(tmp_path / "checkpoint-1")).state.global_step == 2
-    torch.save({**state, "stray": 1}, path)
-    with pytest.raises(ValueError, match="entry stray is unknown"):
-        research_run(resume=str(tmp_path / "checkpoint-1"))
+    for entry, value in (("shuffle_generator", torch.Generator().get_state()), ("stray", 1)):
+        torch.save({**state, entry: value}, path)
+        with pytest.raises(ValueError, match=f"entry {entry} is unknown"):
+            research_run(resume=str(tmp_path / "checkpoint-1"))
 
 
 class FirstTokens:

@@ -8,14 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from peft import LoraConfig
 
-from tests.helpers import ResearchRecordingTrainer
+from tests.helpers import ResearchRecordingTrainer, token_advantages
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.baselines.self_certainty import SelfCertaintyReward
-from trl_mrtpo.credit import group_advantages, token_advantages, weighted_token_advantages
+from trl_mrtpo.baselines.self_certainty import SelfCertaintyReward, self_certainty
+from trl_mrtpo.credit import group_advantages, weighted_token_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.ops import sampled_logprobs, self_certainty
 from trl_mrtpo.research.credit import cort_weights, taco_scale
+from trl_mrtpo.research.token_scores import sampled_logprobs
 from trl_mrtpo.research.weighting import (
     ConcurTrust,
     concordance_readings,
@@ -197,11 +197,19 @@ def test_sampled_logprobs_and_self_certainty_against_float64():
     torch.testing.assert_close(got.double(), logprobs.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5, rtol=0)
     kl_uniform = (torch.full_like(logprobs, -math.log(70)) - logprobs).mean(-1)  # sum_v (1/V) log((1/V) / p_v)
     torch.testing.assert_close(
-        self_certainty(hidden, weight, bias, 0.7, chunk_size=3).double(), kl_uniform, atol=1e-5, rtol=0
+        self_certainty(hidden, weight, bias, 0.7, vocab_chunk_size=3).double(), kl_uniform, atol=1e-5, rtol=0
     )
     assert (self_certainty(hidden, weight, bias) >= 0).all()
     flat = self_certainty(torch.zeros(2, 16), weight, None)  # uniform distribution: no certainty
     torch.testing.assert_close(flat, torch.zeros(2), atol=1e-6, rtol=0)
+    # a bf16 lm_head is read tile by tile (no fp32 copy of it): the float64 values of its rounded weights
+    rounded = weight.bfloat16()
+    logprobs = torch.log_softmax((hidden.double() @ rounded.double().T + bias.double()) / 0.7, -1)
+    got = sampled_logprobs(hidden, tokens, rounded, bias, 0.7, vocab_chunk_size=4)
+    torch.testing.assert_close(got.double(), logprobs.gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5, rtol=0)
+    kl_uniform = (torch.full_like(logprobs, -math.log(70)) - logprobs).mean(-1)
+    got = self_certainty(hidden, rounded, bias, 0.7, vocab_chunk_size=3)
+    torch.testing.assert_close(got.double(), kl_uniform, atol=1e-5, rtol=0)
 
 
 def test_self_certainty_reward_needs_a_trainer():

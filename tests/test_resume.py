@@ -1,6 +1,7 @@
 """The runs users resume: ``trl-mrtpo train`` with LoRA and the default credit (per-reward strength), stopped at a
-checkpoint and resumed in a fresh process, on the same number of processes or another one, and with a checkpoint
-inside a generation buffer (``num_iterations=2``). Substitutions a CPU forces: a tiny random Llama for the recipe's
+checkpoint and resumed in a fresh process, on the same number of processes or another one, with other batch settings,
+and with a checkpoint inside a generation buffer (``num_iterations=2``: the resumed run samples anew there, as
+TRL's GRPOTrainer does). Substitutions a CPU forces: a tiny random Llama for the recipe's
 model, 8-token completions, gloo for NCCL."""
 
 import json
@@ -84,26 +85,40 @@ def test_the_default_lora_run_resumes_exactly_in_a_fresh_process(tmp_path, model
     assert len(betas) == 2 and all(betas) and logged_betas(tmp_path / "again", {3, 4}) == betas
 
 
-def test_a_checkpoint_inside_a_generation_buffer_resumes_exactly(tmp_path, model_dir):
-    """``num_iterations=2``: each generation batch trains two steps, so checkpoint-3 falls between a batch's two
-    uses. The resumed run's step 4 trains on step 3's batch as the uninterrupted run did (TRL alone samples it again
-    and shifts every later generation by a step), and step 5 samples the uninterrupted run's third batch."""
+def test_a_checkpoint_inside_a_generation_buffer_resumes_with_a_new_sample(tmp_path, model_dir):
+    """``num_iterations=2``: each generation batch trains two steps. Resumed at checkpoint-4 (a generation boundary)
+    the run continues exactly: step 5 samples the uninterrupted run's third batch. Resumed at checkpoint-3 (between a
+    batch's two uses) it continues from the checkpoint's MRTPO state and samples anew, as TRL's GRPOTrainer does."""
     extra = ["--num_iterations", "2", "--save_steps", "1", "--max_steps", "6"]
     train(tmp_path / "full", model_dir, tmp_path / "out", *extra)
-    train(tmp_path / "resumed", model_dir, tmp_path / "again", *extra,
-          "--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-3"))  # fmt: skip
-    full, resumed = generations(tmp_path / "full"), generations(tmp_path / "resumed")
-    assert len(full) == 3 and len(resumed) == 1
-    history = {
-        name: json.loads((folder / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
-        for name, folder in (("full", tmp_path / "out"), ("resumed", tmp_path / "again"))
-    }
-    step4 = [  # the uninterrupted run's step-4 log, read from the buffer (no completions/* of a new sample)
-        [{k: v for k, v in e.items() if k != "step_time"} for e in history[name] if e.get("step") == 4 and "loss" in e]
-        for name in history
-    ]
-    assert step4[0] and step4[0] == step4[1], step4
-    torch.testing.assert_close(resumed[0]["advantages"], full[2]["advantages"], rtol=0, atol=0)
+    full = generations(tmp_path / "full")
+    assert len(full) == 3
+    (boundary,) = train(tmp_path / "boundary", model_dir, tmp_path / "again", *extra,
+                        "--resume_from_checkpoint", str(tmp_path / "out" / "checkpoint-4"))  # fmt: skip
+    (resumed,) = generations(tmp_path / "boundary")
+    torch.testing.assert_close(resumed["advantages"], full[2]["advantages"], rtol=0, atol=0)
+    torch.testing.assert_close(resumed["beta"], full[2]["beta"], rtol=0, atol=0)
+    checkpoint = tmp_path / "out" / "checkpoint-3"
+    (inside,) = train(tmp_path / "inside", model_dir, tmp_path / "inside-out", *extra,
+                      "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
+    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["reward_specificity"]
+    (restored,) = inside["restored_specificity"]
+    torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True, rtol=0, atol=0)
+    assert inside["global_step"] == 6 and len(generations(tmp_path / "inside")) == 2  # steps 4 and 6 sample
+
+
+@pytest.mark.parametrize("changed", [["--steps_per_generation", "2"], ["--gradient_accumulation_steps", "2"]])
+def test_a_resume_with_other_batch_settings_trains(tmp_path, model_dir, changed):
+    """The checkpointed MRTPO state does not depend on how batches are cut: a resume with another
+    ``steps_per_generation`` or ``gradient_accumulation_steps`` starts from it and trains to the end."""
+    train(tmp_path / "full", model_dir, tmp_path / "out", "--save_steps", "2")
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    (report,) = train(tmp_path / "resumed", model_dir, tmp_path / "again", "--save_steps", "2", *changed,
+                      "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
+    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["reward_specificity"]
+    (restored,) = report["restored_specificity"]
+    torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True, rtol=0, atol=0)
+    assert report["global_step"] == 4 and generations(tmp_path / "resumed")
 
 
 @pytest.mark.parametrize("processes", [1, 3])

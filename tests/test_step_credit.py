@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import graded_length, make_args, recording_trainer
+from tests.helpers import graded_length, make_args, recording_trainer, token_advantages
 from tests.reference import (
     reference_parts,
     reference_process_advantages,
@@ -14,7 +14,7 @@ from tests.reference import (
     reference_token_advantages,
 )
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit import group_advantages, token_advantages
+from trl_mrtpo.credit import group_advantages
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research.credit import token_advantages_preserving_totals
 from trl_mrtpo.steps.credit import failure_suffix_mask, process_advantages

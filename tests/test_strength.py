@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import make_args, train
+from tests.helpers import make_args, token_advantages, train
 from tests.reference import reference_specificity, reference_strength_betas
 from trl_mrtpo import MRTPOConfig
-from trl_mrtpo.credit import group_advantages, relevance_specificity, reward_strength, token_advantages
+from trl_mrtpo.credit import group_advantages, relevance_specificity, reward_strength
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.strength import RewardStrength
 
@@ -211,7 +211,6 @@ def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, c
         state = {
             "collapse_streaks": {},
             "reward_specificity": torch.tensor([value, math.nan], dtype=torch.float64),
-            "generation_buffer": None,
         }
         write_credit_state(str(tmp_path), rank, identity, state)
     for rank, expected in ((0, 0.3), (1, 0.3), (2, 0.3), (3, 0.7), (5, 0.3)):

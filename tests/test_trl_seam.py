@@ -100,13 +100,11 @@ def test_the_core_imports_no_application():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_the_top_level_is_the_trainers_and_moved_names_warn():
-    """Four names at the top level, as TRL's trainers export theirs; the names that moved to their modules still
-    resolve for one minor release, with a FutureWarning naming the new import."""
+def test_the_top_level_is_the_trainers():
+    """Four names at the top level, as TRL's trainers export theirs; everything else from its own module."""
     import pytest
 
     import trl_mrtpo
-    from trl_mrtpo.steps.step_labels import MathShepherd
 
     assert sorted(n for n in trl_mrtpo.__all__ if n != "__version__") == [
         "InfoBlock",
@@ -114,12 +112,8 @@ def test_the_top_level_is_the_trainers_and_moved_names_warn():
         "MRTPOConfig",
         "MRTPOTrainer",
     ]
-    with pytest.warns(
-        FutureWarning, match="trl_mrtpo.MathShepherd` moved to `trl_mrtpo.steps.step_labels.MathShepherd"
-    ):
-        assert trl_mrtpo.MathShepherd is MathShepherd
     with pytest.raises(AttributeError):
-        trl_mrtpo.no_such_name  # noqa: B018
+        trl_mrtpo.MathShepherd  # noqa: B018  (trl_mrtpo.steps.step_labels.MathShepherd)
 
 
 def test_sharding_refuses_only_what_it_cannot_run(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):

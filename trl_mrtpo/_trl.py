@@ -52,8 +52,7 @@ GRPO_TRAINER_NAMES = {
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table
 # logs, the vision-language and tool-rollout flags the replay refuses, and the eval group size.
 GRPO_TRAINER_ATTRIBUTES = (
-    "_metrics", "_logs", "_is_vlm", "tools", "environment_factories", "num_generations_eval", "_step",
-    "_buffered_inputs",
+    "_metrics", "_logs", "_is_vlm", "tools", "environment_factories", "num_generations_eval",
 )  # fmt: skip
 # ... and with ``environment_factory``: the instances TRL pools (set in __init__) and each example's environment name
 # (set for the batch being generated), checked after a tool-rollout step (tests/test_agent_kit.py).
@@ -72,13 +71,11 @@ __all__ = [
     "get_config_model_id",
     "get_trackio_space_url",
     "gathered_for_probe",
-    "generation_buffer",
     "log_completion_column",
     "log_metric",
     "maybe_gather_lm_head_ctx",
     "missing_names",
     "replace_logged_advantages",
-    "restore_generation_buffer",
     "sampled_token_logprobs",
     "sharding_engine",
     "tokenize_prompts",
@@ -123,33 +120,6 @@ def wrap_environments(trainer, wrap: Callable[[Any], Any]) -> None:
     for name, factory in trainer.environment_factories.items():
         trainer.environment_factories[name] = functools.wraps(factory)(lambda factory=factory: wrap(factory()))
         trainer._environment_pool[name] = [wrap(environment) for environment in trainer._environment_pool[name]]
-
-
-def generation_buffer(trainer) -> dict | None:
-    """The generation buffer the trainer is inside (the batches TRL sampled and will train on again before sampling
-    anew: ``_buffered_inputs``, its micro-step counter ``_step``, TRL 1.16), or None when the next step samples. TRL
-    does not checkpoint it: a resume inside it would sample again, on shifted generation boundaries."""
-    every = trainer.args.steps_per_generation * trainer.num_iterations
-    if trainer._buffered_inputs is None or trainer._step % every == 0:
-        return None
-    processes = trainer.accelerator.num_processes
-    return {"step": trainer._step, "processes": processes, "inputs": list(trainer._buffered_inputs)}
-
-
-def restore_generation_buffer(trainer, buffer: dict | None) -> None:
-    """Puts a checkpointed :func:`generation_buffer` back, so TRL trains on it before sampling anew; one written on
-    another number of processes holds another slice of the batch and is left out (TRL samples again, with a
-    warning)."""
-    if buffer is None:
-        return
-    if buffer["processes"] != trainer.accelerator.num_processes:
-        logger.warning(
-            f"The checkpoint fell inside a generation buffer written on {buffer['processes']} processes; on "
-            f"{trainer.accelerator.num_processes} it cannot be reused, so the resumed run samples that batch again "
-            "and does not continue exactly as the uninterrupted one."
-        )
-        return
-    trainer._step, trainer._buffered_inputs = buffer["step"], list(buffer["inputs"])
 
 
 def log_metric(trainer, mode: str, name: str, value: float) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
-from .trajectories import Trajectory, tool_views
+if TYPE_CHECKING:
+    from .trajectories import Trajectory
 
 
 @dataclass
@@ -40,7 +42,11 @@ class ScoredBatch:
     @cached_property
     def views(self) -> list[Trajectory | None]:
         """Each response's tool-rollout view (:func:`~trl_mrtpo.trajectories.tool_views`), read once per batch by the
-        info blocks and the failure boundaries."""
+        info blocks and the failure boundaries; Nones without tool rollouts (the views' module is not loaded then)."""
+        if "tool_mask" not in self.output:
+            return [None] * len(self.completions)
+        from .trajectories import tool_views
+
         return tool_views(self.output, self.completions)
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .constants import REPLAY_BATCH_SIZE
-from .ops.divergence import BACKENDS, divergence_backends
+from .ops.divergence import divergence_backend, divergence_backends
 from .rules import credit_rule_names, registered_rules
 from .validation import check_credit_rule, check_field_types, check_finite_fields
 
@@ -202,7 +202,8 @@ class MRTPOConfig(GRPOConfig):
         backend = self.divergence_backend
         if backend not in divergence_backends():
             raise ValueError(f"divergence_backend must be one of {', '.join(divergence_backends())}, got {backend!r}.")
-        missing = BACKENDS[backend].missing() if backend in BACKENDS else None
+        registered = divergence_backend(backend)
+        missing = registered.missing() if registered is not None else None
         if missing:
             raise ValueError(f"divergence_backend={backend!r} {missing}.")
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:

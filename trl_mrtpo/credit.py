@@ -16,8 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ._moved import moved_attributes
-
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over data-parallel processes
 
 GROUP_STD_EPS = 1e-4  # same epsilon as TRL's normalize_then_sum
@@ -227,7 +225,7 @@ def batch_rescale(
 
 @dataclass
 class TokenCredit:
-    """Result of :func:`token_advantages`."""
+    """Result of steps 5-8 (:func:`weighted_token_advantages`)."""
 
     advantages: torch.Tensor  # [B, C] token advantages handed to TRL's loss
     weights: torch.Tensor  # [B, K, C] token weights w_{k,t}
@@ -249,41 +247,6 @@ def replayed_token_weights(
         beta = beta.to(relevance)[:, None]
     weights = token_weights(relevance, mask[:, None, :], beta)
     return torch.where(replayed[..., None], weights, torch.ones_like(weights))
-
-
-def token_advantages(
-    advantages: torch.Tensor,
-    relevance: torch.Tensor,
-    replayed: torch.Tensor,
-    mask: torch.Tensor,
-    reward_weights: torch.Tensor,
-    beta: float | torch.Tensor,
-    max_second_moment_ratio: float | None = 2.0,
-    reduce_sum: ReduceSum | None = None,
-    process: torch.Tensor | None = None,
-    failure_suffix: torch.Tensor | None = None,
-) -> TokenCredit:
-    """Steps 5-8 end to end: weights, combine, cap, batch rescale.
-
-    Args:
-        advantages: ``[B, K]`` per-reward group advantages (step 1).
-        relevance: ``[B, K, C]`` q values; read only where ``replayed``.
-        replayed: ``[B, K]`` bool, the replayed (response, reward) pairs; all other pairs keep w = 1.
-        mask: ``[B, C]`` completion mask.
-        reward_weights: ``[K]`` c_k.
-        beta: beta_n in effect (0 gives uniform GDPO: every token of response j gets ``U_j / std_B(U)``), or a
-            ``[K]`` tensor, one per reward.
-        max_second_moment_ratio: rho of step 7.
-        reduce_sum: under data parallelism, sums a tensor over the processes (steps 7 and 8 then see the whole
-            generation batch); None for a single process.
-        process: ``[B, C]`` weighted process advantages (:func:`process_advantages`), joined at step 6.
-        failure_suffix: ``[B, K, C]`` bool, the positions after each failing pair's error boundary
-            (:func:`failure_suffix_mask`); their negative credit is dropped after step 8.
-    """
-    weights = replayed_token_weights(relevance, replayed, mask, beta)
-    return weighted_token_advantages(
-        advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum, process, failure_suffix
-    )
 
 
 def weighted_token_advantages(
@@ -336,9 +299,3 @@ def without_masked_penalties(
     credit = scaled[..., None] * (1.0 + factors[None, :, None] * (weights.to(scaled) - 1.0))
     dropped = failure_suffix.bool() & (scaled[..., None] < 0)
     return scores - (torch.where(dropped, credit, torch.zeros_like(credit)).sum(1) * mask)
-
-
-# moved with the step credit (until 0.3)
-__getattr__ = moved_attributes(
-    __name__, {"process_advantages": "trl_mrtpo.steps.credit", "failure_suffix_mask": "trl_mrtpo.steps.credit"}
-)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,10 +13,9 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-# of the mrtpo_state_<rank>.pt files in checkpoints (2: a configuration subclass's entries its own; 3: the per-reward
-# strength's running specificity in the core; 4: the generation buffer a checkpoint falls inside; a version-3 file
-# reads as one without a buffer)
-STATE_VERSION = 4
+# of the mrtpo_state_<rank>.pt files in checkpoints (4 held TRL's generation buffer, which 5 leaves to TRL: a resume
+# inside a buffer samples anew, as GRPOTrainer's does; a version-4 file is read without it)
+STATE_VERSION = 5
 
 # An entry's check: None when the value is what the trainer writes, else what was found instead (for the message).
 StateCheck = Callable[[Any, int], "str | None"]
@@ -47,26 +46,9 @@ def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
     return None
 
 
-def generation_buffer_problem(buffer: Any, num_rewards: int) -> str | None:
-    """The generation buffer a checkpoint fell inside (None: the next step samples anew): TRL's micro-step counter,
-    the number of processes it was written on, and the buffered batches (dicts)."""
-    if buffer is None:
-        return None
-    if (
-        isinstance(buffer, dict)
-        and set(buffer) == {"step", "processes", "inputs"}
-        and all(isinstance(buffer[key], int) and buffer[key] >= 0 for key in ("step", "processes"))
-        and isinstance(buffer["inputs"], list)
-        and all(isinstance(batch, dict) for batch in buffer["inputs"])
-    ):
-        return None
-    return f"{type(buffer).__name__} {sorted(buffer) if isinstance(buffer, dict) else ''}"
-
-
 CORE_STATE_ENTRIES: dict[str, StateCheck] = {
     "collapse_streaks": collapse_streaks_problem,
     "reward_specificity": specificity_problem,
-    "generation_buffer": generation_buffer_problem,
 }
 
 
@@ -88,13 +70,11 @@ def load_credit_state(
     process_index: int,
     identity: dict,
     entries: dict[str, StateCheck],
-    foreign: Collection[str] = (),
 ) -> dict | None:
     """This process's state of ``checkpoint`` (:func:`read_credit_state`). The core state is the same on every
     process (per-reward strength reads the batch over all of them, the collapse monitor their means), so a process
     without its own file (a resume on more processes, or a checkpoint uploaded by the main process alone) reads the
-    lowest rank's; None with a warning when the folder holds none (the state starts afresh). ``foreign``: entries
-    other credit rules write, dropped when this run does not read them."""
+    lowest rank's; None with a warning when the folder holds none (the state starts afresh)."""
     path = credit_state_path(checkpoint, process_index)
     if not os.path.isfile(path):
         ranks = sorted(int(m[1]) for m in map(STATE_FILE.fullmatch, os.listdir(checkpoint)) if m)
@@ -105,14 +85,10 @@ def load_credit_state(
             )
             return None
         path = credit_state_path(checkpoint, ranks[0])
-        # a generation buffer holds its own rank's slice of the batch: another rank's is never applied
-        return {**read_credit_state(path, identity, entries, foreign), "generation_buffer": None}
-    return read_credit_state(path, identity, entries, foreign)
+    return read_credit_state(path, identity, entries)
 
 
-def read_credit_state(
-    path: str, identity: dict, entries: dict[str, StateCheck], foreign: Collection[str] = ()
-) -> dict:
+def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck]) -> dict:
     """The trainer's checkpointed state, loaded safely (``weights_only=True``: tensors, numbers and strings only)
     and checked against the run resuming from it: a damaged or foreign file, one written for other rewards or
     credit settings, or an entry that is missing, unknown or not what ``entries`` expects, stops with a message
@@ -125,8 +101,9 @@ def read_credit_state(
             "from another program, or from an older trl-mrtpo release; delete it to resume with a fresh MRTPO "
             "state."
         ) from error
-    if isinstance(state, dict) and state.get("version") == 3 and "generation_buffer" in entries:
-        state = {**state, "version": STATE_VERSION, "generation_buffer": None}  # written before buffers were saved
+    if isinstance(state, dict) and state.get("version") == 4:  # TRL's generation buffer: left to TRL since 5
+        logger.info(f"{path}: version 4; its generation buffer is ignored (the resumed run samples anew).")
+        state = {key: value for key, value in state.items() if key != "generation_buffer"} | {"version": 5}
     if not isinstance(state, dict) or any(key not in state for key in entries):
         found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
@@ -153,8 +130,6 @@ def read_credit_state(
             "with a fresh MRTPO state."
         )
 
-    # an entry another rule writes (a file from before that rule owned it) means nothing to this run
-    state = {key: value for key, value in state.items() if key in entries or key not in foreign}
     unknown = set(state) - {"version", *entries, *identity}
     if unknown:
         refuse(", ".join(sorted(map(str, unknown))), "unknown")

@@ -21,12 +21,10 @@ from trl import GRPOTrainer
 
 from ._trl import (
     gathered_for_probe,
-    generation_buffer,
     get_config_model_id,
     log_completion_column,
     log_metric,
     replace_logged_advantages,
-    restore_generation_buffer,
     sharding_engine,
     wrap_environments,
 )
@@ -46,7 +44,7 @@ from .diagnostics import (
 from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders
-from .ops.divergence import BACKENDS
+from .ops.divergence import divergence_backend
 from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
 from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier
 from .rules import (
@@ -56,10 +54,8 @@ from .rules import (
     as_term,
     build_credit_terms,
     quantity,
-    registered_rules,
 )
 from .strength import RewardStrength
-from .trajectories import check_tool_results
 from .validation import (
     check_config_class,
     check_credit_rule,
@@ -156,6 +152,8 @@ class MRTPOTrainer(GRPOTrainer):
         if self.rollout_func is not None:
             self.rollout_func = checked_rollout(self.rollout_func)
         wrap_environments(self, partial(checked_environment, multimodal=self._is_vlm))
+        if process_rewards is not None or failure_boundaries is not None:
+            from . import steps  # noqa: F401  registers the step credit term, the one that reads these arguments
         setup = CreditSetup(
             args,
             list(self.reward_func_names),
@@ -197,7 +195,7 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             with gathered_for_probe(policy):
                 self._replay_temperature = self.temperature / logit_multiplier(policy)
-                backend = BACKENDS.get(args.divergence_backend)
+                backend = divergence_backend(args.divergence_backend)
                 if backend is not None and backend.check is not None:  # checked before any step uses it
                     with lm_head_parameters(policy) as (weight, bias):
                         backend.check(weight, bias, self._replay_temperature)
@@ -246,11 +244,7 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _credit_state(self) -> tuple[dict, dict[str, StateCheck]]:
         """The state a resumed run needs to continue exactly, and how each entry is checked on reading."""
-        streaks = dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}
-        state = {
-            "collapse_streaks": streaks,
-            "generation_buffer": generation_buffer(self),
-        }
+        state = {"collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}}
         entries = dict(CORE_STATE_ENTRIES)
         for part in self._stateful():
             state.update(part.state())
@@ -260,7 +254,6 @@ class MRTPOTrainer(GRPOTrainer):
     def _restore_credit_state(self, state: dict) -> None:
         if self._collapse_monitor is not None:
             self._collapse_monitor.streaks = dict(state["collapse_streaks"])
-        restore_generation_buffer(self, state["generation_buffer"])
         for part in self._stateful():
             part.restore(state)
 
@@ -291,9 +284,8 @@ class MRTPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             entries = self._credit_state()[1]
-            foreign = {entry for registered in registered_rules().values() for entry in registered.rule.state_checks}
             rank, identity = self.accelerator.process_index, self._state_identity()
-            state = load_credit_state(checkpoint, rank, identity, entries, foreign - set(entries))
+            state = load_credit_state(checkpoint, rank, identity, entries)
             if state is not None:
                 self._restore_credit_state(state)
 
@@ -322,6 +314,8 @@ class MRTPOTrainer(GRPOTrainer):
         self._guard = CreditGuard(self._credit_parts, self.reward_func_names, rank, processes, reduce_sum)
         batch = self._weighted_batch(scored, output, mode)
         if "tool_mask" in output:  # every tool batch, whether or not a view of it is built
+            from .trajectories import check_tool_results
+
             check_tool_results(batch.completions, multimodal=self._is_vlm)
         beta = self._beta()
         self._replay_seconds = 0.0

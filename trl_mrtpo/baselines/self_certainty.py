@@ -7,12 +7,44 @@ correctness check: a model can be confidently wrong, so evaluate on held-out tas
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._trl import tokenize_prompts
-from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
-from ..ops import self_certainty
+from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE, VOCAB_TILE
 from ..replay import lm_head_parameters, replayed_hidden_states
+
+
+def self_certainty(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    vocab_chunk_size: int = VOCAB_TILE,
+) -> torch.Tensor:
+    """``[N]`` INTUITOR's per-token self-certainty ``KL(U || p) = -log V - mean_v log p_v``, that is
+    ``log Z - mean_v z_v - log V`` (>= 0, in nats; ``z`` the tempered logits, ``Z`` their normaliser), accumulated
+    over vocabulary tiles of ``vocab_chunk_size`` rows cast to fp32 one at a time.
+
+    The direction matters: ``KL(U || p)`` grows with every near-zero probability in the tail; it is neither
+    ``KL(p || U)`` nor the negative entropy.
+    """
+    if hidden.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [N, H] with H={lm_head_weight.shape[1]} (the lm_head's), got {tuple(hidden.shape)}"
+        )
+    vocab = lm_head_weight.shape[0]
+    states = hidden.float()
+    normaliser = torch.full((hidden.shape[0],), -math.inf, device=hidden.device)
+    logit_sum = torch.zeros(hidden.shape[0], device=hidden.device)
+    for start in range(0, vocab, vocab_chunk_size):
+        rows = slice(start, start + vocab_chunk_size)
+        bias = None if lm_head_bias is None else lm_head_bias[rows].float()
+        logits = torch.nn.functional.linear(states, lm_head_weight[rows].float(), bias).div_(temperature)
+        normaliser = torch.logaddexp(normaliser, torch.logsumexp(logits, dim=-1))
+        logit_sum += logits.sum(-1)
+    return normaliser - logit_sum / vocab - math.log(vocab)
 
 
 class SelfCertaintyReward:

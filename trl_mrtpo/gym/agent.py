@@ -411,13 +411,12 @@ def agent_localisation(spec: AgentGymSpec, seed: int, cache_dir: str | Path, num
     return records
 
 
-def inspected_supervised_policy(work_dir: str | Path, num_prompts: int = 8, generations: int = 4) -> tuple:
-    """``(record, verdicts, words)``: the supervised policy (seed 0) inspected by ``inspect_credit`` on the
-    trajectories it samples, ``generations`` for each of ``num_prompts`` prompts; ``words`` per trajectory. Where
-    ``inspect``'s verdicts are checked against the deciding words (docs/inspect.md)."""
+def supervised_trajectories(work_dir: str | Path, num_prompts: int = 8, generations: int = 4) -> tuple:
+    """``(policy folder, rows, trajectories file, words)``: the supervised policy (seed 0) saved in ``work_dir`` and
+    ``generations`` trajectories it samples for each of ``num_prompts`` prompts, written as the completions file
+    ``inspect_credit`` replays (``words`` per trajectory): where ``inspect``'s verdicts are checked against the
+    deciding words (docs/inspect.md)."""
     import json
-
-    from ..scripts.inspection import inspect_credit
 
     work_dir = Path(work_dir)
     torch.manual_seed(0)
@@ -431,11 +430,7 @@ def inspected_supervised_policy(work_dir: str | Path, num_prompts: int = 8, gene
     lines = [{**rows[i // generations], "completion": " ".join(w)} for i, w in enumerate(words)]
     path = work_dir / "trajectories.jsonl"
     path.write_text("\n".join(json.dumps(line) for line in lines))
-    record, _, verdicts = inspect_credit(
-        model=str(work_dir / "policy"), reward_funcs=agent_rewards(), info_blocks=agent_blocks(), dataset=rows,
-        completions=str(path), output=None, return_verdicts=True,
-    )  # fmt: skip
-    return record, verdicts, [line["completion"].split() for line in lines]
+    return str(work_dir / "policy"), rows, str(path), [line["completion"].split() for line in lines]
 
 
 def deciding_word_peaks(record, words: Sequence[Sequence[str]]) -> dict[str, tuple[int, int]]:

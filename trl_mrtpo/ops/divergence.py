@@ -1,17 +1,18 @@
 """Jensen-Shannon divergence between next-token distributions, in fp32 and log space (docs/method.md step 4).
 
-The torch path is here; other backends (the fused Triton kernel, :mod:`trl_mrtpo.ops.triton_divergence`) register
-themselves by name with :func:`register_divergence_backend` and compute the same q."""
+The torch path is here; other backends register themselves by name with :func:`register_divergence_backend` and
+compute the same q. The fused Triton kernel (:mod:`trl_mrtpo.ops.triton_divergence`) is one, imported only when a run
+names it."""
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from .._moved import moved_attributes
 from ..constants import DEFAULT_CHUNK_ELEMENTS, LN2, MAX_LOG_RATIO, MIN_CHUNK_TOKENS, VOCAB_TILE
 
 
@@ -27,6 +28,8 @@ class DivergenceBackend:
 
 
 BACKENDS: dict[str, DivergenceBackend] = {}
+# backends this package ships, registered by their module when a run names them (the kernel is not on the default path)
+SHIPPED_BACKENDS = {"triton": "trl_mrtpo.ops.triton_divergence"}
 
 
 def register_divergence_backend(name: str, backend: DivergenceBackend) -> None:
@@ -38,7 +41,15 @@ def register_divergence_backend(name: str, backend: DivergenceBackend) -> None:
 
 def divergence_backends() -> tuple[str, ...]:
     """What ``divergence_backend`` may name."""
-    return ("auto", "torch", *BACKENDS)
+    return ("auto", "torch", *dict.fromkeys([*SHIPPED_BACKENDS, *BACKENDS]))
+
+
+def divergence_backend(name: str) -> DivergenceBackend | None:
+    """The registered backend ``name`` (None for ``"auto"`` and ``"torch"``, this module's), importing a shipped one
+    on first use."""
+    if name in SHIPPED_BACKENDS and name not in BACKENDS:
+        importlib.import_module(SHIPPED_BACKENDS[name])
+    return BACKENDS.get(name)
 
 
 def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
@@ -128,7 +139,9 @@ def replay_divergence(
     if backend not in divergence_backends():
         raise ValueError(f"backend must be one of {divergence_backends()}, got {backend!r}")
     if chosen_backend(backend) != "torch":
-        return BACKENDS[backend].compute(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
+        return divergence_backend(backend).compute(
+            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
+        )
     return _torch_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, chunk_size)
 
 
@@ -196,6 +209,3 @@ def _tiled_divergence(
         logprobs = logits.sub_(normaliser[:, rows, None])
         total[:, rows] += _js_terms(logprobs[0], logprobs[1:])
     return ((0.5 / LN2) * total).clamp_(0.0, 1.0)
-
-
-__getattr__ = moved_attributes(__name__, {"validate_triton_kernel": "trl_mrtpo.ops.triton_divergence"})

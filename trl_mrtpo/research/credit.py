@@ -171,7 +171,7 @@ def token_advantages_preserving_totals(
     *steps_6_to_8: Any,
     **options: Any,
 ) -> TokenCredit:
-    """:func:`~trl_mrtpo.credit.token_advantages` with every reward's GDPO total kept: step 5's weights, then
+    """:func:`~trl_mrtpo.credit.weighted_token_advantages` with every reward's GDPO total kept: step 5's weights, then
     :func:`preserved_token_advantages` for steps 6-8 (the cap ratio, ``reduce_sum``, ``process`` and
     ``failure_suffix`` as there)."""
     weights = replayed_token_weights(relevance, replayed, mask, beta)

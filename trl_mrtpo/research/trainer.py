@@ -15,12 +15,12 @@ from torch import nn
 from .._trl import whole_policy
 from ..batch import ScoredBatch, completion_token_lists
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
-from ..ops.token_scores import sampled_logprobs
 from ..relevance import ReplayRelevance
 from ..replay import lm_head_parameters, replayed_hidden_states
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
 from .rules import RESEARCH_STATE_ENTRIES
+from .token_scores import sampled_logprobs
 
 __all__ = ["RESEARCH_STATE_ENTRIES", "ResearchTrainer"]  # the state entries' checks live in research/rules.py now
 

@@ -402,8 +402,8 @@ class StepCredit(CreditTerm):
         self, batch: ScoredBatch, tokenizer, num_generations: int, rank: int, trainer_state: Any = None
     ) -> tuple[dict[str, torch.Tensor | None], list[tuple[str, float]]]:
         """The local batch's ``process`` (``[B, C]``, :func:`process_credit`) and ``failure_suffix`` (``[B, K, C]``,
-        :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.token_advantages` (None where a rule is not in use), and
-        each process reward's mean step score per scored response, logged as ``mrtpo/process/<name>``."""
+        :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.weighted_token_advantages` (None where a rule is not in
+        use), and each process reward's mean step score per scored response, logged as ``mrtpo/process/<name>``."""
         completion_ids = batch.completion_ids
         process, means = None, []
         if self.process_rewards:

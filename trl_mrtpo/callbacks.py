@@ -1,5 +1,0 @@
-"""Moved to :mod:`trl_mrtpo.observability.callbacks`; this path imports it, with a FutureWarning, until 0.3."""
-
-from ._moved import alias
-
-alias(__name__, "trl_mrtpo.observability.callbacks")
