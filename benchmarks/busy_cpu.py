@@ -1,5 +1,5 @@
 """The demo's wall time on a CPU, alone and beside one busy single-threaded process, with torch's old thread count
-(every core) and the CLI's default (the free cores, ``trl_mrtpo.utils.default_threads``).
+(every core) and the CLI's default (the free cores, ``trl_mrtpo.scripts.default_threads``).
 
     python benchmarks/busy_cpu.py --steps 3
 

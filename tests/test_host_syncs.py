@@ -4,6 +4,7 @@ of times per generation batch, whatever the batch size and the number of rewards
 import sys
 from collections import Counter
 
+import pytest
 import torch
 
 from tests.helpers import make_args
@@ -37,9 +38,14 @@ def halves(prompts, completions, **_):
     return steps
 
 
-def syncs_per_batch(tokenizer, tmp_path, batch: int, rewards: int) -> Counter:
+def first_half(*, completion, **_):
+    """A failure boundary: a failing response's unrecovered error ends halfway through its text."""
+    return len(completion if isinstance(completion, str) else completion[-1]["content"]) // 2 or None
+
+
+def syncs_per_batch(tokenizer, tmp_path, batch: int, rewards: int, log_completions: bool = False) -> Counter:
     """Where MRTPO's modules sync in one generation batch (default credit with per-reward strength, process
-    rewards, every pair replayed)."""
+    rewards, failure boundaries, every pair replayed; with ``log_completions``, the completions table's column)."""
     from tests.conftest import build_tiny_model
 
     trainer = MRTPOTrainer(
@@ -47,7 +53,14 @@ def syncs_per_batch(tokenizer, tmp_path, batch: int, rewards: int) -> Counter:
         reward_funcs=[note_reward(k) for k in range(rewards)],
         info_blocks=[note_block(k) for k in range(rewards)],
         process_rewards=[halves],
-        args=make_args(tmp_path, max_steps=1, per_device_train_batch_size=batch, reward_strength_floor=0.25),
+        failure_boundaries=[first_half] * rewards,
+        args=make_args(
+            tmp_path,
+            max_steps=1,
+            per_device_train_batch_size=batch,
+            reward_strength_floor=0.25,
+            log_completions=log_completions,
+        ),
         train_dataset=make_basic_dataset(16),
         processing_class=tokenizer,
     )
@@ -78,8 +91,11 @@ def syncs_per_batch(tokenizer, tmp_path, batch: int, rewards: int) -> Counter:
     return counts
 
 
-def test_host_syncs_per_batch_do_not_grow_with_the_batch_or_the_rewards(tiny_tokenizer, tmp_path):
-    small = syncs_per_batch(tiny_tokenizer, tmp_path / "small", batch=4, rewards=2)
-    large = syncs_per_batch(tiny_tokenizer, tmp_path / "large", batch=8, rewards=8)
+@pytest.mark.parametrize("log_completions", [False, True], ids=["default", "log_completions"])
+def test_host_syncs_per_batch_do_not_grow_with_the_batch_or_the_rewards(tiny_tokenizer, tmp_path, log_completions):
+    small = syncs_per_batch(tiny_tokenizer, tmp_path / "small", 4, 2, log_completions)
+    large = syncs_per_batch(tiny_tokenizer, tmp_path / "large", 8, 8, log_completions)
     assert small == large, {k: (small[k], large[k]) for k in set(small) | set(large) if small[k] != large[k]}
-    assert sum(large.values()) <= 16, large
+    print(f"host syncs per generation batch ({'log_completions' if log_completions else 'default'}): {dict(large)}")
+    # measured: 15 (default), 20 (with the completions table's column), whatever the batch and the rewards
+    assert sum(large.values()) <= (20 if log_completions else 15), large

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from trl_mrtpo.utils import default_threads
+from trl_mrtpo.scripts import default_threads
 
 
 @pytest.mark.parametrize(

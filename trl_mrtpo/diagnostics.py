@@ -168,10 +168,11 @@ def credit_summaries(
     tokens: Sequence[Sequence[str]], advantages, relevance, with_q, names: Sequence[str], positions
 ) -> list[str]:
     """:func:`credit_summary` of each response of a batch: ``tokens`` per response (its model tokens, at
-    ``positions``: :func:`~trl_mrtpo.diagnostics.model_positions`), ``advantages`` ``[B, C]``, ``relevance``
-    ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the pairs whose q profile is shown)."""
+    ``positions``: lists of the model's positions), ``advantages`` ``[B, C]``, ``relevance`` ``[B, K, C]`` and
+    ``with_q`` ``[B, K]`` (the pairs whose q profile is shown). Three host syncs for the whole batch."""
+    advantages, relevance, with_q = advantages.tolist(), relevance.tolist(), with_q.tolist()
     summaries = []
     for j, (response, where) in enumerate(zip(tokens, positions)):
-        profiles = [relevance[j, k, where].tolist() if with_q[j, k] else [] for k in range(len(names))]
-        summaries.append(credit_summary(response, advantages[j, where].tolist(), profiles, names))
+        profiles = [[relevance[j][k][t] for t in where] if with_q[j][k] else [] for k in range(len(names))]
+        summaries.append(credit_summary(response, [advantages[j][t] for t in where], profiles, names))
     return summaries

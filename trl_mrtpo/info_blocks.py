@@ -20,7 +20,7 @@ import copy
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 Prompt = str | list[dict[str, Any]]
 PLACEMENTS = ("appended", "in_prompt")
@@ -38,12 +38,6 @@ class InfoBlock:
             raise TypeError(f"InfoBlock.text must be a string, got {type(self.text).__name__}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"InfoBlock.placement must be one of {PLACEMENTS}, got {self.placement!r}")
-
-
-class InfoBlockBuilder(Protocol):
-    def __call__(
-        self, *, prompt: Prompt, completion: str, row: dict[str, Any], score: float
-    ) -> str | InfoBlock | None: ...
 
 
 class InfoBlockError(ValueError):
@@ -226,15 +220,12 @@ def build_contexts(
 
 def _span_location(prompt: Prompt, text: str) -> tuple[int, int, int]:
     """``(message, start, end)`` of a span found once in the prompt (message 0 for a string prompt)."""
-    if isinstance(prompt, str):
-        start = prompt.index(text)
-        return 0, start, start + len(text)
-    for i, message in enumerate(prompt):
-        content = message.get("content")
-        if isinstance(content, str) and text in content:
-            start = content.index(text)
-            return i, start, start + len(text)
-    raise ValueError(f"{text[:60]!r} is not a span of the prompt")
+    location = _find_span(prompt, text)
+    if location is None:
+        raise ValueError(f"{text[:60]!r} is not a span of the prompt")
+    content = prompt if isinstance(prompt, str) else prompt[location[0]]["content"]
+    start = content.index(text)
+    return (location[0] if location else 0), start, start + len(text)
 
 
 def check_spans(prompt: Prompt, blocks: Sequence[InfoBlock | None], reward_names: Sequence[str], sample: int) -> None:

@@ -36,7 +36,6 @@ from .diagnostics import (
     CollapseMonitor,
     CreditRecord,
     credit_summaries,
-    model_positions,
     process_means,
     q_statistics,
     token_strings,
@@ -520,11 +519,11 @@ class MRTPOTrainer(GRPOTrainer):
 
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
         # Decoding every token costs time each step, so only when that table is logged.
-        if self.log_completions:
-            positions = model_positions(mask)
+        if self.log_completions:  # a host sync for the positions and one for the ids, not one per response
+            positions = [[t for t, real in enumerate(row) if real] for row in mask.bool().tolist()]
+            ids = self.last_credit.completion_ids.tolist()
             tokens = [
-                token_strings(self.processing_class, ids[where].tolist())
-                for ids, where in zip(self.last_credit.completion_ids, positions)
+                token_strings(self.processing_class, [row[t] for t in where]) for row, where in zip(ids, positions)
             ]
             summaries = credit_summaries(
                 tokens, credit.advantages, relevance, with_q, self.reward_func_names, positions

@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..utils import moving_mean
+from ..observability.viz import moving_mean
 from .grid import Grid, Run, summarise
 from .stats import MOVING_WINDOW, mean_std, paired
 from .task import KINDS
@@ -305,7 +305,7 @@ def run_and_report(grid: Grid, sweeps: bool, jobs: int, work_dir: str, output_di
     policy's satisfaction per seed, write every result in ``output_dir`` and return the markdown summary."""
     import os
 
-    from ..utils import require
+    from ..kits import require
     from .grid import run_all
     from .runs import localisation, satisfaction
 

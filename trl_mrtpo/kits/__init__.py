@@ -16,9 +16,8 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-from ..utils import require
 
 # name -> module under trl_mrtpo.kits; modules are imported on first use (the SQL kit needs sqlglot, ...)
 KIT_MODULES = {
@@ -37,6 +36,22 @@ SINGLE_TURN_KITS = tuple(name for name in KIT_NAMES if name != "agent")
 KIT_REQUIREMENTS = {"sql": (("sqlglot",), "sql"), "if": (("if_verifiable", "nltk"), "if")}
 
 Spans = dict[str, tuple[str, list[tuple[int, int]]]]
+
+
+def cache_root() -> Path:
+    """Where trl-mrtpo caches what it builds once (the converted embedded model, downloaded databases):
+    ``$TRL_MRTPO_CACHE``, else ``$XDG_CACHE_HOME/trl_mrtpo`` (``~/.cache/trl_mrtpo``)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "trl_mrtpo"
+    return Path(os.environ.get("TRL_MRTPO_CACHE", default))
+
+
+def require(module: str, needed_for: str, install: str) -> None:
+    """A one-line ImportError naming the command to run when an optional package is missing, before anything that
+    needs it starts (instead of an ImportError deep inside)."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"{needed_for} needs the '{module}' package, which is not installed: {install}")
 
 
 @dataclass(frozen=True)

@@ -318,7 +318,7 @@ def make_sql_dataset(folder: str | Path):
 def builtin_sql_dataset(num_prompts: int = 0, seed: int = 0, cache_dir: str | None = None):
     """The built-in set (every example, whatever ``num_prompts``) shuffled by ``seed``; its databases are created in
     ``cache_dir`` (by default the trl-mrtpo cache folder)."""
-    from ..utils import cache_root
+    from . import cache_root
 
     return make_sql_dataset(cache_dir or cache_root() / "sql_data").shuffle(seed=seed)
 

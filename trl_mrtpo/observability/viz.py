@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import html
 import math
+import statistics
 from collections.abc import Sequence
 
 from ..diagnostics import CreditRecord, token_strings
-from ..utils import moving_mean
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -24,6 +24,11 @@ h1{font-size:20px}.resp{border:1px solid #ddd;border-radius:6px;padding:12px;mar
 _POSITIVE, _NEGATIVE, _Q = "0,150,60", "210,40,40", "40,70,220"
 _Q_BAR_PX = 5
 TREND_WINDOW = 5  # steps of the moving mean drawn as each reward's trend
+
+
+def moving_mean(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving mean of ``values`` over ``window`` entries (fewer at the start)."""
+    return [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
 
 
 def _alpha(value: float, scale: float) -> float:

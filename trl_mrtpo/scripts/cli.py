@@ -39,7 +39,7 @@ positive = counting(1)
 def _pin_threads(threads: int | None) -> None:
     import torch
 
-    from ..utils import default_threads
+    from . import default_threads
 
     torch.set_num_threads(threads or default_threads())
 

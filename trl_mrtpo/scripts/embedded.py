@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from ..constants import HUB_ID_FILE
-from ..utils import cache_root
+from ..kits import cache_root
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was made from
@@ -46,7 +46,7 @@ def embedded_model_path() -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..utils import require
+    from ..kits import require
 
     require("gguf", "Converting the embedded model", 'pip install "trl-mrtpo[demo]"')
     source = gguf_path()

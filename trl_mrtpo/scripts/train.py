@@ -368,7 +368,7 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     trainer."""
     import torch
 
-    from ..utils import default_threads
+    from . import default_threads
 
     torch.set_num_threads(script_args.threads or default_threads())
     trainer = build_trainer(script_args, training_args, model_args, dataset_args, recipe)

@@ -28,11 +28,24 @@ from ..batch import ScoredBatch
 from ..info_blocks import Prompt, call_builder, check_builders
 from ..rules import CreditSetup, CreditTerm, register_credit_term
 from ..trajectories import Trajectory, Turn
-from ..utils import completion_text, function_name, reward_columns
+from ..utils import completion_text
 from ..validation import check_credit_rule, own_copies, within_float32
 from .credit import failure_suffix_mask, process_advantages
 
 NO_BOUNDARY = -1
+
+
+def function_name(func: Any) -> str:
+    """What a reward (or process reward) is called in logs and errors: its ``__name__``, else its class name (as TRL
+    names reward functions)."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def reward_columns(rows: Sequence[dict]) -> dict[str, list]:
+    """The dataset columns TRL hands a reward function as keyword arguments: one list per column, every column but
+    the prompt and the completion fields (as ``GRPOTrainer._calculate_rewards`` builds them)."""
+    keys = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")] if rows else []
+    return {key: [row[key] for row in rows] for key in keys}
 
 
 class Step(NamedTuple):
@@ -354,12 +367,13 @@ def failure_suffix(
     :class:`~trl_mrtpo.trajectories.Trajectory` or None), on the last token of the turn the builder returned."""
     boundaries = torch.full(credit.shape, NO_BOUNDARY, dtype=torch.long)
     views = views or [None] * len(completions)
+    failing, scores = (credit < 0).tolist(), rewards.tolist()  # two host syncs per batch, not one per pair
     for i, completion in enumerate(completions):
         text = completion_text(completion)
         offsets = {}  # reward -> where its error ends
         for k, (builder, name) in enumerate(zip(builders, reward_names)):
-            if builder is not None and credit[i, k] < 0:
-                offset = failure_boundary(builder, name, i, prompts[i], text, rows[i], rewards[i, k].item(), views[i])
+            if builder is not None and failing[i][k]:
+                offset = failure_boundary(builder, name, i, prompts[i], text, rows[i], scores[i][k], views[i])
                 if isinstance(offset, Turn):
                     boundaries[i, k] = max(offset.tokens[1] - 1, 0)
                 elif offset is not None:
