@@ -193,7 +193,7 @@ def test_an_fsdp_config_on_a_cpu_machine_is_named(tmp_path, capsys):
     """accelerate's CPU backend ignores the FSDP plugin: the launch says so instead of pretending to shard."""
     import torch
 
-    from trl_mrtpo.scripts.cli import warn_fsdp_on_cpu
+    from trl_mrtpo.scripts.train import warn_fsdp_on_cpu
 
     if torch.cuda.is_available():
         return

@@ -319,3 +319,41 @@ def run_and_report(grid: Grid, sweeps: bool, jobs: int, work_dir: str, output_di
     located = [r for seed in grid.seeds for r in localisation(grid.spec, seed, policies, **options)]
     rates = [r for seed in grid.seeds for r in satisfaction(grid.spec, seed, policies, **options)]
     return write_results(grid, main_runs, sweep_runs, results, located, output_dir, command, rates)
+
+
+def run_gym_command(
+    quick: bool,
+    large: bool,
+    sweeps: bool,
+    seeds: int | None,
+    methods: Sequence[str] | None,
+    sweep_seeds: int,
+    jobs: int,
+    work_dir: str,
+    output_dir: str,
+) -> str:
+    """``trl-mrtpo gym``: the grid its flags name (``quick``, ``large`` or the default), run and reported
+    (:func:`run_and_report`); prints and returns the markdown summary."""
+    import os
+
+    from . import Grid, large_grid, quick_grid
+
+    grid = quick_grid() if quick else large_grid() if large else Grid()
+    if grid.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("trl-mrtpo gym --large needs a CUDA device; none is available here.")
+    if seeds is not None:
+        grid.seeds = tuple(range(seeds))
+    if methods:
+        grid.methods = tuple(methods)
+    grid.sweep_seeds = sweep_seeds
+    flags = {"quick": quick, "large": large, "sweeps": sweeps}
+    command = "trl-mrtpo gym" + "".join(f" --{flag}" for flag, given in flags.items() if given)
+    if sweeps and sweep_seeds != 4:
+        command += f" --sweep-seeds {sweep_seeds}"
+    markdown = run_and_report(grid, sweeps, jobs, work_dir, output_dir, command)
+    print(markdown)
+    print(f"Results written to {os.path.abspath(output_dir)}")
+    return markdown

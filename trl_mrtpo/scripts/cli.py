@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import os
+import inspect
 import sys
 from collections.abc import Sequence
 
@@ -44,69 +44,36 @@ def _pin_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or default_threads())
 
 
+def flags_for(function, args: argparse.Namespace, *leave_out: str) -> dict:
+    """The parsed flags ``function`` takes as keyword arguments (a flag's ``-`` is a ``_`` in both)."""
+    names = set(inspect.signature(function).parameters) - set(leave_out)
+    return {name: value for name, value in vars(args).items() if name in names}
+
+
 def run_demo(args: argparse.Namespace):
     from .demo import compare_demo, run_demo
 
     _pin_threads(args.threads)
-    settings = dict(
-        task=args.task,
-        output_dir=args.output_dir,
-        steps=args.steps,
-        num_generations=args.num_generations,
-        prompts_per_step=args.prompts_per_step,
-        max_completion_length=args.max_completion_length,
-        learning_rate=args.learning_rate,
-        warmup_steps=args.warmup_steps,
-        temperature=args.temperature,
-        seed=args.seed,
-        model=args.model,
-        report_to=args.report_to,
-    )
-    if args.compare:
-        return compare_demo(**settings)
-    return run_demo(method=args.method, **settings)
+    settings = flags_for(run_demo, args, "method")  # compare_demo passes them on to run_demo
+    return compare_demo(**settings) if args.compare else run_demo(method=args.method, **settings)
 
 
 def run_eval(args: argparse.Namespace):
     from .evaluation import run_evaluation
 
     _pin_threads(args.threads)
-    return run_evaluation(
-        model=args.model,
-        adapter=args.adapter,
-        benchmarks=args.benchmarks,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        backend=args.backend,
-        sql_path=args.sql_path,
-        sql_split_file=args.sql_split_file,
-        database_dir=args.database_dir,
-        output=args.output,
-    )
+    return run_evaluation(**flags_for(run_evaluation, args))
 
 
 def run_inspect(args: argparse.Namespace):
     from .inspection import format_report, format_verdicts, inspect_credit, inspect_recipe
 
     _pin_threads(args.threads)
-    settings = dict(
-        completions=args.completions,
-        num_prompts=args.num_prompts,
-        num_generations=args.num_generations,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        beta=args.beta,
-        seed=args.seed,
-        output=args.output,
-        report=args.report,
-    )
+    settings = flags_for(inspect_credit, args, "model", "task")
     if args.config:
-        record, report, verdicts = inspect_recipe(args.config, adapter=args.adapter, **settings)
+        record, report, verdicts = inspect_recipe(args.config, **settings)
     else:
-        record, report, verdicts = inspect_credit(
-            model=args.model, adapter=args.adapter, task=args.task, return_verdicts=True, **settings
-        )
+        record, report, verdicts = inspect_credit(model=args.model, task=args.task, return_verdicts=True, **settings)
     print(f"Heatmap written to {args.output}")
     if report:
         print(format_report(report))
@@ -117,28 +84,10 @@ def run_inspect(args: argparse.Namespace):
 
 
 def run_gym(args: argparse.Namespace) -> str:
-    from ..gym import Grid, large_grid, quick_grid
-    from ..gym.report import run_and_report
+    from ..gym.report import run_gym_command
 
     _pin_threads(1)
-    grid = quick_grid() if args.quick else large_grid() if args.large else Grid()
-    if grid.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise SystemExit("trl-mrtpo gym --large needs a CUDA device; none is available here.")
-    if args.seeds is not None:
-        grid.seeds = tuple(range(args.seeds))
-    if args.methods:
-        grid.methods = tuple(args.methods)
-    grid.sweep_seeds = args.sweep_seeds
-    command = "trl-mrtpo gym" + "".join(f" --{flag}" for flag in ("quick", "large", "sweeps") if getattr(args, flag))
-    if args.sweeps and args.sweep_seeds != 4:
-        command += f" --sweep-seeds {args.sweep_seeds}"
-    markdown = run_and_report(grid, args.sweeps, args.jobs, args.work_dir, args.output_dir, command)
-    print(markdown)
-    print(f"Results written to {os.path.abspath(args.output_dir)}")
-    return markdown
+    return run_gym_command(**flags_for(run_gym_command, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,49 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def warn_fsdp_on_cpu(launch_args: Sequence[str]) -> bool:
-    """Say so when an FSDP config is launched without CUDA: accelerate's CPU backend ignores the FSDP plugin and runs
-    plain data parallelism (every rank holds the whole model). Returns whether it warned."""
-    import torch
-    import yaml
-
-    if torch.cuda.is_available() or "--config_file" not in launch_args:
-        return False
-    path = launch_args[list(launch_args).index("--config_file") + 1]
-    with open(path) as handle:
-        config = yaml.safe_load(handle) or {}
-    if config.get("distributed_type") != "FSDP":
-        return False
-    print(
-        f"warning: {path} asks for FSDP, but there is no CUDA device: accelerate's CPU backend ignores the FSDP "
-        "plugin and runs plain data parallelism (each process holds the whole model). docs/recipes-eval-sharing.md, "
-        '"Scaling out", says how the tests simulate sharding on CPU.',
-        file=sys.stderr,
-    )
-    return True
-
-
-def launch_train(argv: Sequence[str]) -> None:
-    """``trl-mrtpo train --accelerate_config NAME ...``: the train script under ``accelerate launch``, with NAME one
-    of the configs TRL ships (``single_gpu``, ``multi_gpu``, ``zero1``-``zero3``, ``fsdp1``, ``fsdp2``) or a file,
-    resolved by TRL's own helper as ``trl grpo --accelerate_config`` does."""
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
-
-    from . import train
-
-    argv = list(argv)
-    at = argv.index("--accelerate_config")
-    launch_args = resolve_accelerate_config_argument(argv[at : at + 2])
-    warn_fsdp_on_cpu(launch_args)
-    script_args = argv[:at] + argv[at + 2 :]
-    launch_command(launch_command_parser().parse_args([*launch_args, train.__file__, *script_args]))
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # TrlParser owns every flag of `train`, --help included
-        from .train import make_parser, run
+        from .train import launch_train, make_parser, run
 
         if "--help" in argv or "-h" in argv:
             make_parser().print_help()

@@ -10,6 +10,7 @@ their readers of published data) and one info-block builder per reward.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -395,6 +396,43 @@ def check_recipe(script_args: MRTPOScriptArguments, training_args) -> None:
         chat_template(script_args.chat_template_path)
 
 
+def warn_fsdp_on_cpu(launch_args: Sequence[str]) -> bool:
+    """Say so when an FSDP config is launched without CUDA: accelerate's CPU backend ignores the FSDP plugin and runs
+    plain data parallelism (every rank holds the whole model). Returns whether it warned."""
+    import torch
+    import yaml
+
+    if torch.cuda.is_available() or "--config_file" not in launch_args:
+        return False
+    path = launch_args[list(launch_args).index("--config_file") + 1]
+    with open(path) as handle:
+        config = yaml.safe_load(handle) or {}
+    if config.get("distributed_type") != "FSDP":
+        return False
+    print(
+        f"warning: {path} asks for FSDP, but there is no CUDA device: accelerate's CPU backend ignores the FSDP "
+        "plugin and runs plain data parallelism (each process holds the whole model). docs/recipes-eval-sharing.md, "
+        '"Scaling out", says how the tests simulate sharding on CPU.',
+        file=sys.stderr,
+    )
+    return True
+
+
+def launch_train(argv: Sequence[str]) -> None:
+    """``trl-mrtpo train --accelerate_config NAME ...``: the train script under ``accelerate launch``, with NAME one
+    of the configs TRL ships (``single_gpu``, ``multi_gpu``, ``zero1``-``zero3``, ``fsdp1``, ``fsdp2``) or a file,
+    resolved by TRL's own helper as ``trl grpo --accelerate_config`` does."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    argv = list(argv)
+    at = argv.index("--accelerate_config")
+    launch_args = resolve_accelerate_config_argument(argv[at : at + 2])
+    warn_fsdp_on_cpu(launch_args)
+    script_args = argv[:at] + argv[at + 2 :]
+    launch_command(launch_command_parser().parse_args([*launch_args, __file__, *script_args]))
+
+
 def run(argv: Sequence[str]):
     """``trl-mrtpo train ARGV``: a value the recipe gets wrong is refused after the usage line with exit status 2,
     as argparse refuses a flag, before the model loads."""
@@ -410,6 +448,4 @@ def run(argv: Sequence[str]):
 
 
 if __name__ == "__main__":  # what `trl-mrtpo train --accelerate_config ...` launches
-    import sys
-
     run(sys.argv[1:])
