@@ -1,8 +1,8 @@
 """How noisy is q in bf16? The replay on the path users run (bf16 weights) against fp32, on CPU.
 
 For each model (the embedded SmolLM2-135M-Instruct; a tiny random Llama with its tokenizer) and task kit, one batch
-is sampled and scored by ``MRTPOTrainer.sample_credit`` in fp32, and its replay's inputs (contexts and completion
-ids) are recorded. The same replay then runs again:
+is sampled and scored by ``trl_mrtpo.scripts.inspection.sample_credit`` in fp32, and its replay's inputs (contexts
+and completion ids) are recorded. The same replay then runs again:
 
 - ``fp32`` and ``bf16`` (the model cast to bfloat16; the replay's lm_head and JS stay fp32, as they always are):
   q of every replayed (response, reward) pair;
@@ -39,6 +39,7 @@ from trl_mrtpo import trainer as trainer_module  # noqa: E402
 from trl_mrtpo.credit import replayed_token_weights, weighted_token_advantages  # noqa: E402
 from trl_mrtpo.ops import replay_divergence  # noqa: E402
 from trl_mrtpo.replay import completion_hidden_states, lm_head_parameters, replay_relevance  # noqa: E402
+from trl_mrtpo.scripts.inspection import sample_credit  # noqa: E402
 
 
 def steps_5_to_8(group_advantages, relevance, record, reward_weights):
@@ -133,7 +134,7 @@ def recorded_batch(
 
     trainer_module.replay_relevance = recording
     try:
-        records = [trainer.sample_credit([dataset[i]], generations) for i in range(prompts)]
+        records = [sample_credit(trainer, [dataset[i]], generations) for i in range(prompts)]
     finally:
         trainer_module.replay_relevance = original
     return trainer, records, calls

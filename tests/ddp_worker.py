@@ -13,6 +13,7 @@ from tests.helpers import merge_record
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.scripts.train import main as train_main
 from trl_mrtpo.scripts.train import make_parser
+from trl_mrtpo.strength import RewardStrength
 
 WAIT_LIMIT_SECONDS = 420  # the test's own limit is 600 s; alone the launch takes ~30 s
 
@@ -35,13 +36,13 @@ def main(report_dir: str, argv: list[str]) -> None:
 
     MRTPOTrainer._generate_and_score_completions = recording
     restored = []  # the per-reward strength each rank resumed with (a resume only)
-    restore = MRTPOTrainer._restore_credit_state
+    restore = RewardStrength.restore
 
-    def restoring(trainer, state):
+    def restoring(strength, state):
         restored.append(state["reward_specificity"].tolist())
-        return restore(trainer, state)
+        return restore(strength, state)
 
-    MRTPOTrainer._restore_credit_state = restoring
+    RewardStrength.restore = restoring
     trainer = train_main(*make_parser().parse_args_and_config(argv))
     state = trainer.accelerator.state
     report = {

@@ -229,3 +229,25 @@ def template_tokenizer(template: str, specials: list[str], corpus: list[str], eo
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad)
     fast.chat_template = (Path(trl.__file__).parent / "chat_templates" / f"{template}.jinja").read_text()
     return fast
+
+
+class DistinctProfiles:
+    """A relevance provider that knows the answer: reward k's q is ``1 + peak`` on the model tokens at positions
+    ``t % K == k`` and 1 elsewhere, for every pair whose reward has an info block. Each reward's profile then stands
+    out from the others' mean by ``1 - cos`` ~0.4 (peak 3, three rewards), so the shipped per-reward strength floor
+    (0.25) gives each reward a beta strictly between 0 and ``credit_beta``; the tiny random model's own profiles
+    differ by ~0.005 and would rest every reward."""
+
+    def __init__(self, peak: float = 3.0):
+        self.peak = peak
+
+    def __call__(self, trainer, batch, removal):
+        from trl_mrtpo.relevance import Relevance
+
+        blocks = torch.tensor([builder is not None for builder in trainer.info_block_builders])
+        replayed = blocks[None, :] & batch.mask.bool().any(-1, keepdim=True)
+        num_rewards, width = replayed.shape[1], batch.mask.shape[1]
+        positions = torch.arange(width)
+        peaks = (positions[None, :] % num_rewards == torch.arange(num_rewards)[:, None]).float()
+        relevance = (1.0 + self.peak * peaks)[None] * batch.mask[:, None, :] * replayed[..., None]
+        return Relevance(relevance, replayed, bool(replayed.any()))

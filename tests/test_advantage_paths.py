@@ -342,3 +342,36 @@ def test_taco_on_mrtpo_matches_float64_reference(tiny_model, tiny_tokenizer, tmp
         expected = torch.where(expected > 0, expected * factor, expected)
         torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)
         assert (expected > 0).any() and (expected < 0).any()
+
+
+def test_the_shipped_strength_floor_gives_each_reward_a_beta_inside_the_range(tiny_model, tiny_tokenizer, tmp_path):
+    """At the shipped ``reward_strength_floor`` (0.25, MRTPOConfig's default), with q profiles that differ per reward
+    as a real policy's do (an oracle provider: the tiny random model's own profiles differ by ~0.005 and would rest
+    every reward): every replayed reward's beta lies strictly between 0 and ``credit_beta``, equals the float64
+    reference of the readings, and the token advantages equal the float64 reference of steps 1-8 with those betas."""
+    from tests.helpers import DistinctProfiles, RecordingTrainer
+    from trl_mrtpo import MRTPOConfig
+
+    floor = MRTPOConfig.reward_strength_floor
+    assert floor == 0.25
+    trainer = RecordingTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, max_steps=3, per_device_train_batch_size=8, reward_strength_floor=floor),
+        train_dataset=make_basic_dataset(24),
+        processing_class=tiny_tokenizer,
+        relevance_provider=DistinctProfiles(),
+    )
+    trainer.train()
+    readings = [(credit.relevance, credit.replayed) for credit in trainer.credits]
+    strength = reference_strength_betas(readings, [0.5] * 3, floor, num_rewards=len(trainer.reward_funcs))
+    for credit, betas in zip(trainer.credits, strength):
+        torch.testing.assert_close(credit.reward_betas.double(), torch.tensor(betas).double(), atol=1e-6, rtol=0)
+        replayed = credit.replayed.any(0).tolist()
+        assert all(0 < b < 0.5 for b, read in zip(betas, replayed) if read), betas
+        expected, _ = reference_token_advantages(
+            credit.rewards.double(), credit.relevance.double(), credit.mask, trainer.reward_weights.double(),
+            credit.reward_betas, 2.0, G=4,
+        )  # fmt: skip
+        torch.testing.assert_close(credit.advantages.double(), expected, atol=2e-5, rtol=2e-5)

@@ -11,6 +11,7 @@ from datasets import Dataset
 
 from tests.helpers import RecordingTrainer, make_args
 from tests.reference import reference_process_advantages, reference_step_credit_advantages
+from trl_mrtpo.rules import as_term
 from trl_mrtpo.steps.process_rewards import token_positions
 from trl_mrtpo.utils import completion_text
 
@@ -246,7 +247,7 @@ def recording_step_rules(trainer, tokenizer) -> list[dict]:
         records.append({**credit, "steps": steps, "boundaries": boundaries, "views": batch.views})
         return credit, means
 
-    trainer.step_credit = recording
+    trainer.credit_terms["steps"] = as_term(recording)
     return records
 
 

@@ -24,6 +24,7 @@ from trl_mrtpo.kits.tool_agent import (
     agent_turn_calls,
     make_agent_dataset,
 )
+from trl_mrtpo.rules import as_term
 from trl_mrtpo.trajectories import trajectory
 
 ROW = {"stock": json.dumps({"apple": 3, "pear": 1}), "answer": "2.40"}
@@ -226,7 +227,7 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
         recorded.append((batch, credit["failure_suffix"], credit["process"]))
         return credit, means
 
-    trainer.step_credit = recording
+    trainer.credit_terms["steps"] = as_term(recording)
     trainer.train()
     ((batch, suffix, process),) = recorded
     views = [trajectory(c, m) for c, m in zip(batch.completions, batch.output["tool_mask"].tolist())]

@@ -114,20 +114,21 @@ def test_inspect_config_uses_the_recipes_chat_template_environment_and_tools(tmp
     import trl
 
     from tests.test_recipes_as_written import family_model_dir
-    from trl_mrtpo.trainer import MRTPOTrainer
 
     model_dir = family_model_dir("Qwen/Qwen3-4B-Instruct-2507", "float32", tmp_path / "model")
     recipe = tmp_path / "agent.yaml"
     text = open("recipes/cpu/agent-smollm2.yaml").read().replace("model_name_or_path: embedded", "")
     recipe.write_text(f"model_name_or_path: {model_dir}\n{text}")
     seen = []
-    sample_credit = MRTPOTrainer.sample_credit
+    import trl_mrtpo.scripts.inspection as inspection
+
+    sample_credit = inspection.sample_credit
 
     def recording(trainer, rows, num_generations):
         seen.append((trainer.environment_factories, list(trainer.tools or []), trainer.processing_class.chat_template))
         return sample_credit(trainer, rows, num_generations)
 
-    monkeypatch.setattr(MRTPOTrainer, "sample_credit", recording)
+    monkeypatch.setattr(inspection, "sample_credit", recording)
     main(["inspect", "--config", str(recipe), "--num-prompts", "1", "--num-generations", "2", "--max-new-tokens", "8",
           "--output", str(tmp_path / "credit.html"), "--threads", "1"])  # fmt: skip
     (environments, tools, template) = seen[0]
@@ -376,7 +377,6 @@ def _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, extra: str, model: bo
     import json
 
     from tests.conftest import build_tiny_model
-    from trl_mrtpo.trainer import MRTPOTrainer
 
     model_dir = tmp_path / "tiny"
     build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
@@ -392,10 +392,12 @@ def _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, extra: str, model: bo
         + extra
     )
 
-    def inspected(self, rows, num_generations):
-        raise _Inspected(self)
+    import trl_mrtpo.scripts.inspection as inspection
 
-    monkeypatch.setattr(MRTPOTrainer, "sample_credit", inspected)
+    def inspected(trainer, rows, num_generations):
+        raise _Inspected(trainer)
+
+    monkeypatch.setattr(inspection, "sample_credit", inspected)
     with pytest.raises(_Inspected) as caught:
         main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens",
               "4", "--output", str(tmp_path / "credit.html"), "--threads", "1", *argv])  # fmt: skip

@@ -10,6 +10,7 @@ from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, STATE_VERSION, read_credi
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research.trainer import RESEARCH_STATE_ENTRIES
+from trl_mrtpo.scripts.inspection import sample_credit
 
 # ---------------------------------------------------------------- checkpoint state
 IDENTITY = {
@@ -165,7 +166,7 @@ def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_
         processing_class=tiny_tokenizer,
     )
     trainer.model.eval()
-    record = trainer.sample_credit([dict(make_basic_dataset(1)[0])], 4)
+    record = sample_credit(trainer, [dict(make_basic_dataset(1)[0])], 4)
     assert record.replayed.any()
     assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()
 

@@ -26,6 +26,7 @@ from trl_mrtpo.rules import (
     unregister_credit_rule,
     unregister_credit_term,
 )
+from trl_mrtpo.scripts.inspection import sample_credit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mrtpo"
 
@@ -209,7 +210,7 @@ def test_sample_credit_leaves_every_rule_and_term_state_as_it_was(tiny_model, ti
         processing_class=tiny_tokenizer,
     )
     generator = trainer.credit_rule.generator.get_state()
-    record = trainer.sample_credit([dict(row) for row in make_basic_dataset(2)], 4)
+    record = sample_credit(trainer, [dict(row) for row in make_basic_dataset(2)], 4)
     assert record.replayed.any()
     assert trainer._concur_trust == {}
     assert torch.equal(trainer.credit_rule.generator.get_state(), generator)

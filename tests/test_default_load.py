@@ -22,9 +22,9 @@ PACKAGE = ROOT / "trl_mrtpo"
 # lines) when this test landed; 3,922 in 20 (2,567 code, 742 docstring) once the step credit, the Triton kernel and
 # the tool-rollout views loaded only when used, the token scores moved to the research room, and the shims, the
 # generation-buffer checkpoint and a second composition of steps 5-8 went; 3,864 (2,536 code, 730 docstring) once
-# the helpers of the kits, the gym and the commands left utils.py for their users. It only falls; a rise names the
-# feature that needs the lines, here.
-DEFAULT_RUN_LINES_CEILING = 3864
+# the helpers of the kits, the gym and the commands left utils.py for their users; 3,851 (2,516 code, 732 docstring)
+# with the trainer at 486 lines. It only falls; a rise names the feature that needs the lines, here.
+DEFAULT_RUN_LINES_CEILING = 3851
 # The rooms built on the core: none of them is loaded by a default run.
 ROOMS = ("steps", "research", "gym", "kits", "scripts", "baselines", "observability")
 

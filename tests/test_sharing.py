@@ -178,10 +178,10 @@ def test_a_checkpoint_pushed_to_the_hub_carries_mrtpo_state_and_resumes_it(
     assert (uploaded / "mrtpo_state_0.pt").exists(), sorted(p.name for p in uploaded.iterdir())
     saved = first.reward_strength.specificity.clone()
     assert not saved.isnan().all()  # the run read its rewards' strength before checkpointing it
+    from trl_mrtpo.strength import RewardStrength
+
     restored = []
-    original = MRTPOTrainer._restore_credit_state
-    monkeypatch.setattr(
-        MRTPOTrainer, "_restore_credit_state", lambda self, state: (restored.append(state), original(self, state))
-    )
+    original = RewardStrength.restore
+    monkeypatch.setattr(RewardStrength, "restore", lambda self, state: (restored.append(state), original(self, state)))
     trainer(3, "second").train(resume_from_checkpoint=str(uploaded))  # the uploaded folder, as downloaded
     torch.testing.assert_close(restored[0]["reward_specificity"], saved, equal_nan=True)

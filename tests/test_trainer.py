@@ -11,6 +11,7 @@ from tests.helpers import RecordingTrainer, graded_length, graded_length_too, ma
 from trl_mrtpo import InfoBlock, InfoBlockError, MRTPOTrainer
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.scripts.inspection import sample_credit
 
 LOSS_TYPES = ["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo"]
 MODES = ["mrtpo", "gdpo", "grpo", "joint", "shuffled"]
@@ -506,6 +507,6 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
         train_dataset=make_basic_dataset(4),
         processing_class=tiny_tokenizer,
     )
-    record = outside.sample_credit([make_basic_dataset(1)[0]], 4)
+    record = sample_credit(outside, [make_basic_dataset(1)[0]], 4)
     assert record.completion_ids.shape[0] == 4 and outside.state.global_step == 0  # sampled, not trained
     assert "Step 1: sampling" not in capsys.readouterr().out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -139,3 +139,26 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
         if problem is not None:
             refuse(entry, problem)
     return state
+
+
+class CheckpointedState:
+    """MRTPO's state in a checkpoint: the run's identity and its parts' state (per-reward strength, the collapse
+    monitor, the credit rule, the terms), each part with ``identity()``, ``state()``, ``restore(state)`` and
+    ``state_checks`` (:class:`~trl_mrtpo.rules.Stateful`)."""
+
+    def __init__(self, identity: dict, parts: Sequence):
+        self.parts = list(parts)
+        self.identity = dict(identity)
+        for part in self.parts:
+            self.identity.update(part.identity())
+
+    def write(self, checkpoint: str, process_index: int) -> None:
+        state = {key: value for part in self.parts for key, value in part.state().items()}
+        write_credit_state(checkpoint, process_index, self.identity, state)
+
+    def read(self, checkpoint: str, process_index: int) -> None:
+        """Restores every part from ``checkpoint`` (:func:`load_credit_state`); nothing when it holds no state."""
+        entries = {key: check for part in self.parts for key, check in part.state_checks.items()}
+        state = load_credit_state(checkpoint, process_index, self.identity, entries)
+        for part in self.parts if state is not None else ():
+            part.restore(state)

@@ -10,6 +10,7 @@ import torch
 
 from .batch import ScoredBatch
 from .credit import TokenCredit
+from .credit_state import collapse_streaks_problem
 from .utils import completion_text
 
 
@@ -82,12 +83,25 @@ class CollapseMonitor:
     collapsed steps).
     """
 
+    state_checks = {"collapse_streaks": collapse_streaks_problem}
+
     def __init__(self, patience: int, threshold: float = 1e-6):
-        self.patience = patience
+        self.patience = patience  # 0: never warns
         self.threshold = threshold
         self.streaks: dict[str, int] = {}
 
+    def identity(self) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {"collapse_streaks": dict(self.streaks)}
+
+    def restore(self, state: dict) -> None:
+        self.streaks = dict(state["collapse_streaks"])
+
     def update(self, mean_relevance: dict[str, float]) -> list[str]:
+        if self.patience <= 0:
+            return []
         alarms = []
         for name, value in mean_relevance.items():
             streak = self.streaks.get(name, 0) + 1 if value < self.threshold else 0
@@ -165,14 +179,21 @@ def credit_summary(
 
 
 def credit_summaries(
-    tokens: Sequence[Sequence[str]], advantages, relevance, with_q, names: Sequence[str], positions
+    tokenizer, completion_ids, mask, advantages, relevance, with_q, names: Sequence[str]
 ) -> list[str]:
-    """:func:`credit_summary` of each response of a batch: ``tokens`` per response (its model tokens, at
-    ``positions``: lists of the model's positions), ``advantages`` ``[B, C]``, ``relevance`` ``[B, K, C]`` and
-    ``with_q`` ``[B, K]`` (the pairs whose q profile is shown). Three host syncs for the whole batch."""
-    advantages, relevance, with_q = advantages.tolist(), relevance.tolist(), with_q.tolist()
+    """:func:`credit_summary` of each response of a batch, over its model tokens (where ``mask`` ``[B, C]`` is 1):
+    ``completion_ids`` and ``advantages`` ``[B, C]``, ``relevance`` ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the
+    pairs whose q profile is shown). A fixed number of host syncs for the whole batch, not one per response."""
+    positions = [[t for t, real in enumerate(row) if real] for row in mask.bool().tolist()]
+    ids, advantages, relevance, with_q = (
+        completion_ids.tolist(),
+        advantages.tolist(),
+        relevance.tolist(),
+        with_q.tolist(),
+    )
     summaries = []
-    for j, (response, where) in enumerate(zip(tokens, positions)):
+    for j, where in enumerate(positions):
+        tokens = token_strings(tokenizer, [ids[j][t] for t in where])
         profiles = [[relevance[j][k][t] for t in where] if with_q[j][k] else [] for k in range(len(names))]
-        summaries.append(credit_summary(response, [advantages[j][t] for t in where], profiles, names))
+        summaries.append(credit_summary(tokens, [advantages[j][t] for t in where], profiles, names))
     return summaries

@@ -72,6 +72,7 @@ class CreditGuard:
         self.parts, self.reward_names = dict(parts), list(reward_names)
         self.rank, self.num_processes = rank, num_processes
         self._reduce_sum = reduce_sum
+        self.sum_over_processes = None if reduce_sum is None else self.reduce_sum  # what steps 7-8 sum with
         self._counts: torch.Tensor | None = None  # [parts, K + 1] samples with a bad value; column K: no reward axis
         self._first: torch.Tensor | None = None  # [processes, parts] 1 + the first bad local sample (0: none)
         self._received: torch.Tensor | None = None  # the flags summed over the processes by the last reduction

@@ -21,9 +21,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ._trl import maybe_gather_lm_head_ctx
+from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
 from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
-from .ops.divergence import replay_divergence
+from .ops.divergence import divergence_backend, replay_divergence
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
@@ -110,6 +110,19 @@ def logit_multiplier(model: nn.Module) -> float:
         f"{type(model).__name__} transforms its logits non-linearly inside forward (e.g. soft-capping), so the "
         "replay would not see the sampling distribution. Such models are not supported yet."
     )
+
+
+def replay_temperature(policy: nn.Module, temperature: float, backend: str) -> float:
+    """The temperature the replay divides its own lm_head logits by: ``T / m`` for a model that scales its logits in
+    forward (:func:`logit_multiplier`), after the named divergence backend's start-up check on the real lm_head (run
+    once, before any step uses it). Every process calls it (a sharded model is gathered for the probe)."""
+    with gathered_for_probe(policy):
+        temperature = temperature / logit_multiplier(policy)
+        registered = divergence_backend(backend)
+        if registered is not None and registered.check is not None:
+            with lm_head_parameters(policy) as (weight, bias):
+                registered.check(weight, bias, temperature)
+    return temperature
 
 
 @contextmanager

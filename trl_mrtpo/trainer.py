@@ -6,11 +6,9 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from functools import cached_property, partial
 
 import torch
@@ -20,7 +18,6 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 
 from ._trl import (
-    gathered_for_probe,
     get_config_model_id,
     log_completion_column,
     log_metric,
@@ -31,26 +28,23 @@ from ._trl import (
 from .batch import Scored, ScoredBatch, credit_mask, local_slice
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, warmup_beta
-from .credit_state import CORE_STATE_ENTRIES, StateCheck, load_credit_state, write_credit_state
+from .credit_state import CheckpointedState
 from .diagnostics import (
     CollapseMonitor,
     CreditRecord,
     credit_summaries,
     process_means,
     q_statistics,
-    token_strings,
 )
 from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
 from .hub_ids import name_hub_ids, saving_with_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders
-from .ops.divergence import divergence_backend
 from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
-from .replay import causal_lm_parts, lm_head_parameters, logit_multiplier
+from .replay import causal_lm_parts, replay_temperature
 from .rules import (
     CreditInputs,
     CreditSetup,
     CreditTerm,
-    as_term,
     build_credit_terms,
     quantity,
 )
@@ -192,12 +186,7 @@ class MRTPOTrainer(GRPOTrainer):
         self._replay_temperature = self.temperature
         if self._replays or extra or runs_policy:
             policy = self.accelerator.unwrap_model(self.model)
-            with gathered_for_probe(policy):
-                self._replay_temperature = self.temperature / logit_multiplier(policy)
-                backend = divergence_backend(args.divergence_backend)
-                if backend is not None and backend.check is not None:  # checked before any step uses it
-                    with lm_head_parameters(policy) as (weight, bias):
-                        backend.check(weight, bias, self._replay_temperature)
+            self._replay_temperature = replay_temperature(policy, self.temperature, args.divergence_backend)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
         provider = f"the relevance provider {_name(relevance_provider)}" if relevance_provider else "the replay"
         self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
@@ -206,8 +195,7 @@ class MRTPOTrainer(GRPOTrainer):
         self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced
         self.last_credit: CreditRecord | None = None
-        patience = args.collapse_warning_steps
-        self._collapse_monitor = CollapseMonitor(patience) if patience > 0 else None
+        self._collapse_monitor = CollapseMonitor(args.collapse_warning_steps)
         floor = args.reward_strength_floor if self._replays and removal == "each" else None  # each reward's own q
         self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
         self.recipe = recipe  # the recipe file a run came from, for the model card
@@ -219,13 +207,9 @@ class MRTPOTrainer(GRPOTrainer):
         """The run's step-level credit term: process rewards, failure suffixes (:mod:`trl_mrtpo.steps`)."""
         return self.credit_terms.get("steps")
 
-    @step_credit.setter
-    def step_credit(self, term: CreditTerm | Callable) -> None:
-        self.credit_terms["steps"] = as_term(term)
-
     def _stateful(self) -> list:
-        """Per-reward strength, the rule and the terms: the state the checkpoint keeps beside the core's."""
-        return [self.reward_strength, self.credit_rule, *self.credit_terms.values()]
+        """The collapse monitor, per-reward strength, the rule and the terms: what the checkpoint keeps."""
+        return [self._collapse_monitor, self.reward_strength, self.credit_rule, *self.credit_terms.values()]
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id (:mod:`.hub_ids`)."""
@@ -234,27 +218,10 @@ class MRTPOTrainer(GRPOTrainer):
         with saving_with_hub_ids(self._local_copies, output_dir or self.args.output_dir):
             super()._save(output_dir, state_dict)
 
-    def _state_identity(self) -> dict:
-        """What a checkpointed MRTPO state was written for; a resume under another setup is refused."""
-        identity = {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
-        for part in self._stateful():
-            identity.update(part.identity())
-        return identity
-
-    def _credit_state(self) -> tuple[dict, dict[str, StateCheck]]:
-        """The state a resumed run needs to continue exactly, and how each entry is checked on reading."""
-        state = {"collapse_streaks": dict(self._collapse_monitor.streaks) if self._collapse_monitor else {}}
-        entries = dict(CORE_STATE_ENTRIES)
-        for part in self._stateful():
-            state.update(part.state())
-            entries.update(part.state_checks)
-        return state, entries
-
-    def _restore_credit_state(self, state: dict) -> None:
-        if self._collapse_monitor is not None:
-            self._collapse_monitor.streaks = dict(state["collapse_streaks"])
-        for part in self._stateful():
-            part.restore(state)
+    def _checkpointed(self) -> CheckpointedState:
+        """MRTPO's state in a checkpoint, for the run it was written by (a resume under another setup is refused)."""
+        run = {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
+        return CheckpointedState(run, self._stateful())
 
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state (with
@@ -274,19 +241,14 @@ class MRTPOTrainer(GRPOTrainer):
         super()._push_from_checkpoint(checkpoint_folder)
 
     def _write_credit_state(self, folder: str) -> None:
-        if self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
-            return
-        write_credit_state(folder, self.accelerator.process_index, self._state_identity(), self._credit_state()[0])
+        if not self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
+            self._checkpointed().write(folder, self.accelerator.process_index)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            entries = self._credit_state()[1]
-            rank, identity = self.accelerator.process_index, self._state_identity()
-            state = load_credit_state(checkpoint, rank, identity, entries)
-            if state is not None:
-                self._restore_credit_state(state)
+            self._checkpointed().read(checkpoint, self.accelerator.process_index)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -338,21 +300,6 @@ class MRTPOTrainer(GRPOTrainer):
         self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
         return output
 
-    def sample_credit(self, rows: list[dict], num_generations: int) -> CreditRecord:
-        """Generate ``num_generations`` responses per row with the policy, score, replay, and return the batch's
-        :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training (what ``trl-mrtpo inspect`` shows)."""
-        inputs = [dict(row) for row in rows for _ in range(num_generations)]
-        was_training = self.model.training
-        states = [(part, copy.deepcopy(part.state())) for part in self._stateful()]
-        self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
-        try:
-            self._generate_and_score_completions(inputs)
-        finally:  # an inspection trains nothing: the module's mode, strength, rule and term states are as they were
-            self.model.train(was_training)
-            for part, state in states:
-                part.restore(state)
-        return self.last_credit
-
     def _announce_first_generation(self, inputs) -> None:
         """One line before training's first generation (once, on the main process, unless progress bars are off):
         the progress bar only moves when a step ends, which on a CPU can take minutes."""
@@ -364,15 +311,6 @@ class MRTPOTrainer(GRPOTrainer):
             f"Step 1: sampling {len(inputs)} responses per process ({self.num_generations} per prompt), scoring "
             f"{len(self.reward_funcs)} rewards{replay}; the progress bar moves when the step ends."
         )
-
-    @contextmanager
-    def _replay_clock(self):
-        """Adds the time spent in the block to this step's replay seconds (logged as ``mrtpo/replay_seconds``)."""
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._replay_seconds += time.perf_counter() - started
 
     def _beta(self) -> float:
         """Step 9: the warmed-up beta of this step (a rule at full strength ramps to 1); 0 for a rule that replays
@@ -426,12 +364,13 @@ class MRTPOTrainer(GRPOTrainer):
         reads = list(dict.fromkeys(reads))  # each quantity computed once, however many read it
         quantities = {}
         if reads:  # the policy's time for credit: logged as replay seconds
-            with self._replay_clock():
-                for name in reads:
-                    if name == "relevance":
-                        relevance, replayed = self._replay(batch)
-                    else:
-                        quantities[name] = quantity(name)(self, batch)
+            started = time.perf_counter()
+            for name in reads:
+                if name == "relevance":
+                    relevance, replayed = self._replay(batch)
+                else:
+                    quantities[name] = quantity(name)(self, batch)
+            self._replay_seconds += time.perf_counter() - started
         inputs = CreditInputs(
             batch,
             relevance,
@@ -440,7 +379,7 @@ class MRTPOTrainer(GRPOTrainer):
             beta,
             self.reward_strength.betas(beta),
             self.args.max_second_moment_ratio,
-            self._guard_reduce_sum(),
+            self._guard.sum_over_processes,
             **added,
             combine=self._combine,
             check_weights=lambda weights: self._guard.note_non_finite(
@@ -457,10 +396,6 @@ class MRTPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes == 1:
             return None
         return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
-
-    def _guard_reduce_sum(self):
-        """The sum over processes that carries the finiteness flags (None on one process)."""
-        return None if self.accelerator.num_processes == 1 else self._guard.reduce_sum
 
     def _replay_inputs(self, batch: ScoredBatch, joint: bool):
         """Step 2 on the local batch (:func:`~trl_mrtpo.relevance.replay_inputs`): per response, the replayed rewards,
@@ -485,7 +420,7 @@ class MRTPOTrainer(GRPOTrainer):
         self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
         relevance = relevance.clamp(min=0.0)  # [-1e-6, 0) is rounding
         if self.model.training:
-            self.reward_strength.read(relevance, replayed, self._guard_reduce_sum())
+            self.reward_strength.read(relevance, replayed, self._guard.sum_over_processes)
         if any_replayed:
             for part in [*self.credit_terms.values(), self.credit_rule]:
                 relevance = part.relevance(relevance, replayed, batch)
@@ -511,7 +446,7 @@ class MRTPOTrainer(GRPOTrainer):
         for key, value in metrics.items():
             log_metric(self, mode, key, value)
 
-        if mode == "train" and self._collapse_monitor is not None:  # every process reads the same q means
+        if mode == "train":  # every process reads the same q means
             prefix = "mrtpo/q_mean/"
             means = {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
             for warning in self._collapse_monitor.warnings(means):
@@ -519,15 +454,9 @@ class MRTPOTrainer(GRPOTrainer):
 
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
         # Decoding every token costs time each step, so only when that table is logged.
-        if self.log_completions:  # a host sync for the positions and one for the ids, not one per response
-            positions = [[t for t, real in enumerate(row) if real] for row in mask.bool().tolist()]
-            ids = self.last_credit.completion_ids.tolist()
-            tokens = [
-                token_strings(self.processing_class, [row[t] for t in where]) for row, where in zip(ids, positions)
-            ]
-            summaries = credit_summaries(
-                tokens, credit.advantages, relevance, with_q, self.reward_func_names, positions
-            )
+        if self.log_completions:
+            ids, names = self.last_credit.completion_ids, self.reward_func_names
+            summaries = credit_summaries(self.processing_class, ids, mask, credit.advantages, relevance, with_q, names)
             log_completion_column(self, "mrtpo_credit", gather_object(summaries))
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.

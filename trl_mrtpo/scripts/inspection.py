@@ -180,6 +180,25 @@ def format_report(report: list[LocalisationRow]) -> str:
     return "\n".join(lines)
 
 
+def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditRecord:
+    """Generate ``num_generations`` responses per row with ``trainer``'s policy, score, replay, and return the batch's
+    :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training: the module's mode and the state of the collapse
+    monitor, per-reward strength, the rule and the terms are as they were."""
+    import copy
+
+    inputs = [dict(row) for row in rows for _ in range(num_generations)]
+    was_training = trainer.model.training
+    states = [(part, copy.deepcopy(part.state())) for part in trainer._stateful()]
+    trainer.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
+    try:
+        trainer._generate_and_score_completions(inputs)
+    finally:
+        trainer.model.train(was_training)
+        for part, state in states:
+            part.restore(state)
+    return trainer.last_credit
+
+
 def inspect_credit(
     model: str = "embedded",
     adapter: str | None = None,
@@ -285,7 +304,7 @@ def inspect_credit(
     )
     what = "Replaying the given" if completions else "Sampling, scoring and replaying"
     print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...", flush=True)
-    record = trainer.sample_credit(rows, num_generations)
+    record = sample_credit(trainer, rows, num_generations)
     names = trainer.reward_func_names
     if output:
         with open(output, "w", encoding="utf-8") as page:
