@@ -52,7 +52,9 @@ class MRTPOConfig(GRPOConfig):
             Replay only the (response, reward) pairs whose reward varies within the group; the others cannot
             change the advantage. `False` replays every pair that has an info block (for analysis).
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
-            Completion tokens per divergence chunk of the torch backend; `None` keeps about 2M logits at once.
+            Completion tokens per divergence chunk of the torch backend; `None`: on CUDA as many as fill 1/16 of the
+            device's memory with the chunk's fp32 logits and JS temporaries (docs/kernels.md), on CPU about 2M
+            logits at once.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` (chunked), `"triton"` (fused kernel, CUDA, needs the `kernels` extra; checked against the torch
             path at start-up on synthetic tokens of the lm_head's shape), another registered backend
@@ -118,7 +120,10 @@ class MRTPOConfig(GRPOConfig):
     )
     replay_chunk_size: int | None = field(
         default=None,
-        metadata={"help": "Completion tokens per divergence chunk (torch backend); None bounds it to ~2M logits."},
+        metadata={
+            "help": "Completion tokens per divergence chunk (torch backend); None: a fixed workspace on CUDA (1/16 of "
+            "its memory), ~2M logits on CPU."
+        },
     )
     divergence_backend: str = field(
         default="auto",

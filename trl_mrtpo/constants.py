@@ -12,6 +12,10 @@ MAX_LOG_RATIO = 100.0
 # 11.0 s (same inputs).
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
 MIN_CHUNK_TOKENS = 8
+# The device rule of the torch divergence (CUDA): the token chunk is sized so that the chunk's fp32 logits and JS
+# temporaries ((3K + 1) vocabulary rows per token for K removed contexts) fill this share of the device's total
+# memory, the same every step (docs/kernels.md).
+REPLAY_WORKSPACE_FRACTION = 1 / 16
 # Vocabulary columns per tile of the sampled-token log-probabilities (TRL's ChunkedLogProbFunction).
 VOCAB_TILE = 4096
 

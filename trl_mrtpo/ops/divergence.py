@@ -13,7 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..constants import DEFAULT_CHUNK_ELEMENTS, LN2, MAX_LOG_RATIO, MIN_CHUNK_TOKENS, VOCAB_TILE
+from ..constants import (
+    DEFAULT_CHUNK_ELEMENTS,
+    LN2,
+    MAX_LOG_RATIO,
+    MIN_CHUNK_TOKENS,
+    REPLAY_WORKSPACE_FRACTION,
+    VOCAB_TILE,
+)
+
+# Tests run the device rule on CPU by setting this (everything but its one CUDA-only line: an fp32-output GEMM of
+# low-precision operands, which the CPU has not; it casts those operands to fp32 once instead).
+_DEVICE_RULE_ON_CPU = False
 
 
 @dataclass(frozen=True)
@@ -139,10 +150,85 @@ def replay_divergence(
     if backend not in divergence_backends():
         raise ValueError(f"backend must be one of {divergence_backends()}, got {backend!r}")
     if chosen_backend(backend) != "torch":
-        return divergence_backend(backend).compute(
-            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature
+        registered = divergence_backend(backend)
+        return registered.compute(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
+    if hidden_all.is_cuda or _DEVICE_RULE_ON_CPU:
+        workspace = device_workspace(hidden_all.device)
+        return workspace_divergence(
+            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, workspace, chunk_size
         )
     return _torch_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, chunk_size)
+
+
+def device_workspace(device: torch.device) -> int:
+    """Bytes the device rule may use for one chunk's logits and JS temporaries: a fixed share
+    (:data:`~trl_mrtpo.constants.REPLAY_WORKSPACE_FRACTION`) of the device's total memory, so the chunking is the
+    same every step; 2 GiB off CUDA (the device rule forced on CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * REPLAY_WORKSPACE_FRACTION)
+    return 2 << 30
+
+
+def workspace_chunk(workspace: int, vocab: int, num_removed: int) -> int:
+    """Tokens per chunk of :func:`workspace_divergence`: its peak is ``(3K + 1)`` fp32 vocabulary rows per token for
+    ``K`` removed contexts (the ``K + 1`` log-probability rows, then two ``K``-row JS temporaries), at least 1."""
+    return max(1, workspace // (4 * vocab * (3 * num_removed + 1)))
+
+
+def workspace_divergence(
+    hidden_all: torch.Tensor,
+    hidden_removed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    temperature: float,
+    workspace: int,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """The device rule of the torch path (step 4; docs/kernels.md): ``[M, N]`` q in token chunks of
+    :func:`workspace_chunk` tokens (``chunk_size`` when given), the whole vocabulary at once, one pass.
+
+    The ``M + 1`` contexts are stacked once as ``[N, M + 1, H]`` in the hidden states' dtype; each chunk is one GEMM
+    with the weight's dtype as operands and fp32 output (cuBLAS; the temperature and the bias in its epilogue), one
+    ``log_softmax`` and the JS of :func:`_js_terms` in place: about 22 aten operators and one GEMM per chunk,
+    ``ceil(N / chunk)`` chunks, whatever the vocabulary.
+    """
+    num_removed, num_tokens, hidden_size = hidden_removed.shape
+    vocab = lm_head_weight.shape[0]
+    chunk = chunk_size or workspace_chunk(workspace, vocab, num_removed)
+    stacked = torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1)  # [N, M + 1, H]
+    weight = lm_head_weight.t()
+    low_precision = weight.dtype != torch.float32
+    on_device = stacked.is_cuda or stacked.is_meta
+    if stacked.dtype != weight.dtype or (low_precision and not on_device):
+        stacked, weight = stacked.float(), weight.float()  # once per call: a CPU has no fp32-output bf16 GEMM
+        low_precision = False
+    bias = torch.zeros((), device=stacked.device) if lm_head_bias is None else lm_head_bias.float()
+    beta = 0.0 if lm_head_bias is None else 1.0 / temperature
+    largest = torch.full((), MAX_LOG_RATIO, device=stacked.device)
+    sums = []
+    for start in range(0, num_tokens, chunk):
+        rows = stacked[start : start + chunk].view(-1, hidden_size)
+        if low_precision:  # cuBLAS: bf16 / fp16 operands, fp32 accumulation and output
+            logits = torch.addmm(bias, rows, weight, beta=beta, alpha=1.0 / temperature, out_dtype=torch.float32)
+        else:
+            logits = torch.addmm(bias, rows, weight, beta=beta, alpha=1.0 / temperature)
+        logprobs = torch.log_softmax(logits.view(-1, num_removed + 1, vocab), dim=-1)
+        del logits
+        sums.append(_js_terms_in_place(logprobs[:, :1], logprobs[:, 1:], largest))
+    return torch.cat(sums).mul_(0.5 / LN2).clamp_(0.0, 1.0).t()
+
+
+def _js_terms_in_place(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """:func:`_js_terms` over the last dimension, overwriting ``logprobs_q`` (``[n, M, V]``, with ``logprobs_p``
+    ``[n, 1, V]``): ``[n, M]``. Two ``[n, M, V]`` temporaries; ``-u a`` is written ``u log u`` (``u = exp(-a)``), so
+    ``a`` need not be kept beside ``u``."""
+    larger = torch.maximum(logprobs_p, logprobs_q)
+    gap = logprobs_q.sub_(logprobs_p).abs_()
+    torch.fmin(gap, largest, out=gap)  # NaN (both -inf) and inf to the clamp, as _js_terms does
+    share = gap.neg_().exp_()  # u = min(p, q) / max(p, q), in the gap's buffer
+    terms = torch.log1p(share).neg_().add_(LN2)  # log b - log m
+    terms.addcmul_(terms, share).add_(share.xlogy_(share))  # (1 + u)(log b - log m) - u a
+    return larger.exp_().mul_(terms).sum(-1)
 
 
 def _torch_divergence(

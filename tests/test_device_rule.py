@@ -1,0 +1,88 @@
+"""The replay divergence's device rule (CUDA; forced on CPU here by ``_DEVICE_RULE_ON_CPU``, everything but its one
+CUDA-only line, the fp32-output GEMM of low-precision operands): q against the float64 reference for fp32, bf16 and
+fp16 heads, the same q whatever the chunk, and the aten operators of a 64 x 1,024-token batch counted on ``meta``
+tensors at real shapes (docs/kernels.md)."""
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.reference import js_float64
+from trl_mrtpo.ops import divergence
+from trl_mrtpo.ops.divergence import workspace_chunk, workspace_divergence
+
+
+@pytest.fixture
+def device_rule(monkeypatch):
+    monkeypatch.setattr(divergence, "_DEVICE_RULE_ON_CPU", True)
+
+
+def inputs(dtype, seed=0, tokens=37, removed=3, hidden=16, vocab=101):
+    gen = torch.Generator().manual_seed(seed)
+    hidden_all = torch.randn(tokens, hidden, generator=gen)
+    hidden_removed = hidden_all[None] + 0.5 * torch.randn(removed, tokens, hidden, generator=gen)
+    hidden_removed[1] = hidden_all  # an identical context must give exactly 0
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.5
+    bias = torch.randn(vocab, generator=gen) * 0.1
+    return hidden_all.to(dtype), hidden_removed.to(dtype), weight.to(dtype), bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_device_rule_matches_float64_for_every_head_dtype(device_rule, dtype):
+    hidden_all, hidden_removed, weight, bias = inputs(dtype)
+    q = divergence.replay_divergence(hidden_all, hidden_removed, weight, bias, temperature=0.7)
+    assert q.shape == (3, 37) and q.dtype == torch.float32
+    logits = (hidden_all.double() @ weight.double().T + bias.double()) / 0.7
+    for m in range(3):
+        removed = (hidden_removed[m].double() @ weight.double().T + bias.double()) / 0.7
+        torch.testing.assert_close(q[m].double(), js_float64(logits, removed), atol=1e-6, rtol=0)
+    assert q[1].abs().max().item() == 0.0
+
+
+def test_q_is_the_same_whatever_the_chunk_the_last_one_partial(device_rule):
+    hidden_all, hidden_removed, weight, bias = inputs(torch.bfloat16)
+    results = [workspace_divergence(hidden_all, hidden_removed, weight, bias, 0.7, 2 << 30, c) for c in (4, 10, 37)]
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], atol=1e-6, rtol=0)
+    # without a chunk size, the workspace decides: 2 GiB holds the whole batch, 40 KiB 40,960 // (4 x 101 x 10) tokens
+    assert workspace_chunk(2 << 30, 101, 3) >= 37 and workspace_chunk(40 * 1024, 101, 3) == 10
+    small = workspace_divergence(hidden_all, hidden_removed, weight, bias, 0.7, 40 * 1024)
+    torch.testing.assert_close(small, results[0], atol=1e-6, rtol=0)
+
+
+class CountingOperators(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "shape, vocab, hidden, dtype",
+    [
+        ("7B", 152_064, 3_584, torch.bfloat16),
+        ("3B", 151_936, 2_048, torch.bfloat16),
+        ("7B fp32", 152_064, 3_584, torch.float32),
+    ],
+)
+def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operators(shape, vocab, hidden, dtype):
+    """With a 2 GiB workspace and K = 3: ``chunk = floor(2^31 / (4 V (3K + 1)))`` tokens (353 at V = 152,064),
+    ``ceil(N / chunk)`` GEMMs (186) and 22 operators per chunk plus 10 (4,102); the chunked path before took 38,912
+    GEMMs and about 973,000 operators at the 7B shape, and 8-token chunks for an fp32 head."""
+    tokens, removed, workspace = 64 * 1_024, 3, 2 << 30
+    hidden_all = torch.empty(tokens, hidden, device="meta", dtype=dtype)
+    hidden_removed = torch.empty(removed, tokens, hidden, device="meta", dtype=dtype)
+    weight = torch.empty(vocab, hidden, device="meta", dtype=dtype)
+    with CountingOperators() as counted:
+        q = workspace_divergence(hidden_all, hidden_removed, weight, None, 0.7, workspace)
+    chunk = workspace // (4 * vocab * (3 * removed + 1))
+    chunks = math.ceil(tokens / chunk)
+    assert q.shape == (removed, tokens) and chunk >= 300
+    assert counted.counts["addmm"] == chunks
+    assert sum(counted.counts.values()) == 22 * chunks + 10 <= 5_000, dict(counted.counts)
