@@ -1,8 +1,13 @@
 """Everything this project can only measure on a GPU, in one run of a few minutes (``bash benchmarks/gpu_check.sh``).
 
-1. The Triton kernel's tests on the real device (``tests/test_triton_divergence.py``).
-2. The JS op: naive full logits, TRL's ``ChunkedDivergenceFunction`` x K, our torch path and our fused Triton kernel
-   (``benchmarks/js_kernel.py --device cuda``) at V = 49152 (H = 576) and V = 152064 (H = 1536), K = 1, 3, 8.
+1. First, the table that decides ``divergence_backend="auto"`` (``auto.json``, written within the first 3 minutes so
+   that a run cut short still decides): the JS op at V = 152064 (H = 1536), K = 1, 3, 8 — naive full logits, TRL's
+   ``ChunkedDivergenceFunction`` x K, our torch path (on CUDA its device rule: chunks from a fixed workspace,
+   fp32-output cuBLAS GEMMs) and our fused Triton kernel — each checked against float64, with its peak memory.
+   ``auto`` may become ``triton`` only where the kernel is within 1e-5 bits of float64 and faster than the torch
+   path at every K.
+2. The Triton kernel's tests on the real device (``tests/test_triton_divergence.py``), then the JS op at
+   V = 49152 (H = 576).
 3. Liger-Kernel's fused linear JSD (``LigerFusedLinearJSD``, the published fused anchor; it returns a reduced
    loss, so only time and memory compare) called once per removed context, on the same inputs.
 4. A block-size sweep of our kernel (tokens x vocabulary x hidden tiles).
@@ -136,6 +141,45 @@ def random_smollm2(folder: Path, tokenizer: Path, **shape) -> str:
     return str(folder)
 
 
+def js_kernel(python: str, device: str, tokens: int, shape: tuple[int, int], ks, output: Path) -> dict:
+    vocab, hidden = shape
+    return run(
+        [python, "benchmarks/js_kernel.py", "--device", device, "--tokens", str(tokens), "--hidden", str(hidden),
+         "--vocab", str(vocab), "--k", *map(str, ks), "--output", str(output / f"js_kernel_{device}_{vocab}.csv")],
+        output / f"js_kernel_{vocab}.log", 150,
+    )  # fmt: skip
+
+
+def decide_auto(table: Path, decision: Path) -> dict:
+    """What ``divergence_backend="auto"`` should be, from the JS-op table: ``triton`` only where the kernel's q is
+    within 1e-5 bits of float64 and it is faster than the torch path at every K, else ``torch``; written to
+    ``decision`` with the ratios it read."""
+    import csv
+
+    if not table.is_file():
+        result = {"auto": "torch", "why": f"{table.name} was not written"}
+    else:
+        rows = list(csv.DictReader(table.open()))
+        by = {(r["method"], r["k"]): r for r in rows}
+        ks = sorted({r["k"] for r in rows}, key=int)
+        ratios, exact = {}, True
+        for k in ks:
+            ours, fused = by.get(("ours", k)), by.get(("triton", k))
+            if ours is None or fused is None:
+                exact = False
+                continue
+            ratios[k] = float(ours["seconds"]) / float(fused["seconds"])
+            exact &= float(fused["max_error_vs_float64"]) <= 1e-5
+        faster = bool(ratios) and len(ratios) == len(ks) and min(ratios.values()) > 1.0
+        result = {
+            "auto": "triton" if exact and faster else "torch",
+            "torch_over_triton_seconds": ratios,
+            "triton_within_1e-5_of_float64": exact,
+        }
+    decision.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(output: Path, tokenizer: Path | None, dry_run: bool = False) -> int:
     import torch
 
@@ -147,17 +191,16 @@ def main(output: Path, tokenizer: Path | None, dry_run: bool = False) -> int:
     output.mkdir(parents=True, exist_ok=True)
     summary = {"device": "cpu (dry run)" if dry_run else torch.cuda.get_device_name(), "torch": torch.__version__}
     python = sys.executable
+    first, *others = sorted(shapes, reverse=True)  # the largest vocabulary decides auto
+    summary[f"js_kernel_{first[0]}"] = js_kernel(python, device, tokens, first, ks, output)
+    summary["auto"] = decide_auto(output / f"js_kernel_{device}_{first[0]}.csv", output / "auto.json")
     summary["triton_tests"] = run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_divergence.py",
          f"--junitxml={output / 'triton_tests.xml'}", *(["--collect-only"] if dry_run else [])],
         output / "triton_tests.log", 300,
     )  # fmt: skip
-    for vocab, hidden in shapes:
-        summary[f"js_kernel_{vocab}"] = run(
-            [python, "benchmarks/js_kernel.py", "--device", device, "--tokens", str(tokens), "--hidden", str(hidden),
-             "--vocab", str(vocab), "--k", *map(str, ks), "--output", str(output / f"js_kernel_{device}_{vocab}.csv")],
-            output / f"js_kernel_{vocab}.log", 240,
-        )  # fmt: skip
+    for shape in others:
+        summary[f"js_kernel_{shape[0]}"] = js_kernel(python, device, tokens, shape, ks, output)
     try:
         liger_and_blocks(output, device)
         summary["liger_and_blocks"] = "ok"

@@ -203,6 +203,11 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
         assert summary[part]["returncode"] == 0, (part, (tmp_path / "out" / summary[part]["log"]).read_text()[-2000:])
     for name in ("liger_vs_ours.json", "block_sweep.json", "js_kernel_cpu_256.csv", "replay_overhead_cpu.csv"):
         assert (tmp_path / "out" / name).is_file(), name
+    # the decision on auto comes first, from the JS-op table (the dry run has no Triton kernel timed against torch
+    # on a GPU, so it stays torch)
+    decision = json.loads((tmp_path / "out" / "auto.json").read_text())
+    assert decision["auto"] in ("torch", "triton") and summary["auto"] == decision
+    assert list(summary).index("auto") < list(summary).index("triton_tests")
 
 
 @pytest.mark.slow
