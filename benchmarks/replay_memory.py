@@ -12,7 +12,9 @@ model's weights is (docs/method.md step 4; ``trl_mrtpo.replay``, ``trl_mrtpo.ops
   (``batch x heads x width x (prefix + width)`` each), and the batch's last hidden states;
 - **the divergence**: one token chunk's fp32 log-probabilities for the ``M + 1`` contexts with the JS's three
   temporaries, over the whole vocabulary for an fp32 model, and over one vocabulary tile (``VOCAB_TILE`` rows, with
-  that tile of the lm_head cast to fp32) for a bf16 / fp16 one: never an fp32 copy of the whole lm_head.
+  that tile of the lm_head cast to fp32) for a bf16 / fp16 one: never an fp32 copy of the whole lm_head. On CUDA (the
+  device rule, ``Replay.workspace`` set): the contexts' hidden states stacked once (``tokens x (M + 1) x H``) and one
+  chunk of ``workspace_chunk`` tokens holding ``(3M + 1)`` fp32 vocabulary rows per token.
 
 ``--measure`` checks the model on CPU: random-weight models of the real hidden size and vocabulary at reduced depth,
 one replay in a fresh process each, the peak resident memory above the loaded model (``/proc``'s high-water mark,
@@ -29,7 +31,7 @@ import csv
 import json
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -76,6 +78,7 @@ class Replay:
     block: int = 40  # tokens an info block adds after the shared prompt
     batch: int = 8  # sequences per replay forward (replay_batch_size)
     dtype_bytes: int = 2
+    workspace: int | None = None  # the device rule's workspace in bytes (CUDA); None: the CPU chunk rule
 
 
 def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
@@ -98,6 +101,19 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
         + batch * width * shape.hidden * b  # the batch's last hidden states
     )
     contexts = replay.removed + 1
+    if replay.workspace is not None:  # the device rule (CUDA): stacked hidden states, then one chunk's rows
+        from trl_mrtpo.ops.divergence import workspace_chunk
+
+        tokens = replay.responses * replay.completion
+        chunk = min(workspace_chunk(replay.workspace, shape.vocab, replay.removed), tokens)
+        stacked = tokens * contexts * shape.hidden * b
+        divergence = stacked + (3 * replay.removed + 1) * chunk * shape.vocab * 4
+        return {
+            "kept_states": kept,
+            "forward": forward,
+            "divergence": divergence,
+            "peak": kept + max(forward, divergence),
+        }
     # fp32 weights: token chunks over the whole vocabulary; a low-precision lm_head: vocabulary tiles cast to fp32
     # one at a time (one fp32 tile, never the whole lm_head), token chunks within a tile
     columns = shape.vocab if b == 4 else min(VOCAB_TILE, shape.vocab)
@@ -166,6 +182,11 @@ def _child(spec: str) -> None:
         blocks = [ids(replay.block) for _ in range(replay.removed + 1)]
         contexts.append([prompt + blocks[0]] + [prompt + block for block in blocks[1:]])
         completions.append(ids(replay.completion))
+    if replay.workspace is not None:  # the device rule, forced on CPU (fp32 weights: no CPU-only casts)
+        from trl_mrtpo.ops import divergence
+
+        divergence._DEVICE_RULE_ON_CPU = True
+        divergence.device_workspace = lambda device: replay.workspace
     # one tiny replay first: lazy imports and first-call allocations are not the replay's peak
     replay_relevance(model, [[prompt[:4] + ids(2), prompt[:4] + ids(2)]], [ids(2)], 1.0, batch_size=replay.batch)
     before = _resident("VmRSS")
@@ -198,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
             # lm_head (V 152,064 x H 3,584), both bf16
             ("qwen2.5-1.5b", Replay(2, 1, 200, 1024, dtype_bytes=2), 1),
             ("qwen2.5-7b", Replay(4, 2, 100, 64, dtype_bytes=2), 1),
+            # the CUDA device rule forced on CPU, fp32 (a 1 GiB workspace: chunks of 176 tokens at V = 151,936)
+            ("qwen2.5-1.5b", Replay(4, 3, 200, 256, dtype_bytes=4, workspace=2**30), 1),
         ]
         for name, replay, layers in checks:
             shape = SHAPES[name]
@@ -212,13 +235,15 @@ def main(argv: list[str] | None = None) -> None:
             print(rows[-1], flush=True)
     # the 24 GB recipes' shapes: the generation batch (per-device batch x accumulation steps), their replay batch,
     # completion length and dtype; prompt lengths and replayed rewards per response are typical of their kits
+    # ... on CPU's chunk rule, and on a 24 GB GPU's device rule (a workspace of 1/16 of its memory)
     for recipe, name, replay in RECIPE_REPLAYS:
-        parts = replay_peak_bytes(SHAPES[name], replay)
-        rows.append(
-            {"kind": "computed", "model": f"{name} ({recipe})", **asdict(replay),
-             "predicted_gb": round(parts["peak"] / GB, 3),
-             **{f"{part}_gb": round(value / GB, 3) for part, value in parts.items() if part != "peak"}}
-        )  # fmt: skip
+        for rule in (replay, replace(replay, workspace=24 * 2**30 // 16)):
+            parts = replay_peak_bytes(SHAPES[name], rule)
+            rows.append(
+                {"kind": "computed", "model": f"{name} ({recipe})", **asdict(rule),
+                 "predicted_gb": round(parts["peak"] / GB, 3),
+                 **{f"{part}_gb": round(value / GB, 3) for part, value in parts.items() if part != "peak"}}
+            )  # fmt: skip
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     columns = list(dict.fromkeys(key for row in rows for key in row))

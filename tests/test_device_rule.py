@@ -73,7 +73,7 @@ class CountingOperators(TorchDispatchMode):
 )
 def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operators(shape, vocab, hidden, dtype):
     """With a 2 GiB workspace and K = 3: ``chunk = floor(2^31 / (4 V (3K + 1)))`` tokens (353 at V = 152,064),
-    ``ceil(N / chunk)`` GEMMs (186) and 22 operators per chunk plus 10 (4,102); the chunked path before took 38,912
+    ``ceil(N / chunk)`` GEMMs (186) and 23 operators per chunk plus 9 (4,287); the chunked path before took 38,912
     GEMMs and about 973,000 operators at the 7B shape, and 8-token chunks for an fp32 head."""
     tokens, removed, workspace = 64 * 1_024, 3, 2 << 30
     hidden_all = torch.empty(tokens, hidden, device="meta", dtype=dtype)
@@ -85,4 +85,4 @@ def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operato
     chunks = math.ceil(tokens / chunk)
     assert q.shape == (removed, tokens) and chunk >= 300
     assert counted.counts["addmm"] == chunks
-    assert sum(counted.counts.values()) == 22 * chunks + 10 <= 5_000, dict(counted.counts)
+    assert sum(counted.counts.values()) == 23 * chunks + 9 <= 5_000, dict(counted.counts)

@@ -189,7 +189,7 @@ def workspace_divergence(
 
     The ``M + 1`` contexts are stacked once as ``[N, M + 1, H]`` in the hidden states' dtype; each chunk is one GEMM
     with the weight's dtype as operands and fp32 output (cuBLAS; the temperature and the bias in its epilogue), one
-    ``log_softmax`` and the JS of :func:`_js_terms` in place: about 22 aten operators and one GEMM per chunk,
+    ``log_softmax`` and the JS of :func:`_js_terms` in place: about 23 aten operators and one GEMM per chunk,
     ``ceil(N / chunk)`` chunks, whatever the vocabulary.
     """
     num_removed, num_tokens, hidden_size = hidden_removed.shape
@@ -204,7 +204,6 @@ def workspace_divergence(
         low_precision = False
     bias = torch.zeros((), device=stacked.device) if lm_head_bias is None else lm_head_bias.float()
     beta = 0.0 if lm_head_bias is None else 1.0 / temperature
-    largest = torch.full((), MAX_LOG_RATIO, device=stacked.device)
     sums = []
     for start in range(0, num_tokens, chunk):
         rows = stacked[start : start + chunk].view(-1, hidden_size)
@@ -214,17 +213,17 @@ def workspace_divergence(
             logits = torch.addmm(bias, rows, weight, beta=beta, alpha=1.0 / temperature)
         logprobs = torch.log_softmax(logits.view(-1, num_removed + 1, vocab), dim=-1)
         del logits
-        sums.append(_js_terms_in_place(logprobs[:, :1], logprobs[:, 1:], largest))
+        sums.append(_js_terms_in_place(logprobs[:, :1], logprobs[:, 1:]))
+        del logprobs  # before the next chunk's logits: the workspace holds one chunk
     return torch.cat(sums).mul_(0.5 / LN2).clamp_(0.0, 1.0).t()
 
 
-def _js_terms_in_place(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+def _js_terms_in_place(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
     """:func:`_js_terms` over the last dimension, overwriting ``logprobs_q`` (``[n, M, V]``, with ``logprobs_p``
     ``[n, 1, V]``): ``[n, M]``. Two ``[n, M, V]`` temporaries; ``-u a`` is written ``u log u`` (``u = exp(-a)``), so
     ``a`` need not be kept beside ``u``."""
     larger = torch.maximum(logprobs_p, logprobs_q)
-    gap = logprobs_q.sub_(logprobs_p).abs_()
-    torch.fmin(gap, largest, out=gap)  # NaN (both -inf) and inf to the clamp, as _js_terms does
+    gap = logprobs_q.sub_(logprobs_p).abs_().nan_to_num_(MAX_LOG_RATIO).clamp_(max=MAX_LOG_RATIO)  # as _js_terms
     share = gap.neg_().exp_()  # u = min(p, q) / max(p, q), in the gap's buffer
     terms = torch.log1p(share).neg_().add_(LN2)  # log b - log m
     terms.addcmul_(terms, share).add_(share.xlogy_(share))  # (1 + u)(log b - log m) - u a
