@@ -150,10 +150,11 @@ def js_kernel(python: str, device: str, tokens: int, shape: tuple[int, int], ks,
     )  # fmt: skip
 
 
-def decide_auto(table: Path, decision: Path) -> dict:
+def decide_auto(table: Path, decision: Path, tokens: int = 0, hidden: int = 0, device: str = "cpu") -> dict:
     """What ``divergence_backend="auto"`` should be, from the JS-op table: ``triton`` only where the kernel's q is
     within 1e-5 bits of float64 and it is faster than the torch path at every K, else ``torch``; written to
-    ``decision`` with the ratios it read."""
+    ``decision`` with the ratios it read and, on CUDA, the torch path's measured peak over the device rule's memory
+    model (``benchmarks/replay_memory.py``: the stacked hidden states and one chunk's ``(3K + 1)`` fp32 rows)."""
     import csv
 
     if not table.is_file():
@@ -162,7 +163,7 @@ def decide_auto(table: Path, decision: Path) -> dict:
         rows = list(csv.DictReader(table.open()))
         by = {(r["method"], r["k"]): r for r in rows}
         ks = sorted({r["k"] for r in rows}, key=int)
-        ratios, exact = {}, True
+        ratios, exact = {}, bool(ks)
         for k in ks:
             ours, fused = by.get(("ours", k)), by.get(("triton", k))
             if ours is None or fused is None:
@@ -176,6 +177,20 @@ def decide_auto(table: Path, decision: Path) -> dict:
             "torch_over_triton_seconds": ratios,
             "triton_within_1e-5_of_float64": exact,
         }
+        if device == "cuda":
+            import torch
+
+            from trl_mrtpo.ops.divergence import device_workspace, workspace_chunk
+
+            workspace = device_workspace(torch.device("cuda"))
+            result["torch_peak_over_model"] = {}
+            for k in ks:
+                ours = by.get(("ours", k))
+                if ours is not None:
+                    vocab, removed = int(ours["vocab"]), int(k)
+                    chunk = min(workspace_chunk(workspace, vocab, removed), tokens)
+                    model = tokens * (removed + 1) * hidden * 2 + (3 * removed + 1) * chunk * vocab * 4
+                    result["torch_peak_over_model"][k] = float(ours["peak_extra_mb"]) * 2**20 / model
     decision.write_text(json.dumps(result, indent=1))
     return result
 
@@ -193,7 +208,8 @@ def main(output: Path, tokenizer: Path | None, dry_run: bool = False) -> int:
     python = sys.executable
     first, *others = sorted(shapes, reverse=True)  # the largest vocabulary decides auto
     summary[f"js_kernel_{first[0]}"] = js_kernel(python, device, tokens, first, ks, output)
-    summary["auto"] = decide_auto(output / f"js_kernel_{device}_{first[0]}.csv", output / "auto.json")
+    table = output / f"js_kernel_{device}_{first[0]}.csv"
+    summary["auto"] = decide_auto(table, output / "auto.json", tokens, first[1], device)
     summary["triton_tests"] = run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_divergence.py",
          f"--junitxml={output / 'triton_tests.xml'}", *(["--collect-only"] if dry_run else [])],

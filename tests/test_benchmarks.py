@@ -281,3 +281,27 @@ def test_reward_strength_decision_applies_the_preregistered_rule(tmp_path, monke
     (tmp_path / "runs" / "seed107" / "result.json").unlink()
     with pytest.raises(SystemExit, match="seeds \\[107\\] are not finished"):
         decision.main()
+
+
+def test_gpu_check_decides_auto_by_its_stated_rule(tmp_path):
+    """A hand-made JS-op table: the Triton kernel faster at every K and within 1e-5 bits of float64 makes auto
+    triton; one K where it is off float64, or slower, or missing keeps torch."""
+    decide_auto = load("gpu_check").decide_auto
+
+    def decision(rows):
+        table = tmp_path / "table.csv"
+        with table.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=["vocab", "k", "method", "seconds", "max_error_vs_float64"])
+            writer.writeheader()
+            writer.writerows(rows)
+        return decide_auto(table, tmp_path / "auto.json")["auto"]
+
+    def row(k, method, seconds, error=1e-7):
+        return {"vocab": 152064, "k": k, "method": method, "seconds": seconds, "max_error_vs_float64": error}
+
+    fast = [row(k, "ours", 1.0) for k in (1, 3)] + [row(k, "triton", 0.5) for k in (1, 3)]
+    assert decision(fast) == "triton"
+    assert decision([*fast[:3], row(3, "triton", 0.5, error=1e-4)]) == "torch"
+    assert decision([*fast[:3], row(3, "triton", 2.0)]) == "torch"
+    assert decision(fast[:3]) == "torch"
+    assert json.loads((tmp_path / "auto.json").read_text())["auto"] == "torch"
