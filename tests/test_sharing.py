@@ -185,3 +185,38 @@ def test_a_checkpoint_pushed_to_the_hub_carries_mrtpo_state_and_resumes_it(
     monkeypatch.setattr(RewardStrength, "restore", lambda self, state: (restored.append(state), original(self, state)))
     trainer(3, "second").train(resume_from_checkpoint=str(uploaded))  # the uploaded folder, as downloaded
     torch.testing.assert_close(restored[0]["reward_specificity"], saved, equal_nan=True)
+
+
+def test_save_model_from_python_writes_the_mrtpo_card(tmp_path, tiny_model, tiny_tokenizer):
+    """A Python run's ``trainer.save_model()`` writes the run's card beside the adapter (it left PEFT's blank template,
+    "[More Information Needed]", tagged with a local path): the method, the rewards with their blocks, the credit
+    settings, and a base model that is a Hub id, never a local folder."""
+    from peft import LoraConfig
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    copy = tmp_path / "copy"
+    tiny_model.save_pretrained(copy)
+    tiny_tokenizer.save_pretrained(copy)
+    (copy / "hub_id.txt").write_text("someone/tiny-llama\n")
+    trainer = MRTPOTrainer(
+        model=str(copy),
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path / "out", max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+        peft_config=LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+    )
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    card = (tmp_path / "saved" / "README.md").read_text()
+    assert "[More Information Needed]" not in card and "MRTPO" in card
+    assert "base_model: someone/tiny-llama" in card and str(copy) not in card
+    for name, builder in zip(trainer.reward_func_names, BASIC.info_blocks):
+        assert name in card
+        assert builder is None or builder.__name__ in card
+    assert "credit_beta" in card

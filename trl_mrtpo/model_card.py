@@ -72,7 +72,7 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         tags=["generated_from_trainer", *sorted(tags)],
     )
     rewards = [
-        (name, f"{weight:g}", f"`{builder.__name__}`" if builder is not None else "none (uniform credit)")
+        (name, f"{weight:g}", f"`{_name(builder)}`" if builder is not None else "none (uniform credit)")
         for name, weight, builder in zip(
             trainer.reward_func_names, trainer.reward_weights.tolist(), trainer.info_block_builders
         )
@@ -112,3 +112,8 @@ def _wandb_url() -> str | None:
     import wandb
 
     return wandb.run.url if wandb.run is not None else None
+
+
+def _name(function) -> str:
+    """A builder by the name its author knows it by: a function's, or an instance's class."""
+    return getattr(function, "__name__", None) or type(function).__name__

@@ -212,11 +212,16 @@ class MRTPOTrainer(GRPOTrainer):
         return [self._collapse_monitor, self.reward_strength, self.credit_rule, *self.credit_terms.values()]
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
-        """Saves as transformers does; an adapter of a local copy of a Hub model names the Hub id (:mod:`.hub_ids`)."""
-        if not self._local_copies:
-            return super()._save(output_dir, state_dict)
-        with saving_with_hub_ids(self._local_copies, output_dir or self.args.output_dir):
+        """Saves as transformers does, then this run's model card beside the weights (``save_model``, checkpoints: it
+        replaces PEFT's blank template); an adapter of a local copy of a Hub model names the Hub id
+        (:mod:`.hub_ids`)."""
+        folder = output_dir or self.args.output_dir
+        if self._local_copies:
+            with saving_with_hub_ids(self._local_copies, folder):
+                super()._save(output_dir, state_dict)
+        else:
             super()._save(output_dir, state_dict)
+        self._write_model_card(folder)
 
     def _checkpointed(self) -> CheckpointedState:
         """MRTPO's state in a checkpoint, for the run it was written by (a resume under another setup is refused)."""
@@ -466,12 +471,14 @@ class MRTPOTrainer(GRPOTrainer):
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """The model card (``README.md`` in ``output_dir``): TRL's, with the real base model, the data, and the
         MRTPO settings, rewards, info blocks and recipe in the training procedure (:mod:`trl_mrtpo.model_card`)."""
+        self._write_model_card(self.args.output_dir, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def _write_model_card(self, folder: str, **details) -> None:
         if not self.is_world_process_zero():
             return
         from .model_card import build_model_card
 
-        card = build_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
-        card.save(os.path.join(self.args.output_dir, "README.md"))
+        build_model_card(self, **details).save(os.path.join(folder, "README.md"))
 
 
 def _name(function) -> str:
