@@ -440,3 +440,19 @@ def test_inspect_config_applies_the_adapter_beside_it(tmp_path, tiny_tokenizer, 
 def test_inspect_config_without_a_model_is_refused_as_train_refuses_it(tmp_path, tiny_tokenizer, monkeypatch):
     with pytest.raises(ValueError, match="model_name_or_path is required"):
         _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, "", model=False)
+
+
+def test_model_embedded_in_python_is_refused_naming_the_function(tmp_path):
+    """``model="embedded"`` is the command's name; from Python it failed with the Hub's OSError after a lookup."""
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    with pytest.raises(ValueError, match=r"embedded_model_path\(\)"):
+        MRTPOTrainer(
+            model="embedded",
+            reward_funcs=BASIC.rewards,
+            args=make_args(tmp_path),
+            train_dataset=make_basic_dataset(4),
+        )

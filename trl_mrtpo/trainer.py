@@ -124,6 +124,12 @@ class MRTPOTrainer(GRPOTrainer):
         data_source: str | None = None,
         **kwargs,
     ):
+        if model == "embedded":  # the command's name for it; the trainer takes a Hub id or a folder, as TRL's
+            raise ValueError(
+                "model='embedded' is the trl-mrtpo command's name for the embedded SmolLM2-135M-Instruct; in Python "
+                "pass its folder: from trl_mrtpo.scripts.embedded import embedded_model_path; "
+                "MRTPOTrainer(model=embedded_model_path(), ...)."
+            )
         config = self.config_class
         if args is None:
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
