@@ -18,7 +18,7 @@ import trl_mrtpo
 from trl_mrtpo import MRTPOConfig, MRTPOTrainer
 from trl_mrtpo.gym import build_tokenizer
 from trl_mrtpo.gym.task import GymSpec, build_policy
-from trl_mrtpo.steps.process_rewards import function_name
+from trl_mrtpo.utils import function_name
 
 assert "site-packages" in trl_mrtpo.__file__, f"imported from the source tree: {trl_mrtpo.__file__}"
 extras = ["sqlglot", "if_verifiable", "nltk", "gguf", "matplotlib"]

@@ -26,8 +26,9 @@ PACKAGE = ROOT / "trl_mrtpo"
 # with the trainer at 486 lines; 3,945 (2,578 code, 750 docstring) with the device rule of the replay divergence
 # (ops.divergence.workspace_divergence: CUDA chunks from a fixed workspace, +95); 4,071 (2,674 code, 760 docstring)
 # with the model card every save writes (model_card, loaded by save_model, +126); 4,077 with model="embedded"
-# refused by name (+6). It only falls; a rise names the feature that needs the lines, here.
-DEFAULT_RUN_LINES_CEILING = 4077
+# refused by name (+6); 4,076 once one helper named users' functions for the trainer and the card. It only falls;
+# a rise names the feature that needs the lines, here.
+DEFAULT_RUN_LINES_CEILING = 4076
 # The rooms built on the core: none of them is loaded by a default run.
 ROOMS = ("steps", "research", "gym", "kits", "scripts", "baselines", "observability")
 

@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
-from .utils import local_copy_hub_id
+from .utils import function_name, local_copy_hub_id
 
 # Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
 ALWAYS_SHOWN = ("credit_beta", "credit_warmup_steps", "max_second_moment_ratio", "learning_rate", "num_generations",
@@ -72,7 +72,7 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         tags=["generated_from_trainer", *sorted(tags)],
     )
     rewards = [
-        (name, f"{weight:g}", f"`{_name(builder)}`" if builder is not None else "none (uniform credit)")
+        (name, f"{weight:g}", f"`{function_name(builder)}`" if builder is not None else "none (uniform credit)")
         for name, weight, builder in zip(
             trainer.reward_func_names, trainer.reward_weights.tolist(), trainer.info_block_builders
         )
@@ -112,8 +112,3 @@ def _wandb_url() -> str | None:
     import wandb
 
     return wandb.run.url if wandb.run is not None else None
-
-
-def _name(function) -> str:
-    """A builder by the name its author knows it by: a function's, or an instance's class."""
-    return getattr(function, "__name__", None) or type(function).__name__

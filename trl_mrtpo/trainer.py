@@ -49,6 +49,7 @@ from .rules import (
     quantity,
 )
 from .strength import RewardStrength
+from .utils import function_name
 from .validation import (
     check_config_class,
     check_credit_rule,
@@ -194,7 +195,9 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             self._replay_temperature = replay_temperature(policy, self.temperature, args.divergence_backend)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
-        provider = f"the relevance provider {_name(relevance_provider)}" if relevance_provider else "the replay"
+        provider = (
+            f"the relevance provider {function_name(relevance_provider)!r}" if relevance_provider else "the replay"
+        )
         self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
         self._guard: CreditGuard | None = None  # this generation batch's finiteness check
         self._scored: Scored | None = None
@@ -299,8 +302,8 @@ class MRTPOTrainer(GRPOTrainer):
             if contribution["process"] is not None:
                 self._guard.note_non_finite(f"added:{name}", contribution["process"], batch.mask, per_reward=False)
             added = {key: _joined(added[key], contribution[key]) for key in added}
-            for name, value in logged:
-                log_metric(self, mode, f"mrtpo/{name}", value)
+            for metric, value in logged:
+                log_metric(self, mode, f"mrtpo/{metric}", value)
         credit, relevance, replayed = self._token_credit(batch, beta, added)
         self._guard.note_non_finite("final", credit.advantages, batch.mask, per_reward=False)
         self._guard.raise_if_bad()  # every process raises alike: the flags rode in steps 7-8's sums
@@ -360,7 +363,7 @@ class MRTPOTrainer(GRPOTrainer):
     def _note_weighting(self, part: str, advantages: torch.Tensor, reward_weights: torch.Tensor) -> None:
         """The local ``[B, K]`` per-reward advantages and the ``[K]`` reward weights, for the finiteness check."""
         values = advantages * reward_weights.to(advantages)  # NaN or inf in either gives NaN or inf here
-        self._guard.note_non_finite(part, values, torch.ones_like(values, dtype=torch.bool), per_reward=True)
+        self._guard.note(part, ~torch.isfinite(values), per_reward=True)
 
     def _token_credit(
         self, batch: ScoredBatch, beta: float, added: dict
@@ -485,11 +488,6 @@ class MRTPOTrainer(GRPOTrainer):
         from .model_card import build_model_card
 
         build_model_card(self, **details).save(os.path.join(folder, "README.md"))
-
-
-def _name(function) -> str:
-    """A user's object by the name they know it by: a function's, or an instance's class."""
-    return repr(getattr(function, "__name__", type(function).__name__))
 
 
 def _joined(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:

@@ -36,3 +36,9 @@ def occurrences(text: str, needle: str, ignore_case: bool = True) -> list[tuple[
     """Character spans of every occurrence of ``needle`` in ``text`` (none for an empty needle)."""
     flags = re.IGNORECASE if ignore_case else 0
     return [m.span() for m in re.finditer(re.escape(needle), text, flags)] if needle else []
+
+
+def function_name(func: Any) -> str:
+    """What a reward (or process reward) is called in logs and errors: its ``__name__``, else its class name (as TRL
+    names reward functions)."""
+    return getattr(func, "__name__", None) or type(func).__name__

@@ -33,6 +33,7 @@ from .sql_sandbox import (
     result_bytes,
     run_query,
 )
+from .sql_sandbox_child import RESULT_TOO_LARGE
 
 FORMAT_RULE = (
     "Format: answer with exactly one SQLite query inside a ```sql ... ``` code block, and nothing else in code."
@@ -331,7 +332,7 @@ def oversized_references(rows: list[dict]) -> list[int]:
     oversized = []
     for i, row in enumerate(tqdm(rows, desc="Running the reference queries", disable=len(rows) < 100)):
         error = run_reference(row["db_path"], row["query"]).error or ""
-        if error.startswith("the result holds more than"):
+        if error.startswith(RESULT_TOO_LARGE):
             oversized.append(i)
     return oversized
 

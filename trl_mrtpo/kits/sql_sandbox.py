@@ -147,7 +147,7 @@ def _uncached_query(db_path: str, sql: str, timeout_s: float, max_rows: int, max
 
 
 def result_bytes(result: QueryResult) -> int:
-    """What a result holds: its rows (:func:`_row_bytes`) and its error text."""
+    """What a result holds: its rows (:func:`~trl_mrtpo.kits.sql_sandbox_child.row_bytes`) and its error text."""
     return sum(row_bytes(row) for row in result.rows or ()) + len(result.error or "")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_VALUE_BYTES = 10_000_000  # largest string or blob model SQL may build
+RESULT_TOO_LARGE = "the result holds more than"  # how a result past its byte cap is refused (the caller reads it)
 
 # Authorizer: reading is all model SQL may do. Functions are allowed except extension loading and blob makers.
 _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
@@ -77,7 +78,7 @@ def execute_query(db_path: str, sql: str, timeout_s: float, max_rows: int, max_b
             if len(rows) > max_rows:
                 return {"rows": None, "error": f"the result has more than {max_rows} rows"}
             if size > max_bytes:
-                return {"rows": None, "error": f"the result holds more than {max_bytes} bytes"}
+                return {"rows": None, "error": f"{RESULT_TOO_LARGE} {max_bytes} bytes"}
         return {"rows": [[_normalise(v) for v in row] for row in rows], "error": None}
     except sqlite3.OperationalError as error:
         if time.monotonic() > deadline:

@@ -450,14 +450,12 @@ def inspect_recipe(
     import tempfile
 
     from .train import (
-        chat_template,
         check_recipe,
         load_datasets,
         make_parser,
         recipe_model,
         recipe_process_rewards,
         recipe_rewards,
-        recipe_trainer_class,
     )
 
     # nothing is trained: the recipe's precision and device settings are not what inspect runs with
@@ -466,8 +464,7 @@ def inspect_recipe(
     script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
         ["--config", config, *overrides]
     )
-    check_recipe(script_args, training_args)
-    trainer_class = recipe_trainer_class(script_args, training_args)
+    trainer_class, template = check_recipe(script_args, training_args)
     if trainer_class is None:
         raise ValueError("trainer: opsd has no token credit to inspect; inspect the recipe with trainer: mrtpo.")
     model = recipe_model(model_args)
@@ -484,7 +481,7 @@ def inspect_recipe(
         recipe_args=training_args,
         trainer_class=trainer_class,
         process_rewards=recipe_process_rewards(script_args),
-        chat_template=chat_template(script_args.chat_template_path) if script_args.chat_template_path else None,
+        chat_template=template,
         environment_factory=kit.environment if kit is not None else None,
         **{"reward_strength_floor": training_args.reward_strength_floor, **settings},
     )

@@ -10,6 +10,7 @@ their readers of published data) and one info-block builder per reward.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -128,10 +129,8 @@ def chat_template(path: str) -> str:
                 return checked_template(handle.read(), f"chat_template_path={path!r} ({candidate})")
     if not os.path.exists(path) and (os.path.isabs(path) or path.endswith(TEMPLATE_SUFFIXES)):
         raise ValueError(f"chat_template_path={path!r}: no such file.")
-    from transformers import AutoTokenizer
-
     try:
-        template = AutoTokenizer.from_pretrained(path).chat_template
+        template = _tokenizer_chat_template(path)
     except (OSError, ValueError) as error:
         names = sorted(name.removesuffix(".jinja") for name in os.listdir(shipped_folder) if name.endswith(".jinja"))
         raise ValueError(
@@ -141,6 +140,15 @@ def chat_template(path: str) -> str:
     if not template:
         raise ValueError(f"chat_template_path={path!r}: the tokenizer there has no chat template.")
     return checked_template(template, f"chat_template_path={path!r}")
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_chat_template(name_or_path: str) -> str | None:
+    """The chat template of a tokenizer folder or Hub id, loaded once per process (the recipe check and the trainer
+    both ask for it)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name_or_path).chat_template
 
 
 def checked_template(text: str, where: str) -> str:
@@ -277,7 +285,7 @@ def build_trainer(
 
     from ..observability.callbacks import CreditPlotCallback
 
-    trainer_class = recipe_trainer_class(script_args, training_args)
+    trainer_class, template = check_recipe(script_args, training_args)
     kit, rewards, blocks = recipe_rewards(script_args)
     boundaries = None
     if script_args.failure_masking:
@@ -304,7 +312,7 @@ def build_trainer(
         from transformers import AutoTokenizer
 
         processing_class = AutoTokenizer.from_pretrained(model, revision=model_args.model_revision)
-        processing_class.chat_template = chat_template(script_args.chat_template_path)
+        processing_class.chat_template = template
     trainer = trainer_class(
         model=model,
         reward_funcs=rewards,
@@ -387,13 +395,13 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     return trainer
 
 
-def check_recipe(script_args: MRTPOScriptArguments, training_args) -> None:
+def check_recipe(script_args: MRTPOScriptArguments, training_args) -> tuple[type | None, str | None]:
     """What a recipe can get wrong that is known before the model loads: its trainer against its settings (a
     research-only option without ``trainer: research``) and its chat template (a file that is missing, empty or
-    does not parse)."""
-    recipe_trainer_class(script_args, training_args)
-    if script_args.chat_template_path:
-        chat_template(script_args.chat_template_path)
+    does not parse). Returns ``(trainer class, chat template text or None)``."""
+    trainer_class = recipe_trainer_class(script_args, training_args)
+    template = chat_template(script_args.chat_template_path) if script_args.chat_template_path else None
+    return trainer_class, template
 
 
 def warn_fsdp_on_cpu(launch_args: Sequence[str]) -> bool:

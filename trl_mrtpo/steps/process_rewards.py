@@ -28,17 +28,11 @@ from ..batch import ScoredBatch
 from ..info_blocks import Prompt, call_builder, check_builders
 from ..rules import CreditSetup, CreditTerm, register_credit_term
 from ..trajectories import Trajectory, Turn
-from ..utils import completion_text
+from ..utils import completion_text, function_name
 from ..validation import check_credit_rule, own_copies, within_float32
 from .credit import failure_suffix_mask, process_advantages
 
 NO_BOUNDARY = -1
-
-
-def function_name(func: Any) -> str:
-    """What a reward (or process reward) is called in logs and errors: its ``__name__``, else its class name (as TRL
-    names reward functions)."""
-    return getattr(func, "__name__", None) or type(func).__name__
 
 
 def reward_columns(rows: Sequence[dict]) -> dict[str, list]:

@@ -17,8 +17,8 @@ import torch
 
 from ..info_blocks import Prompt
 from ..replay import padded
-from ..utils import completion_text
-from .process_rewards import Step, function_name, step_spans, token_positions
+from ..utils import completion_text, function_name
+from .process_rewards import Step, step_spans, token_positions
 
 
 def _prompt_text(prompt: Prompt) -> str:
