@@ -110,3 +110,28 @@ def test_a_reward_model_among_the_rewards(tiny_model, tiny_tokenizer, tmp_path):
     model_rewards = trainer.last_credit.rewards[:, -1]
     assert torch.isfinite(model_rewards).all() and model_rewards.std() > 0  # scored, varied, normalised per group
     assert torch.isfinite(trainer.batches[0]["advantages"]).all()
+
+
+@pytest.mark.parametrize("asked", [None, True, False])
+def test_activation_checkpointing_reaches_the_transformers_installed(tmp_path, asked):
+    """transformers renamed gradient_checkpointing to activation_checkpointing; the stack ``[vllm]`` resolves to an
+    older transformers that reads only the old name. Either way the Trainer sees what the user asked (on by default,
+    as in TRL), under the name it reads; on the older release the old name is not called deprecated."""
+    import dataclasses
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from trl_mrtpo import MRTPOConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kwargs = {} if asked is None else {"activation_checkpointing": asked}
+        config = MRTPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, **kwargs)
+    renamed = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+    read = config.activation_checkpointing if renamed else config.gradient_checkpointing
+    assert read is (True if asked is None else asked)
+    assert not [w for w in caught if "gradient_checkpointing" in str(w.message)]
+    if not renamed:  # the old name, as a user of that release writes it
+        old_name = MRTPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, gradient_checkpointing=False)
+        assert old_name.gradient_checkpointing is False

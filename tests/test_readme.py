@@ -57,3 +57,55 @@ def test_every_python_block_runs(page, tmp_path, monkeypatch, embedded_model_in_
     if page.name == "README.md":
         assert (tmp_path / "qwen-coder-mrtpo" / "adapter_config.json").is_file()
         assert (tmp_path / "qwen-coder-mrtpo-merged" / "config.json").is_file()
+
+
+OFFLINE_RUN = """
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+
+from trl_mrtpo import MRTPOConfig, MRTPOTrainer
+from trl_mrtpo.scripts.embedded import embedded_model_path
+
+torch.manual_seed(0)
+trainer = MRTPOTrainer(
+    model=embedded_model_path(),
+    reward_funcs=[lambda completions, **kwargs: [float(len(c[0]["content"])) for c in completions]],
+    args=MRTPOConfig(output_dir="qwen-coder-mrtpo", use_cpu=True, num_generations=2, per_device_train_batch_size=2,
+                     max_steps=1, max_completion_length=4, report_to="none"),
+    train_dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "Say hi."}]}] * 2),
+    peft_config=LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM"),
+)
+trainer.train()
+trainer.save_model()
+trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=False).eval()  # no autocast
+"""
+
+
+def test_the_offline_load_back_block_runs_with_the_hub_unreachable(tmp_path):
+    """README's offline block loads a run on the embedded model back with ``HF_HUB_OFFLINE=1`` and an empty Hugging
+    Face cache (the adapter itself names the Hub id), into the policy that was trained; nothing is written into the
+    cache under a Hub id, by the run or by the load."""
+    import os
+    import subprocess
+    import sys
+
+    (block,) = [b for b in python_blocks(ROOT / "README.md") if "PeftModel.from_pretrained(base" in b]
+    check = """
+import json
+assert json.load(open("qwen-coder-mrtpo/adapter_config.json"))["base_model_name_or_path"] == (
+    "HuggingFaceTB/SmolLM2-135M-Instruct")
+ids = torch.tensor([[1, 2, 3, 4]])
+with torch.no_grad():
+    torch.testing.assert_close(policy.eval()(ids).logits, trained(ids).logits)
+"""
+    hf_home = tmp_path / "hf"
+    hf_home.mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(hf_home), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT)}  # fmt: skip
+    env.pop("HF_HUB_CACHE", None)
+    done = subprocess.run([sys.executable, "-c", OFFLINE_RUN + block + check], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    cached = sorted(str(p.relative_to(hf_home)) for p in hf_home.rglob("*"))
+    assert not [p for p in cached if "models--" in p or "datasets--" in p], cached

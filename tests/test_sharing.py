@@ -108,8 +108,11 @@ def test_saving_an_embedded_adapter_asks_no_hub_and_records_the_hub_id(tmp_path)
     written = json.loads((tmp_path / "saved" / "adapter_config.json").read_text())
     assert written["base_model_name_or_path"] == EMBEDDED_HUB_ID
     model = trainer.accelerator.unwrap_model(trainer.model)
-    assert model.peft_config["default"].base_model_name_or_path == EMBEDDED_HUB_ID  # restored in memory too
-    assert embedded_model_path() != EMBEDDED_HUB_ID
+    # the Hub id goes into the saved files only: the user's live model keeps naming the folder it was loaded from
+    assert model.peft_config["default"].base_model_name_or_path == embedded_model_path() != EMBEDDED_HUB_ID
+    card = (tmp_path / "saved" / "README.md").read_text()
+    assert f"base_model: {EMBEDDED_HUB_ID}" in card and embedded_model_path() not in card
+    assert "de-quantised copy of its Q4_1 GGUF" in card  # what the run really trained on
 
 
 def test_a_local_copy_names_its_hub_id_in_adapters_and_cards(tmp_path, tiny_model, tiny_tokenizer):
@@ -187,10 +190,11 @@ def test_a_checkpoint_pushed_to_the_hub_carries_mrtpo_state_and_resumes_it(
     torch.testing.assert_close(restored[0]["reward_specificity"], saved, equal_nan=True)
 
 
-def test_save_model_from_python_writes_the_mrtpo_card(tmp_path, tiny_model, tiny_tokenizer):
+def test_save_model_from_python_writes_the_mrtpo_card(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):
     """A Python run's ``trainer.save_model()`` writes the run's card beside the adapter (it left PEFT's blank template,
     "[More Information Needed]", tagged with a local path): the method, the rewards with their blocks, the credit
-    settings, and a base model that is a Hub id, never a local folder."""
+    settings, and a base model that is a Hub id, never a local folder; ``push_to_hub()`` uploads the same card."""
+    import transformers.trainer
     from peft import LoraConfig
 
     from tests.helpers import make_args
@@ -220,3 +224,18 @@ def test_save_model_from_python_writes_the_mrtpo_card(tmp_path, tiny_model, tiny
         assert name in card
         assert builder is None or builder.__name__ in card
     assert "credit_beta" in card
+    assert "de-quantised" not in card  # only the embedded model's copy is one
+    live = trainer.accelerator.unwrap_model(trainer.model).peft_config["default"]
+    assert live.base_model_name_or_path == str(copy)  # the user's model is not renamed
+
+    # a Python push uploads the same card and an adapter naming the Hub id
+    hub = FakeHub(tmp_path / "hub")
+    (tmp_path / "hub").mkdir()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: hub)
+    monkeypatch.setattr(transformers.trainer, "create_repo", hub.create_repo, raising=False)
+    trainer.push_to_hub()
+    ((repo_id, pushed),) = hub.uploads
+    pushed_card = (pushed / "README.md").read_text()
+    assert "### MRTPO settings" in pushed_card and "base_model: someone/tiny-llama" in pushed_card
+    assert str(tmp_path) not in pushed_card
+    assert json.loads((pushed / "adapter_config.json").read_text())["base_model_name_or_path"] == "someone/tiny-llama"

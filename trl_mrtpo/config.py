@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
+from transformers import TrainingArguments
 from trl import GRPOConfig
 
 from .constants import REPLAY_BATCH_SIZE
 from .ops.divergence import divergence_backend, divergence_backends
 from .rules import credit_rule_names, registered_rules
 from .validation import check_credit_rule, check_field_types, check_finite_fields
+
+# whether the installed transformers reads activation_checkpointing (5.17 and older: only gradient_checkpointing)
+RENAMED_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
 
 
 @dataclass
@@ -74,8 +78,9 @@ class MRTPOConfig(GRPOConfig):
             credit is then uniform, i.e. plain GDPO). 0 disables the warning.
     """
 
-    # transformers 5 renamed gradient_checkpointing; TRL still defaults the old name to True, which warns at every
-    # config. Same default under the current name; the old one, when a user sets it, still wins (with the warning).
+    # transformers renamed gradient_checkpointing (after 5.17); TRL still defaults the old name to True, which warns at
+    # every config. Same default under the current name; the old one, when a user sets it, still wins (with the
+    # warning). An older transformers (the one vLLM pins) reads the old name only: the choice is passed to it there.
     gradient_checkpointing: bool | None = field(
         default=None, metadata={"help": "Deprecated name of activation_checkpointing (transformers 5)."}
     )
@@ -152,12 +157,15 @@ class MRTPOConfig(GRPOConfig):
         check_field_types(self, [*own, "temperature", "reward_weights"])
         check_finite_fields(self, [*own, "temperature"])
         if self.gradient_checkpointing is not None:
-            warnings.warn(
-                "`gradient_checkpointing` is deprecated (transformers 5); use `activation_checkpointing` instead.",
-                FutureWarning,
-                stacklevel=3,
-            )
+            if RENAMED_CHECKPOINTING:
+                warnings.warn(
+                    "`gradient_checkpointing` is deprecated (transformers 5); use `activation_checkpointing` instead.",
+                    FutureWarning,
+                    stacklevel=3,
+                )
             self.activation_checkpointing = self.gradient_checkpointing
+        if not RENAMED_CHECKPOINTING:
+            self.gradient_checkpointing = self.activation_checkpointing
         super().__post_init__()
         iterations = self.max_tool_calling_iterations
         # TRL compares it with a counter: -1 runs no tool at all and 2.5 runs three rounds, without a word

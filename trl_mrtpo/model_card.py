@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
-from .utils import function_name, local_copy_hub_id
+from .utils import function_name, local_copy, local_copy_hub_id
 
 # Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
 ALWAYS_SHOWN = ("credit_beta", "credit_warmup_steps", "max_second_moment_ratio", "learning_rate", "num_generations",
@@ -58,6 +58,7 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
     adapter = isinstance(model, PeftModel)
     base_path = model.peft_config["default"].base_model_name_or_path if adapter else get_config_model_id(model.config)
     base_model = base_model_id(base_path)
+    copy = local_copy(base_path)
     model_id = trainer.hub_model_id or trainer.args.output_dir
     model_name = model_name or os.path.basename(os.path.normpath(trainer.hub_model_id or trainer.args.output_dir))
     tags = {tags} if isinstance(tags, str) else set(tags or [])
@@ -81,6 +82,7 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         card_data,
         template_path=str(resources.files("trl_mrtpo").joinpath("templates/mrtpo_model_card.md")),
         base_model=base_model,
+        base_model_note=copy[1] if copy else None,
         model_name=model_name,
         model_id=model_id,
         adapter=adapter,

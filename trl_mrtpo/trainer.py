@@ -37,7 +37,7 @@ from .diagnostics import (
     q_statistics,
 )
 from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
-from .hub_ids import name_hub_ids, saving_with_hub_ids
+from .hub_ids import local_copies, write_hub_ids
 from .info_blocks import InfoBlock, assistant_header, check_builders
 from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
 from .replay import causal_lm_parts, replay_temperature
@@ -209,7 +209,6 @@ class MRTPOTrainer(GRPOTrainer):
         self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
         self.recipe = recipe  # the recipe file a run came from, for the model card
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
-        self._local_copies = name_hub_ids(self.accelerator.unwrap_model(self.model))
 
     @property
     def step_credit(self) -> CreditTerm | None:
@@ -225,11 +224,8 @@ class MRTPOTrainer(GRPOTrainer):
         replaces PEFT's blank template); an adapter of a local copy of a Hub model names the Hub id
         (:mod:`.hub_ids`)."""
         folder = output_dir or self.args.output_dir
-        if self._local_copies:
-            with saving_with_hub_ids(self._local_copies, folder):
-                super()._save(output_dir, state_dict)
-        else:
-            super()._save(output_dir, state_dict)
+        super()._save(output_dir, state_dict)
+        write_hub_ids(local_copies(self.accelerator.unwrap_model(self.model)), folder)
         self._write_model_card(folder)
 
     def _checkpointed(self) -> CheckpointedState:

