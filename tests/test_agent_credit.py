@@ -75,7 +75,8 @@ def scripted_trainer(
 ):
     """A recording trainer (MRTPOTrainer, or ResearchTrainer for a research mode) whose policy is scripted:
     ``reply(prompt_text, row)`` is each turn's text (:func:`call_then_answer` by default); everything else (parsing,
-    the tool call, masks) is TRL's. ``config``: further ``MRTPOConfig`` fields."""
+    the tool call, masks) is TRL's. ``config``: further ``MRTPOConfig`` fields; ``inputs`` the trainer's (the two
+    rewards and their blocks unless given)."""
     from tests.conftest import build_tiny_model
     from tests.helpers import ResearchRecordingTrainer
 
@@ -90,14 +91,13 @@ def scripted_trainer(
     class Scripted(base):
         _generate_single_turn = scripted_turn
 
+    rewards = {"reward_funcs": [answered, used_tool], "info_blocks": BLOCKS}
     return Scripted(
         model=build_tiny_model(tokenizer),
-        reward_funcs=[answered, used_tool],
-        info_blocks=BLOCKS,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        **inputs,
+        **(rewards | inputs),
     )
 
 

@@ -140,13 +140,14 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     )  # fmt: skip
     assert [v.reward for v in verdicts] == list(REWARD_NAMES)
     peaks = deciding_word_peaks(record, words)
-    # The supervised policy differs with the CPU's float path (ATEN_CPU_CAPABILITY default / avx2 / avx512, seed 0):
-    # answer peaks on its value in 26/29, 29/29, 29/31 trajectories, q 2.4x, 4.8x, 7.7x the control's; first call in
-    # 11/31, 16/31, 32/32 at 0.47x, 1.18x, 0.72x; last call in 2/31, 0/31, 0/32 at 0.46x, 0.80x, 0.76x, its q peaking
-    # on the first call's word instead (26, 31, 32 of 32), while the control's q peaks on the last call's word (22, 30,
-    # 25 of 32). Peak placement does not tell the first call from the last (the same word), so the verdict judges mass
-    # against the control; what holds on every path: "will move" is said only for a reward whose q peaks on its
-    # deciding word in most trajectories, and for the answer; never for the last call.
+    # The supervised policy differs with the CPU's float path (ATEN_CPU_CAPABILITY default / avx2 / avx512, seed 0).
+    # Replayed as training replays them, q peaks on the deciding word for the first call in 31, 31, 32 of 31-32
+    # trajectories, the answer in 28/29, 27/29, 31/31, the last call in 7, 18, 7 of 31-32; but the control (the
+    # irrelevant sentence appended: ten unknown words to this word-level policy, right before the response) moves the
+    # policy more than any block (q / control 0.16-0.77x), so every verdict is "under twice the control's"
+    # (docs/inspect.md). What holds on every path: "will move" is said only for a reward whose q peaks on its deciding
+    # word in most trajectories, never for the last call, and a reward whose q peaks there in nearly every trajectory
+    # is told where its credit moves.
     for verdict in verdicts:
         hits, total = peaks[verdict.reward]
         assert total >= 8
@@ -160,5 +161,4 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
                 peaks,
             )
     by_name = {v.reward: v.verdict for v in verdicts}
-    assert by_name["answer"].startswith("token credit will move"), (by_name, peaks)
     assert not by_name["last_call"].startswith("token credit will move"), (by_name, peaks)

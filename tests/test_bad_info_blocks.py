@@ -154,3 +154,85 @@ def test_calls_that_never_ran_are_in_the_view_with_no_result():
     assert view is not None and [(c.name, c.result, c.error) for c in view.calls] == [("lookup", None, None)]
     assert view.turns[0].tokens == (0, 3) and view.results == ()
     assert trajectory([{"role": "assistant", "content": "no calls"}], [1, 1]) is None
+
+
+# ---------------------------------------------------------------- checked before the model loads
+@pytest.fixture
+def never_loaded(monkeypatch):
+    """TRL's model loader, replaced by one that fails the test: a refusal must come before any model loads."""
+    import trl.trainer.grpo_trainer
+
+    def loader(*args, **kwargs):
+        pytest.fail("MRTPOTrainer loaded the model before refusing the builder")
+
+    monkeypatch.setattr(trl.trainer.grpo_trainer, "create_model_from_path", loader)
+
+
+def _construct(tmp_path, blocks, model="someone/not-a-model", tokenizer=None):
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    return MRTPOTrainer(
+        model=model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=blocks,
+        args=make_args(tmp_path),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tokenizer,
+    )
+
+
+def positional(prompt, completion):
+    return "Rule."
+
+
+def reads_a_missing_column(*, prompt, completion, row, score):
+    return f"Reference: {row['reference_answer']}"
+
+
+@pytest.mark.parametrize(
+    "builder, error, message",
+    [
+        (
+            positional,
+            TypeError,
+            r"'positional' .*cannot be called as training calls it.*\(\*, prompt, completion, "
+            r"row, score\)",
+        ),  # fmt: skip
+        (
+            reads_a_missing_column,
+            InfoBlockError,
+            r"KeyError: 'reference_answer'.*columns: prompt, end_phrase, "
+            r"keyword",
+        ),  # fmt: skip
+        (lambda **_: ["x"], InfoBlockError, r"reward 'end_phrase_reward' .*returned list.*str, an InfoBlock or None"),
+        (lambda **_: InfoBlock("not in this prompt", "in_prompt"), InfoBlockError, "not a span of the prompt"),
+    ],
+)
+def test_a_builder_mistake_is_refused_before_the_model_loads(tmp_path, never_loaded, builder, error, message):
+    """Each builder is bound to ``(*, prompt, completion, row, score)`` and called once on the first dataset row with
+    an empty stand-in completion, inside ``MRTPOTrainer.__init__`` before TRL loads the model (the loader fails the
+    test if it is reached)."""
+    with pytest.raises(error, match=message):
+        _construct(tmp_path, [builder, *BASIC.info_blocks[1:]])
+
+
+def test_a_builder_that_fails_only_on_the_empty_stand_in_is_a_warning(tmp_path, tiny_model, tiny_tokenizer):
+    def last_word(*, prompt, completion, row, score):
+        return f"Your last word was {completion.split()[-1]}."  # IndexError on an empty completion
+
+    with pytest.warns(UserWarning, match=r"'last_word' of reward 'end_phrase_reward' raised IndexError"):
+        _construct(tmp_path, [last_word, *BASIC.info_blocks[1:]], model=tiny_model, tokenizer=tiny_tokenizer)
+
+
+def test_a_reward_that_returns_none_for_a_whole_batch_is_warned_about_once(tiny_model, tiny_tokenizer, tmp_path):
+    def forgot_per_sample(completions, **_):
+        return [None] * len(completions)
+
+    with pytest.warns(UserWarning) as caught:
+        train(tiny_model, tiny_tokenizer, tmp_path, rewards=[*BASIC.rewards[:2], forgot_per_sample], blocks=None,
+              max_steps=2)  # fmt: skip
+    warned = [str(w.message) for w in caught if "returned None for every sample" in str(w.message)]
+    assert len(warned) == 1 and "'forgot_per_sample'" in warned[0], warned
+    assert "Ignore this if the reward does not apply to those samples" in warned[0]

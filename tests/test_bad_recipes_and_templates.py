@@ -357,7 +357,7 @@ def says_red_process(prompts, completions, **kwargs):  # a process reward a reci
 # item 5: each field of a recipe inspect used to ignore, and what the trainer it builds must then hold
 RECIPE_FIELDS = [
     ("info_block_separator", 'info_block_separator: "\\n--\\n"\n', lambda t: t.args.info_block_separator == "\n--\n"),
-    ("reward_weights", "reward_weights: [2.0, 0.5]\n", lambda t: list(t.args.reward_weights) == [2.0, 0.5, 1.0]),
+    ("reward_weights", "reward_weights: [2.0, 0.5]\n", lambda t: list(t.args.reward_weights) == [2.0, 0.5]),
     ("credit_beta", "credit_beta: 0.2\n", lambda t: t.args.credit_beta == 0.2),
     ("temperature", "temperature: 0.7\n", lambda t: t.args.temperature == 0.7),
     (

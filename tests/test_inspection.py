@@ -8,7 +8,6 @@ from trl_mrtpo.scripts.inspection import (
     inspect_credit,
     localisation_report,
     token_mask,
-    with_control_sentence,
 )
 
 
@@ -36,7 +35,6 @@ def test_spans_and_token_mask():
     tools = get_kit("tools").spans({}, '<think>x</think><tool_call>[{"name": "f", "arguments": {"a": 1}}]</tool_call>')
     assert len(tools["tool_format_reward"][1]) == 4 and tools["tool_correctness_reward"][1]
     assert token_mask(["ab", "cd", "ef"], [(3, 5)]).tolist() == [False, True, True]
-    assert with_control_sentence([{"role": "user", "content": "Hi"}])[0]["content"].endswith("on Sundays.")
 
 
 def test_heatmap_page_lists_every_reward_and_escapes_text():
@@ -175,6 +173,11 @@ def test_verdicts_by_hand():
     assert noise.verdict.startswith("q is under twice the control's") and all(
         repr(t) in noise.verdict for t in noise.tokens
     )
+    # both causes it cannot tell apart, and the move that tells them apart: hand-written passing and failing responses
+    assert "the model does not read the block at this size, or the block lacks what decides the reward" in (
+        noise.verdict
+    )
+    assert "responses that pass and a few that fail and replay them with --completions" in noise.verdict
     assert verdicts["flat"].varying == 0.5 and verdicts["flat"].verdict.startswith("q is under twice the control's")
     # every profile's argmax is its first token where it ties (the flat control): located peaks on 'c', apart always
     assert verdicts["located"].peaks_apart == 1.0 and verdicts["noise"].peaks_apart == 0.0
@@ -183,6 +186,12 @@ def test_verdicts_by_hand():
     located_profile = torch.tensor([0.01, 0.02, 0.3, 0.07], dtype=torch.float64)
     cosine = located_profile.sum() * 0.5 / located_profile.norm()
     assert math.isclose(verdicts["located"].strength, (1 - cosine.item()) / 0.25 - 1, rel_tol=1e-5)
+    # a reward replayed for no response (no info block): its credit is uniform, and the verdict says so, not "q is
+    # under twice the control's" with no token to name
+    record.replayed[:, 1] = False
+    unreplayed = reward_verdicts(record, CharTokenizer(), names, num_generations=2)[1]
+    assert unreplayed.verdict.startswith("replayed for no response here") and unreplayed.tokens == []
+    record.replayed[:, 1] = True
     record.rewards[:, 2] = torch.tensor([1.0, 1.0, 0.0, 0.0])
     flat = reward_verdicts(record, CharTokenizer(), names, num_generations=2)[2]
     assert flat.varying == 0 and flat.verdict.startswith("never varies")
@@ -222,7 +231,8 @@ def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, cap
     out = capsys.readouterr().out
     assert (tmp_path / "credit.html").read_text().count('class="resp"') == 4
     lines = [line for line in out.splitlines() if line.startswith(("says_red", "lowercase_reward"))]
-    verdicts = ("token credit will move", "never varies", "under twice the control's", "would rest it")
+    verdicts = ("token credit will move", "never varies", "under twice the control's", "would rest it",
+                "replayed for no response")  # fmt: skip
     assert len(lines) == 2 and all(any(v in line for v in verdicts) for line in lines)
 
 
@@ -258,3 +268,85 @@ def test_verdicts_read_the_model_tokens_of_a_tool_rollout():
     assert math.isclose(verdict.q_over_control, 0.53 / 0.08, rel_tol=1e-5)
     assert verdict.verdict.startswith("token credit will move") and verdict.tokens[0] == "f"
     assert verdict.concentration == 0.25  # one of its 4 model tokens holds 80 % of the mass
+
+
+def test_inspect_samples_the_training_prompt_and_leaves_nothing_behind(tmp_path, tiny_tokenizer, monkeypatch):
+    """The responses are sampled from the training prompts (no control sentence in them); the Python call writes no
+    file unasked and leaves no temporary folder; TRL's experimental rollout_func warning is not shown; an output
+    folder that does not exist is created."""
+    import os
+    import tempfile
+    import warnings
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.kits.basic import make_basic_dataset
+    from trl_mrtpo.scripts.inspection import CONTROL_SENTENCE
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    work, scratch = tmp_path / "work", tmp_path / "scratch"
+    work.mkdir()
+    scratch.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.delenv("TRL_EXPERIMENTAL_SILENCE", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record, _ = inspect_credit(model=str(model_dir), num_prompts=2, num_generations=2, max_new_tokens=6)
+    assert record.prompts == [row["prompt"] for row in make_basic_dataset(2) for _ in range(2)]
+    assert not any(CONTROL_SENTENCE in str(prompt) for prompt in record.prompts)
+    assert record.replayed[:, -1].all() and (record.relevance[:, -1].sum(-1) > 0).all()  # the control, replayed
+    assert os.listdir(work) == [] and os.listdir(scratch) == []
+    assert not [w for w in caught if "experimental" in str(w.message)]
+
+    inspect_credit(model=str(model_dir), num_prompts=1, num_generations=2, max_new_tokens=4,
+                   output=str(tmp_path / "new" / "folder" / "credit.html"))  # fmt: skip
+    assert (tmp_path / "new" / "folder" / "credit.html").is_file()
+
+
+def test_inspect_gives_the_q_training_gives_on_the_same_responses(tmp_path, tiny_tokenizer):
+    """Each reward's q in inspect is the trainer's on the same responses: the same training prompts, info blocks,
+    replay contexts and temperature (checked on every pair both replay; inspect replays non-varying pairs too)."""
+    import json
+
+    import torch
+
+    from tests.conftest import build_tiny_model
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+    from trl_mrtpo.scripts.inspection import fixed_rollout, sample_credit
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    texts = ["the sea is blue. hope this helps.", "The Sea Is Blue", "quiet rain falls. that is all.", "Rain."]
+    rows = make_basic_dataset(2).to_list()
+    path = tmp_path / "responses.jsonl"
+    path.write_text("\n".join(json.dumps({**rows[i // 2], "completion": t}) for i, t in enumerate(texts)))
+    inspected, _ = inspect_credit(model=str(model_dir), completions=str(path), beta=0.5)
+
+    from transformers import AutoModelForCausalLM
+
+    trainer = MRTPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(
+            tmp_path / "train",
+            num_generations=2,
+            per_device_train_batch_size=4,
+            temperature=1.0,
+            credit_warmup_steps=0,
+        ),  # fmt: skip
+        train_dataset=make_basic_dataset(2),
+        processing_class=tiny_tokenizer,
+        rollout_func=fixed_rollout(texts),
+    )
+    trained = sample_credit(trainer, rows, 2)
+    both = trained.replayed & inspected.replayed[:, :-1]
+    assert both.any()
+    for j, k in both.nonzero().tolist():
+        torch.testing.assert_close(inspected.relevance[j, k], trained.relevance[j, k], rtol=0, atol=1e-6)

@@ -269,6 +269,78 @@ def check_builders(
     return list(builders)
 
 
+def for_environment_rewards(builders: Any, functions: int, rewards: int) -> Any:
+    """A per-reward builder list given for the ``functions`` reward functions only, extended with None for the rewards
+    TRL adds after them (``rewards`` in all) from environments that own their reward (``get_reward``): those get no
+    block (uniform credit) unless the list names one for them too."""
+    if isinstance(builders, (list, tuple)) and len(builders) == functions < rewards:
+        return [*builders, *[None] * (rewards - functions)]
+    return builders
+
+
+BUILDER_SIGNATURE = "(*, prompt, completion, row, score)"
+
+
+def check_builders_on_first_row(builders: Any, reward_names: Sequence[str], dataset: Any, tools: bool) -> None:
+    """Before the model loads: each builder bound to ``BUILDER_SIGNATURE`` and called once on the dataset's first row,
+    with an empty stand-in completion (and an empty trajectory view where tools are used), as training will call it.
+
+    A signature that does not bind, a ``KeyError`` on the row, or a return value :func:`build_block` refuses is
+    refused here, with the expected signature or the dataset's columns; any other exception is a warning naming the
+    builder (it may only fail on the empty stand-in: real completions come later). Datasets without a first row to
+    read (streaming, or rows owned by an environment: no ``prompt``) are not checked, nor is ``builders`` unless it is
+    a list (one builder or None per reward: :func:`check_builders` refuses anything else).
+    """
+    import warnings
+
+    from .utils import function_name
+
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(builders, (list, tuple)) or columns is None or "prompt" not in columns:
+        return
+    if not hasattr(dataset, "__len__") or not len(dataset):
+        return
+    row = dict(dataset[0])
+    view = None
+    if tools:
+        from .trajectories import Trajectory
+
+        view = Trajectory(turns=(), results=())
+    for builder, name in zip(builders, reward_names):
+        if builder is None or not callable(builder):  # refused by check_builders
+            continue
+        label = f"info block builder {function_name(builder)!r} of reward {name!r}"
+        extra = {"trajectory": view} if accepts_trajectory(builder) else {}
+        try:
+            inspect.signature(builder).bind(prompt=None, completion="", row=row, score=0.0, **extra)
+        except TypeError as mismatch:
+            raise TypeError(
+                f"The {label} cannot be called as training calls it ({mismatch}): a builder takes "
+                f"{BUILDER_SIGNATURE}, by keyword (plus `trajectory` in tool rollouts), and returns a str, an "
+                "InfoBlock or None."
+            ) from None
+        except ValueError:  # a callable without a signature to read: its call below tells
+            pass
+        try:
+            build_block(builder, name, 0, row["prompt"], "", row, 0.0, view)
+        except InfoBlockError as refused:
+            cause = refused.__cause__
+            checked = "(checked on the train dataset's first row, with an empty completion, before the model loads)"
+            if cause is None:
+                raise InfoBlockError(f"{refused} {checked}") from None
+            if isinstance(cause, KeyError):
+                raise InfoBlockError(
+                    f"{refused}: the row has no such field {checked}; the dataset's columns: {', '.join(columns)}."
+                ) from cause
+            warnings.warn(
+                f"The {label} raised {type(cause).__name__} ({cause}) on the train dataset's first row with an empty "
+                "stand-in completion. If it only fails on an empty completion, ignore this; otherwise training stops "
+                "at the first step with this error.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def assistant_header(processing_class) -> str | None:
     """What the chat template adds for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant``), or None."""
     if not getattr(processing_class, "chat_template", None):

@@ -38,7 +38,13 @@ from .diagnostics import (
 )
 from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
 from .hub_ids import local_copies, write_hub_ids
-from .info_blocks import InfoBlock, assistant_header, check_builders
+from .info_blocks import (
+    InfoBlock,
+    assistant_header,
+    check_builders,
+    check_builders_on_first_row,
+    for_environment_rewards,
+)
 from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
 from .replay import causal_lm_parts, replay_temperature
 from .rules import (
@@ -111,7 +117,7 @@ class MRTPOTrainer(GRPOTrainer):
     def __init__(
         self,
         model,
-        reward_funcs,
+        reward_funcs=None,
         args: MRTPOConfig | None = None,
         train_dataset=None,
         eval_dataset=None,
@@ -136,19 +142,31 @@ class MRTPOTrainer(GRPOTrainer):
             model_name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = config(f"{model_name.split('/')[-1]}-{self._name}")
         check_config_class(args, config, type(self).__name__)
-        check_dataset(train_dataset, "train")
-        check_dataset(eval_dataset, "eval")
+        # an environment may own the data (its reset() gives the prompt) and the reward (get_reward), as in TRL
+        environments = kwargs.get("environment_factory") is not None
+        check_dataset(train_dataset, "train", environments)
+        check_dataset(eval_dataset, "eval", environments)
         check_environment_arguments(kwargs)
+        # a copy: TRL appends environments' rewards to the list it is given, which would be the user's
+        funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
+        names = [f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs]
+        # a builder's mistake is refused before the model loads, not at the first step (the builders of environments'
+        # rewards, which TRL adds while loading, at the first step)
+        builders = info_blocks if environments else check_builders(info_blocks, names)
+        tools = bool(kwargs.get("tools")) or environments
+        check_builders_on_first_row(builders, names, train_dataset, tools)
         super().__init__(
             model,
-            reward_funcs,
+            list(funcs) if isinstance(reward_funcs, list) else reward_funcs,
             args=args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
             **kwargs,
         )
-        self.info_block_builders = check_builders(info_blocks, self.reward_func_names)
+        rewards = (len(funcs), len(self.reward_funcs))  # TRL adds environments' get_reward after the functions
+        names = self.reward_func_names
+        self.info_block_builders = check_builders(for_environment_rewards(info_blocks, *rewards), names)
         if self.rollout_func is not None:
             self.rollout_func = checked_rollout(self.rollout_func)
         wrap_environments(self, partial(checked_environment, multimodal=self._is_vlm))
@@ -157,7 +175,10 @@ class MRTPOTrainer(GRPOTrainer):
         setup = CreditSetup(
             args,
             list(self.reward_func_names),
-            {"process_rewards": process_rewards, "failure_boundaries": failure_boundaries},
+            {
+                "process_rewards": process_rewards,
+                "failure_boundaries": for_environment_rewards(failure_boundaries, *rewards),
+            },
         )
         self.credit_rule = check_credit_rule(args).rule(setup)
         self.credit_terms: dict[str, CreditTerm] = build_credit_terms(setup)

@@ -14,6 +14,7 @@ import numbers
 import sys
 import types
 import typing
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -260,20 +261,52 @@ def own_copies(kwargs: dict[str, Any]) -> dict[str, Any]:
 def checked_reward(func: Callable, name: str) -> Callable:
     """``func`` with its return value checked by :func:`check_reward_values` (sync or async, name kept). It gets
     copies of the prompts and completions: a function that edits them changes nothing the next reward, the info
-    blocks or the replay see."""
+    blocks or the replay see. A first batch scored None throughout is warned about (:func:`_first_batch_check`)."""
+    first_batch = _first_batch_check(name)
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
 
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
-            return check_reward_values(name, await func(*args, **own_copies(kwargs)), len(kwargs["completions"]))
+            values = await func(*args, **own_copies(kwargs))
+            return first_batch(check_reward_values(name, values, _batch_size(kwargs)))
 
         return checked_async
 
     @functools.wraps(func)
     def checked(*args, **kwargs):
-        return check_reward_values(name, func(*args, **own_copies(kwargs)), len(kwargs["completions"]))
+        return first_batch(check_reward_values(name, func(*args, **own_copies(kwargs)), _batch_size(kwargs)))
 
     return checked
+
+
+def _batch_size(kwargs: dict[str, Any]) -> int:
+    """How many values a reward function owes: one per completion (or per environment, for an environment's reward
+    called with ``environments`` alone)."""
+    for key in ("completions", "prompts", "environments"):
+        if kwargs.get(key) is not None:
+            return len(kwargs[key])
+    raise TypeError("a reward function was called without completions, prompts or environments to score")
+
+
+def _first_batch_check(name: str) -> Callable[[list], list]:
+    """Passes a reward's values through; the first time, warns when every one is None (NaN): a forgotten ``return``
+    trains as a reward that never applies."""
+    pending = [True]
+
+    def check(values: list) -> list:
+        if pending[0]:
+            pending[0] = False
+            if values and all(v is None or v != v for v in values):
+                warnings.warn(
+                    f"The reward function '{name}' returned None for every sample of the first generation batch: "
+                    "those samples get no advantage from it. Ignore this if the reward does not apply to those "
+                    "samples (TRL's convention for None); otherwise check that it returns its scores.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        return values
+
+    return check
 
 
 def _check_prompt(prompt: Any, where: str) -> None:
@@ -298,14 +331,15 @@ def _check_prompt(prompt: Any, where: str) -> None:
             )
 
 
-def check_dataset(dataset: Any, split: str) -> None:
-    """Before the first step: the dataset has a ``prompt`` column and every prompt is non-empty text or a
-    non-empty list of ``{"role", "content"}`` messages. Streaming datasets are checked on their first row."""
+def check_dataset(dataset: Any, split: str, environments: bool = False) -> None:
+    """Before the first step: the dataset has a ``prompt`` column (unless ``environments``: an environment's
+    ``reset()`` may give the prompt, as TRL reads it) and every prompt is non-empty text or a non-empty list of
+    ``{"role", "content"}`` messages. Streaming datasets are checked on their first row."""
     if dataset is None:
         return
     if isinstance(dataset, dict):  # several evaluation datasets
         for key, part in dataset.items():
-            check_dataset(part, f"{split} '{key}'")
+            check_dataset(part, f"{split} '{key}'", environments)
         return
     columns = getattr(dataset, "column_names", None)
     if columns is not None and hasattr(dataset, "__len__"):  # a datasets.Dataset: read the column at once
@@ -317,9 +351,11 @@ def check_dataset(dataset: Any, split: str) -> None:
         rows = [next(iter(dataset))]
         columns = list(rows[0])
     if "prompt" not in columns:
+        if environments:  # TRL starts from an empty user message and appends what reset() returns
+            return
         raise ValueError(
-            f"the {split} dataset has no 'prompt' column (columns: {', '.join(map(str, columns))}); MRTPOTrainer, "
-            "like GRPOTrainer, samples completions for each row's 'prompt'."
+            f"the {split} dataset has no 'prompt' column (columns: {', '.join(map(str, columns))}); MRTPOTrainer "
+            "samples completions for each row's 'prompt' (only an environment_factory's reset() may give it instead)."
         )
     prompts = dataset["prompt"] if rows is None else [row.get("prompt") for row in rows]
     for i, prompt in enumerate(prompts):

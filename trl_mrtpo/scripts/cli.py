@@ -66,21 +66,13 @@ def run_eval(args: argparse.Namespace):
 
 
 def run_inspect(args: argparse.Namespace):
-    from .inspection import format_report, format_verdicts, inspect_credit, inspect_recipe
+    from .inspection import inspect_credit, inspect_recipe
 
     _pin_threads(args.threads)
     settings = flags_for(inspect_credit, args, "model", "task")
     if args.config:
-        record, report, verdicts = inspect_recipe(args.config, **settings)
-    else:
-        record, report, verdicts = inspect_credit(model=args.model, task=args.task, return_verdicts=True, **settings)
-    print(f"Heatmap written to {args.output}")
-    if report:
-        print(format_report(report))
-    print(format_verdicts(verdicts))
-    if args.report:
-        print(f"Localisation report written to {args.report}")
-    return record, report, verdicts
+        return inspect_recipe(args.config, verbose=True, **settings)
+    return inspect_credit(model=args.model, task=args.task, return_verdicts=True, verbose=True, **settings)
 
 
 def run_gym(args: argparse.Namespace) -> str:

@@ -37,18 +37,38 @@ control_reward.__name__ = CONTROL_NAME
 
 
 def control_block(*, prompt, completion, row, score) -> InfoBlock:
-    """The irrelevant sentence, removed in the control replay."""
-    return InfoBlock(CONTROL_SENTENCE, placement="in_prompt")
+    """The irrelevant sentence, appended to the training prompt in the control replay."""
+    return InfoBlock(CONTROL_SENTENCE)
 
 
-def with_control_sentence(prompt):
-    """The prompt with the irrelevant sentence appended to its last user message."""
-    if isinstance(prompt, str):
-        return f"{prompt}\n{CONTROL_SENTENCE}"
-    messages = [dict(m) for m in prompt]
-    last = max(i for i, m in enumerate(messages) if m.get("role") == "user")
-    messages[last]["content"] = f"{messages[last]['content']}\n{CONTROL_SENTENCE}"
-    return messages
+def with_control(record: CreditRecord, control: CreditRecord) -> CreditRecord:
+    """``record`` (the task's rewards) with the control replay's slot added last, on the same responses. The control
+    pass's completions may be shorter (padding): its per-token rows are padded with q 0 and weight 1."""
+    import dataclasses
+
+    length = record.relevance.shape[-1]
+
+    def padded(tensor: torch.Tensor, value: float) -> torch.Tensor:
+        return torch.nn.functional.pad(tensor[..., :length], (0, length - min(tensor.shape[-1], length)), value=value)
+
+    return dataclasses.replace(
+        record,
+        rewards=torch.cat([record.rewards, control.rewards], 1),
+        group_advantages=torch.cat([record.group_advantages, control.group_advantages], 1),
+        relevance=torch.cat([record.relevance, padded(control.relevance, 0.0)], 1),
+        replayed=torch.cat([record.replayed, control.replayed], 1),
+        weights=torch.cat([record.weights, padded(control.weights, 1.0)], 1),
+        reward_betas=torch.cat([record.reward_betas, control.reward_betas]),
+    )
+
+
+def model_token_ids(record: CreditRecord) -> list[list[int]]:
+    """Each response's completion ids up to its last model token (a tool result after it changes no q before it)."""
+    ids = []
+    for j in range(record.mask.shape[0]):
+        where = record.mask[j].nonzero()
+        ids.append(record.completion_ids[j, : int(where[-1]) + 1 if len(where) else 1].tolist())
+    return ids
 
 
 def load_completions(path: str) -> tuple[list[dict], list[str], int]:
@@ -72,17 +92,20 @@ def load_completions(path: str) -> tuple[list[dict], list[str], int]:
     return rows, completions, sizes.pop()
 
 
-def fixed_rollout(completions: list[str]):
-    """A TRL ``rollout_func`` that serves ``completions`` in order instead of sampling (for replaying existing
-    responses)."""
+def fixed_rollout(completions: list[str] | list[list[int]]):
+    """A TRL ``rollout_func`` that serves ``completions`` (texts, or token ids as they were sampled) in order instead
+    of sampling (for replaying existing responses)."""
     queue = list(completions)
 
     def rollout(prompts, trainer):
         if len(prompts) > len(queue):
             raise ValueError(f"{len(prompts)} prompts to answer but only {len(queue)} completions left")
-        texts = [queue.pop(0) for _ in prompts]
+        served = [queue.pop(0) for _ in prompts]
         tokenizer = trainer.processing_class
-        completion_ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+        completion_ids = [
+            tokenizer(item, add_special_tokens=False)["input_ids"] if isinstance(item, str) else list(item)
+            for item in served
+        ]
         return {
             "prompt_ids": tokenize_prompts(trainer, prompts),
             "completion_ids": completion_ids,
@@ -210,7 +233,7 @@ def inspect_credit(
     temperature: float | None = None,
     beta: float | None = None,
     seed: int = 0,
-    output: str | None = "mrtpo-credit.html",
+    output: str | None = None,
     report: str | None = None,
     reward_funcs: list | None = None,
     info_blocks: list | None = None,
@@ -222,10 +245,13 @@ def inspect_credit(
     process_rewards: list | None = None,
     chat_template: str | None = None,
     environment_factory=None,
+    verbose: bool = False,
 ) -> tuple:
-    """Sample (or, with ``completions``, replay existing responses of) a few prompts, score and replay them with the
-    control sentence added, and return the credit record and the localisation report. Writes the heatmap page to
-    ``output`` and the report as CSV to ``report`` when they are given.
+    """Sample (or, with ``completions``, replay existing responses of) a few prompts of the training data, score and
+    replay them exactly as training does, replay the control on the same responses, and return the credit record
+    (the control last) and the localisation report. Writes the heatmap page to ``output`` and the report as CSV to
+    ``report`` only when they are given (their folders are created before any work); ``verbose`` prints the verdicts
+    and the report before the files are written.
 
     The task is ``task``'s kit, or your own: ``reward_funcs`` and ``info_blocks`` (functions and builders, as
     ``MRTPOTrainer`` takes them) with ``dataset`` (rows with a ``prompt``); the localisation report needs a kit's
@@ -240,13 +266,17 @@ def inspect_credit(
     ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
     """
     import tempfile
+    import warnings
+    from pathlib import Path
 
     from datasets import Dataset
 
-    from ..observability.viz import credit_heatmap_html
     from ..trainer import MRTPOTrainer
     from .policy import load_policy
 
+    for path in (output, report):  # a folder that cannot be made fails now, not after the sampling
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
     policy, tokenizer = load_policy(model, adapter)
@@ -268,53 +298,82 @@ def inspect_credit(
         rollout = fixed_rollout(texts)
     else:
         rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
-    rows = [{**row, "prompt": with_control_sentence(row["prompt"])} for row in rows]
     credit = recipe_credit_settings(recipe_args) if recipe_args is not None else {}
     if temperature is not None or "temperature" not in credit:
         credit["temperature"] = 1.0 if temperature is None else temperature
     if beta is not None or "credit_beta" not in credit:
         credit["credit_beta"] = 0.5 if beta is None else beta
-    if credit.get("reward_weights"):
-        credit["reward_weights"] = [*credit["reward_weights"], 1.0]  # the control's (a constant: it never counts)
-    config = (type(recipe_args) if recipe_args is not None else MRTPOConfig)(
-        **{
-            **credit,
-            "output_dir": tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"),
-            "per_device_train_batch_size": len(rows) * num_generations,  # one generation batch holds them all
-            "num_generations": num_generations,
-            "max_completion_length": max_new_tokens,
-            "credit_warmup_steps": 0,
-            "replay_only_varying": False,  # show q for every reward with a block, varying or not
-            "use_cpu": not torch.cuda.is_available(),
-            "bf16": False,
-            "report_to": "none",
-            "seed": seed,
-        }
-    )
-    trainer = (trainer_class or MRTPOTrainer)(
-        model=policy,
-        reward_funcs=[*reward_funcs, control_reward],
-        info_blocks=[*info_blocks, control_block],
-        args=config,
-        train_dataset=Dataset.from_list(rows),
-        processing_class=tokenizer,
-        rollout_func=rollout,
-        process_rewards=process_rewards or None,
-        **({"environment_factory": environment_factory} if environment_factory is not None else {}),
-    )
+    inspecting = {
+        "per_device_train_batch_size": len(rows) * num_generations,  # one generation batch holds them all
+        "num_generations": num_generations,
+        "max_completion_length": max_new_tokens,
+        "credit_warmup_steps": 0,
+        "replay_only_varying": False,  # show q for every reward with a block, varying or not
+        "use_cpu": not torch.cuda.is_available(),
+        "bf16": False,
+        "report_to": "none",
+        "seed": seed,
+    }
     what = "Replaying the given" if completions else "Sampling, scoring and replaying"
-    print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...", flush=True)
-    record = sample_credit(trainer, rows, num_generations)
-    names = trainer.reward_func_names
+    with tempfile.TemporaryDirectory(prefix="trl-mrtpo-inspect-") as scratch, warnings.catch_warnings():
+        # TRL calls rollout_func experimental; here it only serves responses already sampled
+        warnings.filterwarnings("ignore", message=".*rollout_func.*")
+        config = (type(recipe_args) if recipe_args is not None else MRTPOConfig)(
+            **{**credit, **inspecting, "output_dir": scratch}
+        )
+        trainer = (trainer_class or MRTPOTrainer)(
+            model=policy,
+            reward_funcs=list(reward_funcs),
+            info_blocks=list(info_blocks),
+            args=config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            rollout_func=rollout,
+            process_rewards=process_rewards or None,
+            **({"environment_factory": environment_factory} if environment_factory is not None else {}),
+        )
+        print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...")
+        record = sample_credit(trainer, rows, num_generations)
+        # the control: the same responses, the training prompt against it with an irrelevant sentence appended
+        control_config = MRTPOConfig(
+            **{"temperature": credit["temperature"], "credit_beta": credit["credit_beta"], **inspecting},
+            output_dir=scratch,
+            reward_strength_floor=None,
+        )
+        control = MRTPOTrainer(
+            model=policy,
+            reward_funcs=[control_reward],
+            info_blocks=[control_block],
+            args=control_config,
+            train_dataset=Dataset.from_list(rows),
+            processing_class=tokenizer,
+            rollout_func=fixed_rollout(model_token_ids(record)),
+        )
+        record = with_control(record, sample_credit(control, rows, num_generations))
+    names = [*trainer.reward_func_names, CONTROL_NAME]
+    located = localisation_report(record, tokenizer, rows, kit, names, num_generations) if kit else []
+    verdicts = reward_verdicts(record, tokenizer, names, num_generations, reward_strength_floor)
+    if verbose:
+        print(format_report(located) if located else NO_REPORT)
+        print(format_verdicts(verdicts))
     if output:
+        from ..observability.viz import credit_heatmap_html
+
         with open(output, "w", encoding="utf-8") as page:
             page.write(credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {task} task"))
-    located = localisation_report(record, tokenizer, rows, kit, names, num_generations) if kit else []
+        print(f"Heatmap written to {output}")
     if report:
         write_report(located, report)
+        print(f"Localisation report written to {report}")
     if return_verdicts:
-        return record, located, reward_verdicts(record, tokenizer, names, num_generations, reward_strength_floor)
+        return record, located, verdicts
     return record, located
+
+
+NO_REPORT = (
+    "No localisation report: it needs the spans a task kit declares (which tokens of a response each reward's "
+    "verifier checks); rewards of your own declare none. The verdicts below read q without them."
+)
 
 
 # ------------------------------------------------------------------------------------------------ the verdicts
@@ -390,7 +449,12 @@ def reward_verdicts(
         )[:3]
         tokens = [token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for _, j, t in peaks]
         strength = strengths[task.index(k)].item()
-        if varying == 0:
+        if not both:
+            text = (
+                "replayed for no response here (it has no info block, or none applied): its credit stays uniform, "
+                "as GDPO spreads it."
+            )
+        elif varying == 0:
             text = (
                 "never varies within a group here: training would replay nothing for it and keep its credit "
                 "uniform; more generations per prompt, or a graded reward, would let it vary."
@@ -407,13 +471,25 @@ def reward_verdicts(
         else:
             text = (
                 f"q is under twice the control's: token credit will still move this reward's credit to where its q "
-                f"peaks ({', '.join(map(repr, tokens))}), but removing an irrelevant sentence moves the policy as "
-                "much, so nothing here shows these are the tokens its verifier decides on. Make its info block carry "
-                "what the verifier decides with, or give it no block (uniform credit)."
+                f"peaks ({', '.join(map(repr, tokens))}), but an irrelevant sentence moves the policy as much. Two "
+                "causes this batch cannot tell apart: the model does not read the block at this size, or the block "
+                "lacks what decides the reward. Write a few responses that pass and a few that fail and replay them "
+                "with --completions (JSONL: prompt, completion, the row's fields): if q lands on what decides the "
+                "reward there, the block is sound; if not, make it carry what the verifier decides with, or give "
+                "the reward no block (uniform credit)."
             )
         peaks_apart = sum(apart) / len(apart) if apart else math.nan
         verdicts.append(Verdict(name, varying, ratio, concentration, tokens, strength, text, peaks_apart))
     return verdicts
+
+
+VERDICT_COLUMNS = (
+    "varies: share of prompt groups in which the reward varies (training replays only those pairs)",
+    "q/control: the reward's summed q over the control's (the irrelevant sentence appended), on the same responses",
+    "80% mass in: mean share of a response's tokens holding 80% of the reward's q",
+    "peak apart: share of responses whose q peaks on another token than the control's",
+    "strength: per-reward strength g_k read on this batch (1: full redistribution, 0: the reward rests)",
+)
 
 
 def format_verdicts(verdicts: list[Verdict]) -> str:
@@ -425,7 +501,7 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
             f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}{v.peaks_apart:>12.0%}"
             f"{v.strength:>10.2f}   {v.verdict}"
         )
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *VERDICT_COLUMNS])
 
 
 def recipe_credit_settings(args: MRTPOConfig) -> dict:
@@ -459,11 +535,11 @@ def inspect_recipe(
     )
 
     # nothing is trained: the recipe's precision and device settings are not what inspect runs with
-    overrides = ["--output_dir", tempfile.mkdtemp(prefix="trl-mrtpo-inspect-"), "--bf16", "false"]
-    overrides += ["--use_cpu", str(not torch.cuda.is_available()).lower()]
-    script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
-        ["--config", config, *overrides]
-    )
+    overrides = ["--bf16", "false", "--use_cpu", str(not torch.cuda.is_available()).lower()]
+    with tempfile.TemporaryDirectory(prefix="trl-mrtpo-inspect-") as scratch:
+        script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
+            ["--config", config, "--output_dir", scratch, *overrides]
+        )
     trainer_class, template = check_recipe(script_args, training_args)
     if trainer_class is None:
         raise ValueError("trainer: opsd has no token credit to inspect; inspect the recipe with trainer: mrtpo.")

@@ -1,0 +1,119 @@
+"""TRL 1.16's environment features under MRTPO credit, on TRL's own tool loop with a scripted policy: an environment
+that owns its reward (``get_reward``), alone or beside reward functions, with or without an info block; an
+environment that owns its data (``reset()`` gives the prompt: a dataset without a ``prompt`` column, or none); and no
+reward source at all (TRL's own error). Credit is checked against the float64 reference on the model's tokens."""
+
+import pytest
+from datasets import Dataset
+
+from tests.test_agent_credit import BLOCKS, QUESTION, answered, check_credit_on_model_tokens, scripted_trainer
+from tests.test_agent_credit import tool_tokenizer as qwen3_tokenizer
+
+
+class Ledger:
+    """Owns its reward: 1 when the policy looked the code up in this rollout."""
+
+    def reset(self, **kwargs):
+        self.looked_up = False
+        return None
+
+    def lookup(self, city: str) -> str:
+        """Look up the code of a city.
+
+        Args:
+            city: the city's name.
+        """
+        self.looked_up = True
+        return f"The code of {city} is 42."
+
+    def get_reward(self) -> float:
+        return float(self.looked_up)
+
+
+class Quiz(Ledger):
+    """Owns its data too: ``reset()`` gives the question, appended to the (empty) prompt TRL starts from."""
+
+    def reset(self, **kwargs):
+        super().reset()
+        return "What is the code of Paris?"
+
+
+class Atlas:
+    """Owns neither: a tool only (its rollouts get None from the other environment's reward)."""
+
+    def reset(self, **kwargs):
+        return None
+
+    def lookup(self, city: str) -> str:
+        """Look up the code of a city.
+
+        Args:
+            city: the city's name.
+        """
+        return f"The code of {city} is 42."
+
+
+@pytest.fixture
+def tokenizer(tiny_tokenizer):
+    return qwen3_tokenizer(tiny_tokenizer)
+
+
+def test_an_environment_reward_beside_a_reward_function(tokenizer, tmp_path):
+    """The environment's reward is TRL's extra reward column, named after its class; without an entry of its own in
+    ``info_blocks`` it has no block (uniform credit); the reward function's block is replayed."""
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, reward_funcs=[answered], info_blocks=[BLOCKS[0]],
+                               environment_factory=Ledger)  # fmt: skip
+    trainer.train()
+    assert trainer.reward_func_names == ["answered", "Ledger"]
+    assert trainer.info_block_builders == [BLOCKS[0], None]
+    rewards = trainer.credits[0].rewards[:, 1]
+    assert set(rewards.tolist()) == {0.0, 1.0}  # the environment's reward varies: the even rows looked it up
+    assert not trainer.credits[0].replayed[:, 1].any()
+    check_credit_on_model_tokens(trainer)
+
+
+def test_an_environment_reward_alone_with_its_own_block(tokenizer, tmp_path):
+    """No reward function: the environment owns the only reward, and ``info_blocks`` gives it a block (one entry
+    per reward, the environments' after the functions', in TRL's order)."""
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
+                               reward_funcs=None, info_blocks=[BLOCKS[1]], environment_factory=Ledger)  # fmt: skip
+    trainer.train()
+    assert trainer.reward_func_names == ["Ledger"]
+    assert trainer.credits[0].replayed[:, 0].any()
+    check_credit_on_model_tokens(trainer)
+
+
+def test_no_reward_source_is_trls_error(tokenizer, tmp_path):
+    with pytest.raises(ValueError, match="No reward source provided"):
+        scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8), reward_funcs=None,
+                         info_blocks=None)  # fmt: skip
+
+
+def test_environments_own_the_data_and_one_owns_its_reward(tokenizer, tmp_path):
+    """A dict ``environment_factory`` routed by an ``environment`` column (no ``prompt`` column, as TRL allows):
+    ``reset()`` gives each rollout its question, the replay's contexts carry it, and the environment that owns a reward
+    scores only its own rollouts (None for the others)."""
+
+    class AtlasQuiz(Atlas):
+        def reset(self, **kwargs):
+            return "What is the code of Paris?"
+
+    dataset = Dataset.from_list([{"environment": name} for name in ("quiz", "atlas")] * 4)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, reward_funcs=[answered], info_blocks=[BLOCKS[0]],
+                               environment_factory={"quiz": Quiz, "atlas": AtlasQuiz},
+                               config={"shuffle_dataset": False})  # fmt: skip
+    trainer.train()
+    assert trainer.reward_func_names == ["answered", "Quiz"]
+    quiz, atlas = (credit.rewards[:, 1] for credit in trainer.credits)  # one prompt (group) per step, in order
+    assert not quiz.isnan().any() and atlas.isnan().all()  # None for the atlas rollouts
+    assert all("What is the code of Paris?" in str(prompt) for c in trainer.credits for prompt in c.prompts)
+    check_credit_on_model_tokens(trainer)
+
+
+def test_one_environment_owns_the_data_without_a_dataset(tokenizer, tmp_path):
+    trainer = scripted_trainer(tokenizer, tmp_path, None, reward_funcs=[answered], info_blocks=[BLOCKS[0]],
+                               environment_factory=Quiz)  # fmt: skip
+    trainer.train()
+    assert trainer.reward_func_names == ["answered", "Quiz"]
+    check_credit_on_model_tokens(trainer)
