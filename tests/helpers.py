@@ -233,21 +233,35 @@ def template_tokenizer(template: str, specials: list[str], corpus: list[str], eo
 
 class DistinctProfiles:
     """A relevance provider that knows the answer: reward k's q is ``1 + peak`` on the model tokens at positions
-    ``t % K == k`` and 1 elsewhere, for every pair whose reward has an info block. Each reward's profile then stands
-    out from the others' mean by ``1 - cos`` ~0.4 (peak 3, three rewards), so the shipped per-reward strength floor
+    ``t % K == k`` and 1 elsewhere, for every pair whose reward has an info block (``has_block``). Each reward's
+    profile then stands out from the others' mean by ``1 - cos`` ~0.4 (peak 3, three rewards), so the shipped floor
     (0.25) gives each reward a beta strictly between 0 and ``credit_beta``; the tiny random model's own profiles
     differ by ~0.005 and would rest every reward."""
 
-    def __init__(self, peak: float = 3.0):
-        self.peak = peak
+    def __init__(self, has_block: list[bool], peak: float = 3.0):
+        self.has_block, self.peak = has_block, peak
 
-    def __call__(self, trainer, batch, removal):
+    def __call__(self, policy, record):
         from trl_mrtpo.relevance import Relevance
 
-        blocks = torch.tensor([builder is not None for builder in trainer.info_block_builders])
-        replayed = blocks[None, :] & batch.mask.bool().any(-1, keepdim=True)
-        num_rewards, width = replayed.shape[1], batch.mask.shape[1]
+        blocks = torch.tensor(self.has_block)
+        replayed = blocks[None, :] & record.mask.bool().any(-1, keepdim=True)
+        num_rewards, width = replayed.shape[1], record.mask.shape[1]
         positions = torch.arange(width)
         peaks = (positions[None, :] % num_rewards == torch.arange(num_rewards)[:, None]).float()
-        relevance = (1.0 + self.peak * peaks)[None] * batch.mask[:, None, :] * replayed[..., None]
+        relevance = (1.0 + self.peak * peaks)[None] * record.mask[:, None, :] * replayed[..., None]
         return Relevance(relevance, replayed, bool(replayed.any()))
+
+
+class RecordingTerm:
+    """A run's step term, observed: ``record(batch, *args)`` is called in its place (it calls the term and keeps
+    what it returned); every other attribute is the term's."""
+
+    def __init__(self, term, record):
+        self.term, self.record = term, record
+
+    def __call__(self, batch, *args):
+        return self.record(batch, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.term, name)

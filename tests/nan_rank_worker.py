@@ -19,12 +19,12 @@ from trl_mrtpo.relevance import Relevance
 WAIT_LIMIT_SECONDS = 240  # a rank that waits for the other this long prints where it waits and exits: a hang fails
 
 
-def nan_on_process_one(trainer, batch, removal):
-    replayed = batch.varying.clone()
-    relevance = torch.zeros((*replayed.shape, batch.mask.shape[1]))
+def nan_on_process_one(policy, record):
+    replayed = record.varying.clone()
+    relevance = torch.zeros((*replayed.shape, record.mask.shape[1]))
     relevance[..., :2] = 1.0
-    relevance = relevance * batch.mask[:, None, :] * replayed[..., None]
-    if trainer.accelerator.process_index == 1:
+    relevance = relevance * record.mask[:, None, :] * replayed[..., None]
+    if record.process_index == 1:
         relevance[-1, 0, 0] = float("nan")
         replayed[-1, 0] = True
     return Relevance(relevance, replayed, bool(replayed.any()))

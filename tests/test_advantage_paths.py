@@ -361,7 +361,7 @@ def test_the_shipped_strength_floor_gives_each_reward_a_beta_inside_the_range(ti
         args=make_args(tmp_path, max_steps=3, per_device_train_batch_size=8, reward_strength_floor=floor),
         train_dataset=make_basic_dataset(24),
         processing_class=tiny_tokenizer,
-        relevance_provider=DistinctProfiles(),
+        relevance_provider=DistinctProfiles([b is not None for b in BASIC.info_blocks]),
     )
     trainer.train()
     readings = [(credit.relevance, credit.replayed) for credit in trainer.credits]

@@ -9,9 +9,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from tests.helpers import RecordingTrainer, make_args
+from tests.helpers import RecordingTerm, RecordingTrainer, make_args
 from tests.reference import reference_process_advantages, reference_step_credit_advantages
-from trl_mrtpo.rules import as_term
 from trl_mrtpo.steps.process_rewards import token_positions
 from trl_mrtpo.utils import completion_text
 
@@ -226,10 +225,10 @@ def first_turn(*, prompt, completion, row, score, trajectory=None):
 
 
 def recording_step_rules(trainer, tokenizer) -> list[dict]:
-    """Wrap ``trainer.step_credit``: per generation, what it computed (``process``, ``failure_suffix``) and the
+    """Wrap the run's step term: per generation, what it computed (``process``, ``failure_suffix``) and the
     reference's view of the batch, each row's ``(score, last token)`` steps of :func:`turn_scores` and the token of
     :func:`first_turn`'s boundary, placed by hand (a turn ends on its last token)."""
-    records, step_credit = [], trainer.step_credit
+    records, step_credit = [], trainer.credit_terms["steps"]
 
     def recording(batch, *args):
         credit, means = step_credit(batch, *args)
@@ -247,7 +246,7 @@ def recording_step_rules(trainer, tokenizer) -> list[dict]:
         records.append({**credit, "steps": steps, "boundaries": boundaries, "views": batch.views})
         return credit, means
 
-    trainer.credit_terms["steps"] = as_term(recording)
+    trainer.credit_terms["steps"] = RecordingTerm(step_credit, recording)
     return records
 
 

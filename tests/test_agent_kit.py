@@ -9,6 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from tests.helpers import RecordingTerm
 from tests.test_agent_credit import tool_tokenizer
 from trl_mrtpo import _trl
 from trl_mrtpo.kits import get_kit
@@ -24,7 +25,6 @@ from trl_mrtpo.kits.tool_agent import (
     agent_turn_calls,
     make_agent_dataset,
 )
-from trl_mrtpo.rules import as_term
 from trl_mrtpo.trajectories import trajectory
 
 ROW = {"stock": json.dumps({"apple": 3, "pear": 1}), "answer": "2.40"}
@@ -220,14 +220,14 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
         train_dataset=Dataset.from_list([row] * 4),
         processing_class=tokenizer,
     )
-    step_credit = trainer.step_credit
+    step_credit = trainer.credit_terms["steps"]
 
     def recording(batch, *args):
         credit, means = step_credit(batch, *args)
         recorded.append((batch, credit["failure_suffix"], credit["process"]))
         return credit, means
 
-    trainer.credit_terms["steps"] = as_term(recording)
+    trainer.credit_terms["steps"] = RecordingTerm(step_credit, recording)
     trainer.train()
     ((batch, suffix, process),) = recorded
     views = [trajectory(c, m) for c, m in zip(batch.completions, batch.output["tool_mask"].tolist())]

@@ -13,14 +13,7 @@ from trl_mrtpo.finite_credit import NonFiniteCredit
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.relevance import Relevance, ReplayRelevance
-from trl_mrtpo.rules import (
-    CreditRule,
-    CreditTerm,
-    register_credit_rule,
-    register_credit_term,
-    unregister_credit_rule,
-    unregister_credit_term,
-)
+from trl_mrtpo.rules import CreditRule, CreditTerm, register_credit_rule, unregister_credit_rule
 
 
 class SpoiltQ:
@@ -30,16 +23,16 @@ class SpoiltQ:
     def __init__(self, value: float, everywhere: bool = False):
         self.value, self.everywhere = value, everywhere
 
-    def __call__(self, trainer, batch, removal):
-        replayed = batch.varying.clone()
-        relevance = torch.zeros((*replayed.shape, batch.mask.shape[1]))
+    def __call__(self, policy, record):
+        replayed = record.varying.clone()
+        relevance = torch.zeros((*replayed.shape, record.mask.shape[1]))
         relevance[..., :2] = 1.0
         if self.everywhere:
             relevance[:] = self.value
         elif replayed.any():
             b, k = replayed.nonzero()[0].tolist()
             relevance[b, k, 0] = self.value
-        relevance = relevance * batch.mask[:, None, :] * replayed[..., None]
+        relevance = relevance * record.mask[:, None, :] * replayed[..., None]
         return Relevance(relevance, replayed, bool(replayed.any()))
 
 
@@ -96,12 +89,12 @@ def test_q_below_zero_is_refused_and_rounding_below_zero_reads_as_zero(tiny_mode
 class NanLogitsReplay(ReplayRelevance):
     """The built-in replay of a policy whose logits overflow: the lm_head gives NaN while it replays."""
 
-    def __call__(self, trainer, batch, removal):
-        head = trainer.model.get_output_embeddings()
+    def __call__(self, policy, record):
+        head = policy.get_output_embeddings()
         original = head.weight.data.clone()
         head.weight.data[0, 0] = float("nan")
         try:
-            return super().__call__(trainer, batch, removal)
+            return super().__call__(policy, record)
         finally:
             head.weight.data.copy_(original)
 
@@ -115,6 +108,8 @@ def test_nan_logits_in_the_replay_are_refused_naming_the_replay(tiny_model, tiny
 
 class NanTerm(CreditTerm):
     """A term whose added advantages (``add``) or response weighting (``weigh``) holds a NaN."""
+
+    name = "nan_term"
 
     def __init__(self, where: str):
         self.where = where
@@ -141,11 +136,7 @@ class NanTerm(CreditTerm):
     ],
 )
 def test_a_terms_nan_is_refused_naming_the_term(tiny_model, tiny_tokenizer, tmp_path, where, match):
-    register_credit_term("nan_term", lambda setup: NanTerm(where))
-    try:
-        refused(trainer_for(tiny_model, tiny_tokenizer, tmp_path), match)
-    finally:
-        unregister_credit_term("nan_term")
+    refused(trainer_for(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[NanTerm(where)]), match)
 
 
 class NanWeights(CreditRule):

@@ -1,6 +1,7 @@
-"""Credit rules and terms are data: a rule and a term defined in this file only, registered by name, each train two
-steps and match a float64 reference of what they define; a rule's state goes through the one checkpoint mechanism;
-the core names nothing of the research room."""
+"""Credit rules and terms are data: a rule defined in this file only, registered by name, and a term defined here,
+passed to the trainer, each train two steps and match a float64 reference of what they define; a rule's state goes
+through the one checkpoint mechanism; a rule name is registered once; the core names nothing of the research
+room."""
 
 import ast
 import dataclasses
@@ -19,12 +20,10 @@ from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.relevance import Relevance
 from trl_mrtpo.rules import (
     CreditRule,
+    CreditTerm,
     credit_rule_names,
-    quantity,
     register_credit_rule,
-    register_credit_term,
     unregister_credit_rule,
-    unregister_credit_term,
 )
 from trl_mrtpo.scripts.inspection import sample_credit
 
@@ -54,10 +53,14 @@ class SquaredRelevance(CreditRule):
         self.batches = state["squared_batches"]
 
 
-def later_tokens(batch, tokenizer, num_generations, rank, trainer_state=None):
-    """A term as a plain function: adds 0.05 per position to every model token, logged as mrtpo/later_tokens."""
-    positions = torch.arange(batch.mask.shape[1], dtype=torch.float32, device=batch.mask.device)
-    return {"process": 0.05 * positions * batch.mask, "failure_suffix": None}, [("later_tokens", 1.0)]
+class LaterTokens(CreditTerm):
+    """A term that adds 0.05 per position to every model token, logged as mrtpo/later_tokens."""
+
+    name = "later_tokens"
+
+    def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
+        positions = torch.arange(batch.mask.shape[1], dtype=torch.float32, device=batch.mask.device)
+        return {"process": 0.05 * positions * batch.mask, "failure_suffix": None}, [("later_tokens", 1.0)]
 
 
 @pytest.fixture
@@ -69,16 +72,7 @@ def squared_rule():
         unregister_credit_rule("squared")
 
 
-@pytest.fixture
-def later_tokens_term():
-    register_credit_term("later_tokens", lambda setup: later_tokens)
-    try:
-        yield later_tokens
-    finally:
-        unregister_credit_term("later_tokens")
-
-
-def run(tiny_model, tiny_tokenizer, output_dir, resume=None, **overrides):
+def run(tiny_model, tiny_tokenizer, output_dir, resume=None, credit_terms=None, **overrides):
     values = dict(max_steps=2, per_device_train_batch_size=8, num_generations=4, reward_strength_floor=0.003)
     values.update(overrides)
     trainer = RecordingTrainer(
@@ -88,6 +82,7 @@ def run(tiny_model, tiny_tokenizer, output_dir, resume=None, **overrides):
         args=make_args(output_dir, **values),
         train_dataset=make_basic_dataset(16),
         processing_class=tiny_tokenizer,
+        credit_terms=credit_terms,
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
@@ -114,9 +109,10 @@ def test_a_rule_registered_in_a_test_file_trains_and_matches_its_reference(
         assert (credit.advantages.double() - mrtpo).abs().max() > 1e-3
 
 
-def test_a_term_registered_in_a_test_file_adds_to_the_rule(tiny_model, tiny_tokenizer, tmp_path, later_tokens_term):
-    trainer = run(tiny_model, tiny_tokenizer, tmp_path)
-    assert trainer.credit_terms["later_tokens"].add is later_tokens
+def test_a_term_defined_in_a_test_file_adds_to_the_rule(tiny_model, tiny_tokenizer, tmp_path):
+    term = LaterTokens()
+    trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[term])
+    assert trainer.credit_terms == {"later_tokens": term}
     logged = [h for h in trainer.state.log_history if "mrtpo/later_tokens" in h]
     assert len(logged) == 2
     for credit in trainer.credits:
@@ -165,8 +161,32 @@ def test_an_unknown_rule_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="'blind' reads relevance but replays nothing"):
         register_credit_rule("blind", type("Blind", (CreditRule,), {"reads": ("relevance",)}))
     assert "bad" not in credit_rule_names() and "blind" not in credit_rule_names()
-    with pytest.raises(ValueError, match="no provider of the quantity 'entropy' is registered"):
-        quantity("entropy")
+
+
+def test_a_rule_name_is_registered_once(squared_rule):
+    """As verl's register_adv_est: a second registration of a taken name is refused, naming what holds it (a
+    dotted-path rule edited and reloaded in a notebook would otherwise keep running the old class, or replace
+    another's rule without a word)."""
+    taken = r"'squared' is registered already \(tests.test_credit_rules.SquaredRelevance"
+    with pytest.raises(ValueError, match=taken):
+        register_credit_rule(squared_rule, type("Other", (SquaredRelevance,), {}))
+    with pytest.raises(ValueError, match="'mrtpo' is registered already"):
+        register_credit_rule("mrtpo", SquaredRelevance)
+    assert credit_rule_names().count("squared") == 1
+
+
+def test_terms_are_credit_terms_with_distinct_names(tiny_model, tiny_tokenizer, tmp_path):
+    from trl_mrtpo import MRTPOTrainer
+
+    def build(terms):
+        return MRTPOTrainer(model=tiny_model, reward_funcs=BASIC.rewards, args=make_args(tmp_path),
+                            train_dataset=make_basic_dataset(4), processing_class=tiny_tokenizer,
+                            credit_terms=terms)  # fmt: skip
+
+    with pytest.raises(TypeError, match="credit_terms holds a function .*each entry is a CreditTerm instance"):
+        build([lambda *args: None])
+    with pytest.raises(ValueError, match="two credit terms are named 'later_tokens'"):
+        build([LaterTokens(), LaterTokens()])
 
 
 def core_modules() -> list[Path]:
@@ -249,14 +269,14 @@ class FirstTokens:
     tokens (no policy forward)."""
 
     def __init__(self):
-        self.removals = []
+        self.joint = []
 
-    def __call__(self, trainer, batch, removal):
-        self.removals.append(removal)
-        replayed = batch.varying.clone()
-        relevance = torch.zeros((*replayed.shape, batch.mask.shape[1]))
+    def __call__(self, policy, record):
+        self.joint.append(record.joint)
+        replayed = record.varying.clone()
+        relevance = torch.zeros((*replayed.shape, record.mask.shape[1]))
         relevance[..., :2] = 1.0
-        relevance = relevance * batch.mask[:, None, :] * replayed[..., None]
+        relevance = relevance * record.mask[:, None, :] * replayed[..., None]
         return Relevance(relevance, replayed, True)
 
 
@@ -275,7 +295,7 @@ def test_a_relevance_provider_replaces_the_replay(tiny_model, tiny_tokenizer, tm
         relevance_provider=provider,
     )
     trainer.train()
-    assert provider.removals == ["each", "each"]
+    assert provider.joint == [False, False]  # one context per removed block, for each generation batch
     for credit in trainer.credits:
         assert credit.replayed.any() and (credit.relevance[..., 2:] == 0).all()
         torch.testing.assert_close(
@@ -293,21 +313,17 @@ def test_two_terms_that_replace_steps_6_to_8_are_refused(tiny_model, tiny_tokeni
     class Replacing(CreditTerm):
         combine = staticmethod(lambda *args, **kwargs: None)
 
-    for name in ("first_combine", "second_combine"):
-        register_credit_term(name, lambda setup: Replacing())
-    try:
-        with pytest.raises(ValueError, match="first_combine, second_combine each replace steps 6-8; at most one"):
-            MRTPOTrainer(
-                model=tiny_model,
-                reward_funcs=BASIC.rewards,
-                info_blocks=BASIC.info_blocks,
-                args=make_args(tmp_path),
-                train_dataset=make_basic_dataset(4),
-                processing_class=tiny_tokenizer,
-            )
-    finally:
-        unregister_credit_term("first_combine")
-        unregister_credit_term("second_combine")
+    first, second = type("First", (Replacing,), {"name": "first_combine"}), type("Second", (Replacing,), {})
+    with pytest.raises(ValueError, match="first_combine, Second each replace steps 6-8; at most one"):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+            credit_terms=[first(), second()],
+        )
 
 
 def test_a_registered_rule_is_chosen_from_the_command_line(tmp_path, squared_rule):
@@ -325,25 +341,58 @@ def test_a_registered_rule_is_chosen_from_the_command_line(tmp_path, squared_rul
         )
 
 
-def test_a_rule_named_by_its_import_path_is_imported_and_registered(tmp_path, tiny_model, tiny_tokenizer):
-    """As TRL's ``reward_funcs`` take dotted paths, ``credit_assignment`` may name a ``CreditRule`` subclass by its
-    import path (how a recipe or ``trl-mrtpo train`` selects a rule of one's own): it is imported, registered under
-    that path and trained with; a path that does not import, or that is not a rule, is refused by name."""
-    path = "tests.test_credit_rules.SquaredRelevance"
-    try:
-        trainer = run(tiny_model, tiny_tokenizer, tmp_path, max_steps=1, credit_assignment=path)
-        assert isinstance(trainer.credit_rule, SquaredRelevance) and trainer.credit_rule.batches == 1
-        assert path in credit_rule_names()
-        from trl_mrtpo.scripts.train import make_parser
+RULE_MODULE = """
+from trl_mrtpo.credit import replayed_token_weights
+from trl_mrtpo.rules import CreditRule
 
-        parsed = make_parser().parse_args_and_config(
-            ["--output_dir", str(tmp_path), "--credit_assignment", path, "--use_cpu", "true", "--task", "basic"]
-        )
-        assert parsed[1].credit_assignment == path
+
+class Sharpened(CreditRule):
+    removal = "each"
+    reads = ("relevance",)
+    power = {power}
+
+    def weights(self, inputs):
+        return replayed_token_weights(inputs.relevance**self.power, inputs.replayed, inputs.batch.mask, inputs.betas)
+"""
+
+
+def test_a_recipes_rule_by_import_path_is_resolved_by_the_command(tmp_path, monkeypatch):
+    """As TRL's script resolves ``reward_funcs``, ``trl-mrtpo train`` and ``inspect --config`` resolve a recipe's
+    ``credit_assignment`` import path, from the working directory too, and register it under that path; the path
+    resolved again after its module changed holds the new class. ``MRTPOConfig`` takes registered names only: a
+    dotted path given in Python is refused, naming ``register_credit_rule``."""
+    import importlib
+    import sys
+
+    from trl_mrtpo.rules import registered_rules
+    from trl_mrtpo.scripts.train import parse_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_rules.py").write_text(RULE_MODULE.format(power=2))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("task: basic\ncredit_assignment: my_rules.Sharpened\nuse_cpu: true\n")
+    with pytest.raises(ValueError, match=r"'my_rules.Sharpened' is an import path.*register_credit_rule"):
+        make_args(tmp_path, credit_assignment="my_rules.Sharpened")
+    try:
+        parsed = parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+        assert parsed[1].credit_assignment == "my_rules.Sharpened"
+        assert registered_rules()["my_rules.Sharpened"].rule.power == 2
+        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])  # once more: the same class
+        # the module edited (in a notebook: edit, reload), the command resolves the path to the new class
+        (tmp_path / "my_rules.py").write_text(RULE_MODULE.format(power=3))
+        sys.modules.pop("my_rules", None)
+        importlib.invalidate_caches()
+        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out"), "--credit_assignment",
+                      "my_rules.Sharpened"])  # fmt: skip
+        assert registered_rules()["my_rules.Sharpened"].rule.power == 3
+        assert make_args(tmp_path, credit_assignment="my_rules.Sharpened").credit_assignment == "my_rules.Sharpened"
     finally:
-        unregister_credit_rule(path)
-    with pytest.raises(ValueError, match=r"credit_assignment='tests.no_such_module.Rule' is not a registered rule.*"):
-        make_args(tmp_path, credit_assignment="tests.no_such_module.Rule")
+        unregister_credit_rule("my_rules.Sharpened")
+        sys.modules.pop("my_rules", None)
+    recipe.write_text("task: basic\ncredit_assignment: tests.no_such_module.Rule\n")
+    with pytest.raises(ValueError, match=r"cannot import credit rule 'tests.no_such_module.Rule'"):
+        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
+    recipe.write_text("task: basic\ncredit_assignment: tests.helpers.make_args\n")
     with pytest.raises(TypeError, match="credit rule 'tests.helpers.make_args' must be a CreditRule subclass"):
-        make_args(tmp_path, credit_assignment="tests.helpers.make_args")
+        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
     assert "tests.helpers.make_args" not in credit_rule_names()

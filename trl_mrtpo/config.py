@@ -34,8 +34,8 @@ class MRTPOConfig(GRPOConfig):
             over tokens (the same pipeline with `credit_beta=0`). `"grpo"`: plain `GRPOTrainer` behaviour
             (`multi_objective_aggregation` as set). Any other credit rule registered for this configuration class
             ([`trl_mrtpo.rules.register_credit_rule`]; the sibling methods and ablations are registered for
-            [`trl_mrtpo.research.ResearchConfig`]), or a `CreditRule` subclass by dotted import path
-            (`my_package.rules.MyRule`), imported and registered.
+            [`trl_mrtpo.research.ResearchConfig`]). A recipe may name a `CreditRule` subclass by dotted import path
+            (`my_package.rules.MyRule`): `trl-mrtpo train` and `inspect --config` import and register it.
         credit_beta (`float`, *optional*, defaults to `0.5`):
             Redistribution strength in [0, 1]: every token keeps at least `1 - credit_beta` of the uniform credit.
         credit_warmup_steps (`int`, *optional*, defaults to `10`):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch import nn
 
-from .utils import local_copy_hub_id
+from .utils import local_copy
 
 
 def local_copies(model: nn.Module) -> dict[str, str]:
@@ -20,9 +20,9 @@ def local_copies(model: nn.Module) -> dict[str, str]:
         return {}
     copies = {}
     for config in model.peft_config.values():
-        hub_id = local_copy_hub_id(config.base_model_name_or_path)
-        if hub_id is not None:
-            copies[config.base_model_name_or_path] = hub_id
+        copy = local_copy(config.base_model_name_or_path)
+        if copy is not None:
+            copies[config.base_model_name_or_path] = copy[0]
     return copies
 
 

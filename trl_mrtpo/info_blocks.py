@@ -282,14 +282,10 @@ BUILDER_SIGNATURE = "(*, prompt, completion, row, score)"
 
 
 def check_builders_on_first_row(builders: Any, reward_names: Sequence[str], dataset: Any, tools: bool) -> None:
-    """Before the model loads: each builder bound to ``BUILDER_SIGNATURE`` and called once on the dataset's first row,
-    with an empty stand-in completion (and an empty trajectory view where tools are used), as training will call it.
-
-    A signature that does not bind, a ``KeyError`` on the row, or a return value :func:`build_block` refuses is
-    refused here, with the expected signature or the dataset's columns; any other exception is a warning naming the
-    builder (it may only fail on the empty stand-in: real completions come later). Datasets without a first row to
-    read (streaming, or rows owned by an environment: no ``prompt``) are not checked, nor is ``builders`` unless it is
-    a list (one builder or None per reward: :func:`check_builders` refuses anything else).
+    """Before the model loads: each builder bound to ``BUILDER_SIGNATURE`` and called once on the dataset's first row
+    with an empty completion (and trajectory view where tools are used). A signature that does not bind, a
+    ``KeyError`` on the row or a return value :func:`build_block` refuses is refused here; any other exception is a
+    warning (it may only fail on the empty stand-in). Rows without a ``prompt`` (an environment's) are not checked.
     """
     import warnings
 

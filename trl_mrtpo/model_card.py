@@ -14,7 +14,7 @@ from trl import GRPOConfig
 
 from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
-from .utils import function_name, local_copy, local_copy_hub_id
+from .utils import function_name, local_copy
 
 # Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
 ALWAYS_SHOWN = ("credit_beta", "credit_warmup_steps", "max_second_moment_ratio", "learning_rate", "num_generations",
@@ -28,7 +28,8 @@ def base_model_id(name_or_path: str | None) -> str | None:
     if not name_or_path:
         return None
     if os.path.isdir(name_or_path):
-        return local_copy_hub_id(name_or_path)
+        copy = local_copy(name_or_path)
+        return copy[0] if copy else None
     return name_or_path
 
 

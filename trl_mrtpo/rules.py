@@ -1,14 +1,16 @@
-"""Credit rules and credit terms, chosen by name (docs/method.md, "Credit rules and terms").
+"""Credit rules, chosen by name, and credit terms, passed in (docs/method.md, "Credit rules and terms").
 
 A **credit rule** turns one generation batch into token advantages (steps 5-8): it declares which contexts the
 relevance provider replays for it (``removal``) and which per-token quantities it reads (``reads``: ``"relevance"``
-is q from :mod:`trl_mrtpo.relevance`; any other name is a quantity registered with :func:`register_quantity`).
-``credit_assignment`` names the rule; ``mrtpo``, ``gdpo`` and ``grpo`` are registered here.
+is q from :mod:`trl_mrtpo.relevance`; the research room's trainer computes its own two). ``credit_assignment``
+names the rule, from the one registry here: ``mrtpo``, ``gdpo`` and ``grpo`` are registered by the core, and a name
+is registered once (a second registration is refused).
 
 A **credit term** adds to whatever rule runs: it may reweigh the per-reward advantages of responses (step 2's
 response-level weighting), adjust q before the rule reads it, add token advantages or drop penalties (process
-rewards, failure suffixes), replace steps 6-8, or rescale the result. Every registered term's factory is offered the
-run's setup and returns a term, or None when the run does not ask for it.
+rewards, failure suffixes), replace steps 6-8, or rescale the result. Terms are passed to the trainer
+(``MRTPOTrainer(..., credit_terms=[...])``); ``process_rewards`` and ``failure_boundaries`` build the step term, and
+the research room's trainer adds the terms its configuration selects.
 
 A rule's or a term's state (running readings a resumed run needs) is its own object, written and read by the
 trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state``, ``restore`` and
@@ -140,6 +142,7 @@ class GRPO(CreditRule):
 class CreditTerm(Stateful):
     """A term changes nothing unless it overrides a step.
 
+    ``name``: what logs, errors and checkpoints call it (its class name when empty).
     ``reads``: quantities it needs from the policy (computed every generation batch it is built for).
     ``token_credit``: what it makes differ between tokens, named for the start-up checks (a loss that would average
     it away is refused). ``policy_forwards``: options that run extra policy forwards, for the sharding checks.
@@ -147,6 +150,7 @@ class CreditTerm(Stateful):
     ``combine``: a replacement for steps 6-8 (None: the rule's).
     """
 
+    name: ClassVar[str] = ""
     reads: tuple[str, ...] = ()
     token_credit: Sequence[str] = ()
     policy_forwards: Sequence[str] = ()
@@ -180,18 +184,21 @@ class CreditTerm(Stateful):
         return credit
 
 
-class AddingTerm(CreditTerm):
-    """A term given as a plain function with :meth:`CreditTerm.__call__`'s signature: it only adds."""
-
-    def __init__(self, add: Callable):
-        self.add = add
-
-    def __call__(self, *args, **kwargs):
-        return self.add(*args, **kwargs)
-
-
-def as_term(term: CreditTerm | Callable) -> CreditTerm:
-    return term if isinstance(term, CreditTerm) else AddingTerm(term)
+def terms_by_name(terms: Sequence[CreditTerm]) -> dict[str, CreditTerm]:
+    """A run's terms by name, in the order given; anything but a :class:`CreditTerm`, or two terms of one name, is
+    refused."""
+    named: dict[str, CreditTerm] = {}
+    for term in terms:
+        if not isinstance(term, CreditTerm):
+            raise TypeError(
+                f"credit_terms holds a {type(term).__name__} ({term!r:.60}); each entry is a CreditTerm instance "
+                "(trl_mrtpo.rules.CreditTerm)."
+            )
+        name = term.name or type(term).__name__
+        if name in named:
+            raise ValueError(f"two credit terms are named {name!r}; give one another `name`.")
+        named[name] = term
+    return named
 
 
 @dataclass(frozen=True)
@@ -201,19 +208,23 @@ class RegisteredRule:
 
 
 _RULES: dict[str, RegisteredRule] = {}
-_TERMS: dict[str, Callable[[CreditSetup], CreditTerm | None]] = {}
-_QUANTITIES: dict[str, Callable[[Any, Any], Any]] = {}
 
 
 def register_credit_rule(name: str, rule: type[CreditRule], config_class: type | None = None) -> None:
     """Makes ``credit_assignment=name`` select ``rule`` in a configuration of ``config_class`` (or a subclass;
-    None: any). Registering a name again replaces it."""
+    None: any). A name is registered once: registering it again is refused (:func:`unregister_credit_rule` first)."""
     if not (isinstance(rule, type) and issubclass(rule, CreditRule)):
         raise TypeError(f"credit rule {name!r} must be a CreditRule subclass, got {rule!r}.")
     if rule.removal not in (None, "each", "all"):
         raise ValueError(f"credit rule {name!r}: removal must be 'each', 'all' or None, got {rule.removal!r}.")
     if rule.removal is None and rule.reads:
         raise ValueError(f"credit rule {name!r} reads {', '.join(rule.reads)} but replays nothing (removal=None).")
+    if name in _RULES:
+        taken = _RULES[name].rule
+        raise ValueError(
+            f"credit rule {name!r} is registered already ({taken.__module__}.{taken.__qualname__}); choose another "
+            f"name, or call unregister_credit_rule({name!r}) first."
+        )
     _RULES[name] = RegisteredRule(rule, config_class)
 
 
@@ -233,33 +244,6 @@ def credit_rule_names(config: Any = None) -> list[str]:
 
 def registered_rules() -> dict[str, RegisteredRule]:
     return dict(_RULES)
-
-
-def register_credit_term(name: str, factory: Callable[[CreditSetup], CreditTerm | Callable | None]) -> None:
-    """Adds a term to every run whose setup ``factory`` returns a term for (None: not this run); a plain function
-    is a term that only adds (:class:`AddingTerm`)."""
-    _TERMS[name] = factory
-
-
-def unregister_credit_term(name: str) -> None:
-    _TERMS.pop(name, None)
-
-
-def build_credit_terms(setup: CreditSetup) -> dict[str, CreditTerm]:
-    """The run's terms, in registration order."""
-    terms = {name: factory(setup) for name, factory in _TERMS.items()}
-    return {name: as_term(term) for name, term in terms.items() if term is not None}
-
-
-def register_quantity(name: str, provider: Callable[[Any, Any], Any]) -> None:
-    """``provider(trainer, batch)`` computes a per-token quantity a rule or a term ``reads`` (no grad)."""
-    _QUANTITIES[name] = provider
-
-
-def quantity(name: str) -> Callable[[Any, Any], Any]:
-    if name not in _QUANTITIES:
-        raise ValueError(f"no provider of the quantity {name!r} is registered (register_quantity).")
-    return _QUANTITIES[name]
 
 
 register_credit_rule("mrtpo", MRTPO)

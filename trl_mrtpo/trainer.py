@@ -23,6 +23,8 @@ from ._trl import (
     log_metric,
     replace_logged_advantages,
     sharding_engine,
+    tokenize_prompts,
+    whole_policy,
     wrap_environments,
 )
 from .batch import Scored, ScoredBatch, credit_mask, local_slice
@@ -43,19 +45,15 @@ from .info_blocks import (
     assistant_header,
     check_builders,
     check_builders_on_first_row,
+    check_context_length,
     for_environment_rewards,
+    replay_contexts,
 )
-from .relevance import RelevanceProvider, ReplayRelevance, replay_inputs
+from .relevance import RelevanceProvider, ReplayRecord, ReplayRelevance
 from .replay import causal_lm_parts, replay_temperature
-from .rules import (
-    CreditInputs,
-    CreditSetup,
-    CreditTerm,
-    build_credit_terms,
-    quantity,
-)
-from .strength import RewardStrength
-from .utils import function_name
+from .rules import CreditInputs, CreditSetup, CreditTerm, terms_by_name
+from .strength import RewardStrength, generation_batch_index
+from .utils import completion_text, function_name
 from .validation import (
     check_config_class,
     check_credit_rule,
@@ -127,6 +125,7 @@ class MRTPOTrainer(GRPOTrainer):
         process_rewards: Sequence[Callable] | Callable | None = None,
         failure_boundaries: Sequence[Callable[..., int | None] | None] | Callable | None = None,
         relevance_provider: RelevanceProvider | None = None,
+        credit_terms: Sequence[CreditTerm] | None = None,
         recipe: str | None = None,
         data_source: str | None = None,
         **kwargs,
@@ -155,9 +154,16 @@ class MRTPOTrainer(GRPOTrainer):
         builders = info_blocks if environments else check_builders(info_blocks, names)
         tools = bool(kwargs.get("tools")) or environments
         check_builders_on_first_row(builders, names, train_dataset, tools)
+        # what the user's functions return is checked where it returns, naming them: wrapped once, before TRL has them
+        checked = [
+            func if isinstance(func, (str, torch.nn.Module)) else checked_reward(func, name)
+            for func, name in zip(funcs, names)
+        ]
+        if kwargs.get("rollout_func") is not None:
+            kwargs["rollout_func"] = checked_rollout(kwargs["rollout_func"])
         super().__init__(
             model,
-            list(funcs) if isinstance(reward_funcs, list) else reward_funcs,
+            None if reward_funcs is None else checked,
             args=args,
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
@@ -165,13 +171,9 @@ class MRTPOTrainer(GRPOTrainer):
             **kwargs,
         )
         rewards = (len(funcs), len(self.reward_funcs))  # TRL adds environments' get_reward after the functions
-        names = self.reward_func_names
-        self.info_block_builders = check_builders(for_environment_rewards(info_blocks, *rewards), names)
-        if self.rollout_func is not None:
-            self.rollout_func = checked_rollout(self.rollout_func)
+        given = for_environment_rewards(info_blocks, *rewards)
+        self.info_block_builders = check_builders(given, self.reward_func_names)
         wrap_environments(self, partial(checked_environment, multimodal=self._is_vlm))
-        if process_rewards is not None or failure_boundaries is not None:
-            from . import steps  # noqa: F401  registers the step credit term, the one that reads these arguments
         setup = CreditSetup(
             args,
             list(self.reward_func_names),
@@ -181,23 +183,24 @@ class MRTPOTrainer(GRPOTrainer):
             },
         )
         self.credit_rule = check_credit_rule(args).rule(setup)
-        self.credit_terms: dict[str, CreditTerm] = build_credit_terms(setup)
+        steps = []
+        if process_rewards is not None or failure_boundaries is not None:
+            from .steps.process_rewards import StepCredit  # loaded only for the runs that ask for it
+
+            steps.append(StepCredit.build(setup))
+        terms = [*self._configured_terms(setup), *steps, *(credit_terms or [])]
+        self.credit_terms: dict[str, CreditTerm] = terms_by_name(terms)
         replacing = [name for name, term in self.credit_terms.items() if term.combine is not None]
         if len(replacing) > 1:
             raise ValueError(f"The credit terms {', '.join(replacing)} each replace steps 6-8; at most one may.")
         self._combine = self.credit_terms[replacing[0]].combine if replacing else None  # None: the rule's own
         term_functions = [func for term in self.credit_terms.values() for func in term.functions]
-        for func in [*term_functions, *self.reward_funcs]:  # one that samples from or reads the policy binds
+        own = [func for func in funcs if not isinstance(func, (str, torch.nn.Module))]  # as the user gave them
+        for func in [*term_functions, *own]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
-        # read from the functions as given: the wrapper below copies an instance's __dict__, not its class's attributes
-        named = [*zip(self.reward_func_names, self.reward_funcs), *((type(f).__name__, f) for f in term_functions)]
+        named = [*zip(names, funcs), *((type(f).__name__, f) for f in term_functions)]
         runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
-        # every value a reward function returns is checked where it returns, naming the function and the sample
-        self.reward_funcs = [
-            func if isinstance(func, torch.nn.Module) else checked_reward(func, name)
-            for func, name in zip(self.reward_funcs, self.reward_func_names)
-        ]
         removal = self.credit_rule.removal
         self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
         if self._replays:
@@ -231,10 +234,13 @@ class MRTPOTrainer(GRPOTrainer):
         self.recipe = recipe  # the recipe file a run came from, for the model card
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
 
-    @property
-    def step_credit(self) -> CreditTerm | None:
-        """The run's step-level credit term: process rewards, failure suffixes (:mod:`trl_mrtpo.steps`)."""
-        return self.credit_terms.get("steps")
+    def _configured_terms(self, setup: CreditSetup) -> list[CreditTerm]:
+        """The terms the configuration selects (none here: the research room's trainer has some)."""
+        return []
+
+    def _quantity(self, name: str, batch: ScoredBatch):
+        """A per-token quantity a rule or term reads besides q (none here: the research room's trainer has two)."""
+        raise ValueError(f"no quantity {name!r} is computed by {type(self).__name__}; a rule or term read it.")
 
     def _stateful(self) -> list:
         """The collapse monitor, per-reward strength, the rule and the terms: what the checkpoint keeps."""
@@ -400,7 +406,7 @@ class MRTPOTrainer(GRPOTrainer):
                 if name == "relevance":
                     relevance, replayed = self._replay(batch)
                 else:
-                    quantities[name] = quantity(name)(self, batch)
+                    quantities[name] = self._quantity(name, batch)
             self._replay_seconds += time.perf_counter() - started
         inputs = CreditInputs(
             batch,
@@ -428,10 +434,59 @@ class MRTPOTrainer(GRPOTrainer):
             return None
         return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
 
-    def _replay_inputs(self, batch: ScoredBatch, joint: bool):
-        """Step 2 on the local batch (:func:`~trl_mrtpo.relevance.replay_inputs`): per response, the replayed rewards,
-        the contexts' token ids and the completion's token ids."""
-        return replay_inputs(self, batch, joint)
+    def _replay_inputs(self, batch: ScoredBatch, joint: bool) -> tuple[list[list[int]], list, list[list[int]]]:
+        """Step 2 on the local batch, tokenised as TRL tokenises prompts. Returns ``(wanted, context_ids,
+        completion_ids)``: per response, the replayed rewards, the contexts' token ids ``[P_all, P_removed...]``
+        (empty when nothing is replayed) and the completion's token ids."""
+        args, strength = self.args, self.reward_strength
+        batch_index = generation_batch_index(
+            self.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation, self.num_iterations
+        )
+        wanted, blocks, contexts = replay_contexts(
+            self.info_block_builders,
+            self.reward_func_names,
+            batch.prompts,
+            [completion_text(c) for c in batch.completions],
+            batch.inputs,
+            batch.rewards,
+            batch.varying,
+            batch.views,
+            batch.mask.any(-1).tolist(),
+            joint=joint,
+            only_varying=args.replay_only_varying,
+            resting=strength.resting(self.state.global_step, args.credit_warmup_steps, batch_index),
+            separator=args.info_block_separator,
+            header=self._assistant_header,
+            special_tokens=self._special_tokens,
+        )
+        flat = [context for sample in contexts for context in sample]
+        owners = [i for i, sample in enumerate(contexts) for _ in sample]
+        flat_ids = iter(tokenize_prompts(self, flat, owners) if flat else [])
+        context_ids = [[next(flat_ids) for _ in sample] for sample in contexts]
+        completion_ids = batch.completion_ids
+        prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
+        limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
+        check_context_length(context_ids, completion_ids, blocks, prompt_lengths, self.reward_func_names, limit)
+        return wanted, context_ids, completion_ids
+
+    def _replay_record(self, batch: ScoredBatch) -> ReplayRecord:
+        """What the relevance provider reads: step 2's contexts and the replay's settings."""
+        joint = self.credit_rule.removal == "all"
+        wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
+        return ReplayRecord(
+            completions=[completion_text(c) for c in batch.completions],
+            completion_ids=completion_ids,
+            mask=batch.mask,
+            varying=batch.varying,
+            wanted=wanted,
+            context_ids=context_ids,
+            rows=batch.inputs,
+            joint=joint,
+            temperature=self._replay_temperature,
+            backend=self.args.divergence_backend,
+            chunk_size=self.args.replay_chunk_size,
+            process_index=self.accelerator.process_index,
+        )
 
     @cached_property
     def _assistant_header(self) -> str | None:
@@ -445,7 +500,10 @@ class MRTPOTrainer(GRPOTrainer):
     def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 3-4 from the relevance provider; on a train batch, step 5's strength reading of the placed q; then
         q as the terms and the rule read it."""
-        relevance, replayed, any_replayed = self.relevance_provider(self, batch, self.credit_rule.removal)
+        record = self._replay_record(batch)
+        # every process enters (collectives under sharding and in the reading), even one with nothing to replay
+        with whole_policy(self) as policy:
+            relevance, replayed, any_replayed = self.relevance_provider(policy, record)
         read = replayed[..., None] & batch.mask[:, None, :].bool()  # q is read on replayed pairs' tokens only
         self._guard.note_non_finite("q", relevance, read, per_reward=True)
         self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)

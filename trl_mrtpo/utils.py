@@ -22,12 +22,6 @@ def local_copy(path: str | os.PathLike | None) -> tuple[str, str] | None:
     return (hub_id.strip(), note.strip()) if hub_id.strip() else None
 
 
-def local_copy_hub_id(path: str | os.PathLike | None) -> str | None:
-    """The Hub id a local model folder is a copy of (its ``HUB_ID_FILE``), None for anything else."""
-    copy = local_copy(path)
-    return copy[0] if copy else None
-
-
 def completion_text(completion: Any) -> str:
     """The text of a completion as TRL passes it: a string, or a list of chat messages (contents joined).
 

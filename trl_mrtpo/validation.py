@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib
 import inspect
 import math
 import numbers
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .rules import RegisteredRule, credit_rule_names, register_credit_rule, registered_rules
+from .rules import RegisteredRule, credit_rule_names, registered_rules
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -120,17 +119,16 @@ def public_name(cls: type) -> str:
 
 
 def check_credit_rule(config: Any) -> RegisteredRule:
-    """The credit rule ``credit_assignment`` names, refused unless it is registered for this configuration's class
-    (a dotted import path is imported and registered first)."""
+    """The credit rule ``credit_assignment`` names, refused unless it is registered for this configuration's class.
+    A dotted import path is resolved by ``trl-mrtpo train`` and ``inspect --config`` (as TRL's script resolves its
+    reward functions), not here."""
     name = config.credit_assignment
-    if name not in registered_rules() and "." in name:  # a rule of one's own by import path, as TRL's reward_funcs
-        module, _, attribute = name.rpartition(".")
-        try:
-            rule = getattr(importlib.import_module(module), attribute)
-        except (ImportError, AttributeError, ValueError) as error:
-            message = f"credit_assignment={name!r} is not a registered rule, and it does not import: {error}"
-            raise ValueError(message) from error
-        register_credit_rule(name, rule)
+    if name not in registered_rules() and "." in name:
+        raise ValueError(
+            f"credit_assignment={name!r} is an import path, not a registered rule: in Python, register the class with "
+            f"trl_mrtpo.rules.register_credit_rule('my_rule', Rule) and pass credit_assignment='my_rule' (a recipe's "
+            "import path is resolved by `trl-mrtpo train` and `trl-mrtpo inspect --config`)."
+        )
     names = credit_rule_names(config)
     if name in names:
         return registered_rules()[name]
@@ -263,29 +261,24 @@ def checked_reward(func: Callable, name: str) -> Callable:
     copies of the prompts and completions: a function that edits them changes nothing the next reward, the info
     blocks or the replay see. A first batch scored None throughout is warned about (:func:`_first_batch_check`)."""
     first_batch = _first_batch_check(name)
+    # one value per completion (per environment, for an environment's reward called with ``environments`` alone)
+    owed = lambda kwargs: len(kwargs.get("completions", kwargs.get("environments")))  # noqa: E731
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
 
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
             values = await func(*args, **own_copies(kwargs))
-            return first_batch(check_reward_values(name, values, _batch_size(kwargs)))
+            return first_batch(check_reward_values(name, values, owed(kwargs)))
 
+        checked_async.__name__ = name  # TRL names a reward by it (a callable object's class name otherwise)
         return checked_async
 
     @functools.wraps(func)
     def checked(*args, **kwargs):
-        return first_batch(check_reward_values(name, func(*args, **own_copies(kwargs)), _batch_size(kwargs)))
+        return first_batch(check_reward_values(name, func(*args, **own_copies(kwargs)), owed(kwargs)))
 
+    checked.__name__ = name
     return checked
-
-
-def _batch_size(kwargs: dict[str, Any]) -> int:
-    """How many values a reward function owes: one per completion (or per environment, for an environment's reward
-    called with ``environments`` alone)."""
-    for key in ("completions", "prompts", "environments"):
-        if kwargs.get(key) is not None:
-            return len(kwargs[key])
-    raise TypeError("a reward function was called without completions, prompts or environments to score")
 
 
 def _first_batch_check(name: str) -> Callable[[list], list]:

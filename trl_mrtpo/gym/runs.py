@@ -13,9 +13,8 @@ import torch
 
 from ..credit import relevance_specificity
 from ..info_blocks import build_contexts
-from ..relevance import Relevance
+from ..relevance import Relevance, ReplayRecord
 from ..replay import replay_relevance
-from ..utils import completion_text
 from .task import (
     KINDS,
     GymSpec,
@@ -107,13 +106,12 @@ def oracle_relevance(completions: Sequence[str], rows: Sequence[dict], num_posit
     return relevance
 
 
-def oracle_provider(trainer: Any, batch: Any, removal: str) -> Relevance:
+def oracle_provider(policy: Any, record: ReplayRecord) -> Relevance:
     """A relevance provider that never runs the policy: the oracle's q (:func:`oracle_relevance`) on every pair whose
     reward varies within its group."""
-    mask = batch.mask
-    texts = [completion_text(c) for c in batch.completions]
-    relevance = oracle_relevance(texts, batch.inputs, mask.shape[1]).to(mask.device)
-    return Relevance(relevance, batch.varying.clone(), True)
+    mask = record.mask
+    relevance = oracle_relevance(record.completions, record.rows, mask.shape[1]).to(mask.device)
+    return Relevance(relevance, record.varying.clone(), True)
 
 
 def _process_rewards(spec: GymSpec, settings: RunSettings) -> list:

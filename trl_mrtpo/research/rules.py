@@ -1,7 +1,8 @@
-"""The research room's credit rules, terms and quantities, registered on import (:mod:`trl_mrtpo.rules`).
+"""The research room's credit rules, registered on import (:mod:`trl_mrtpo.rules`), and its terms.
 
 Rules (``credit_assignment``, in a :class:`~trl_mrtpo.research.ResearchConfig`): ``joint`` and ``shuffled``
-(ablations), ``cort`` (CoRT). Terms: ``reward_weighting`` (SAW, CONCUR), ``taco`` (TACO), ``calibrated_credit``
+(ablations), ``cort`` (CoRT). Terms, which :class:`~trl_mrtpo.research.ResearchTrainer` passes as its configuration
+selects them (:func:`configured_terms`): ``reward_weighting`` (SAW, CONCUR), ``taco`` (TACO), ``calibrated_credit``
 (null correction, preserved totals). Quantities: ``logprob_contrast`` (CoRT) and ``surprisal`` (TACO), computed by
 :class:`~trl_mrtpo.research.ResearchTrainer`.
 """
@@ -25,8 +26,6 @@ from ..rules import (
     CreditSetup,
     CreditTerm,
     register_credit_rule,
-    register_credit_term,
-    register_quantity,
 )
 from .config import ResearchConfig
 from .credit import cort_weights, null_corrected_relevance, preserved_token_advantages, shuffle_relevance, taco_scale
@@ -114,6 +113,7 @@ class RewardWeighting(CreditTerm):
     """How much each reward counts (SAW, CONCUR; ``static`` leaves TRL's ``reward_weights``). CONCUR-A's trust is
     read on train batches only and checkpointed."""
 
+    name = "reward_weighting"
     state_checks = {"concur_trust": concur_trust_problem}
 
     def __init__(self, args: ResearchConfig, reward_names: list[str]):
@@ -165,6 +165,7 @@ class RewardWeighting(CreditTerm):
 class TACO(CreditTerm):
     """TACO: positive advantages down-weighted on surprising tokens (``-log pi_old``), after step 8."""
 
+    name = "taco"
     reads = ("surprisal",)
     token_credit = policy_forwards = ("taco_strength",)
 
@@ -189,6 +190,8 @@ class CalibratedCredit(CreditTerm):
     """The calibrated-credit options that stayed options: null correction of q (after the strength reading), and
     every reward's GDPO total preserved (steps 6-8 replaced)."""
 
+    name = "calibrated_credit"
+
     def __init__(self, args: ResearchConfig):
         self.null_correction = args.relevance_null_correction
         self.combine = preserved_token_advantages if args.preserve_reward_totals else None
@@ -206,9 +209,9 @@ class CalibratedCredit(CreditTerm):
 register_credit_rule("joint", Joint, ResearchConfig)
 register_credit_rule("shuffled", Shuffled, ResearchConfig)
 register_credit_rule("cort", CoRT, ResearchConfig)
-register_credit_term("reward_weighting", RewardWeighting.build)
-register_credit_term("taco", TACO.build)
-register_credit_term("calibrated_credit", CalibratedCredit.build)
-# computed by the research room's trainer, whose methods subclasses may instrument
-register_quantity("logprob_contrast", lambda trainer, batch: trainer._cort_contrast(batch))
-register_quantity("surprisal", lambda trainer, batch: trainer._surprisal(batch.output))
+
+
+def configured_terms(setup: CreditSetup) -> list[CreditTerm]:
+    """The research room's terms a configuration selects, in a fixed order."""
+    built = [RewardWeighting.build(setup), TACO.build(setup), CalibratedCredit.build(setup)]
+    return [term for term in built if term is not None]

@@ -1,8 +1,9 @@
 """The research room's trainer: MRTPO plus the sibling methods (CoRT, SAW, CONCUR, TACO), the ablations (``joint``,
 ``shuffled``) and the calibrated-credit options that stayed options (null correction, preserved totals).
 
-Each is a credit rule or term registered by :mod:`trl_mrtpo.research.rules`; this class reads the research
-configuration, replays with its prefix option, and computes the two quantities only the research room reads.
+Each is a credit rule registered by :mod:`trl_mrtpo.research.rules` or a term this class passes as its
+configuration selects it; it replays with its prefix option and computes the two quantities only the research room
+reads.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from ..batch import ScoredBatch, completion_token_lists
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from ..relevance import ReplayRelevance
 from ..replay import lm_head_parameters, replayed_hidden_states
+from ..rules import CreditSetup, CreditTerm
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
-from .rules import RESEARCH_STATE_ENTRIES
+from .rules import RESEARCH_STATE_ENTRIES, configured_terms
 from .token_scores import sampled_logprobs
 
 __all__ = ["RESEARCH_STATE_ENTRIES", "ResearchTrainer"]  # the state entries' checks live in research/rules.py now
@@ -45,6 +47,17 @@ class ResearchTrainer(MRTPOTrainer):
     def _concur_trust(self) -> dict:
         """CONCUR-A's readings so far (the ``reward_weighting`` term's)."""
         return self.credit_terms["reward_weighting"].trust
+
+    def _configured_terms(self, setup: CreditSetup) -> list[CreditTerm]:
+        return configured_terms(setup)
+
+    def _quantity(self, name: str, batch: ScoredBatch):
+        """CoRT's ``logprob_contrast`` and TACO's ``surprisal`` (methods subclasses may instrument)."""
+        if name == "logprob_contrast":
+            return self._cort_contrast(batch)
+        if name == "surprisal":
+            return self._surprisal(batch.output)
+        return super()._quantity(name, batch)
 
     def _replay_options(self) -> dict:
         return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": self.args.replay_min_shared_prefix}

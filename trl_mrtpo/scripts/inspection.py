@@ -528,7 +528,7 @@ def inspect_recipe(
     from .train import (
         check_recipe,
         load_datasets,
-        make_parser,
+        parse_recipe,
         recipe_model,
         recipe_process_rewards,
         recipe_rewards,
@@ -537,7 +537,7 @@ def inspect_recipe(
     # nothing is trained: the recipe's precision and device settings are not what inspect runs with
     overrides = ["--bf16", "false", "--use_cpu", str(not torch.cuda.is_available()).lower()]
     with tempfile.TemporaryDirectory(prefix="trl-mrtpo-inspect-") as scratch:
-        script_args, training_args, model_args, dataset_args = make_parser().parse_args_and_config(
+        script_args, training_args, model_args, dataset_args = parse_recipe(
             ["--config", config, "--output_dir", scratch, *overrides]
         )
     trainer_class, template = check_recipe(script_args, training_args)

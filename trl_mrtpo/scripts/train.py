@@ -178,6 +178,43 @@ def make_parser():
     return TrlParser((MRTPOScriptArguments, ResearchConfig, ModelConfig, DatasetMixtureConfig), prog="trl-mrtpo train")
 
 
+def register_recipe_rule(argv: Sequence[str]) -> None:
+    """A recipe's ``credit_assignment`` given by dotted import path (as its ``reward_funcs`` may be): imported with
+    the working directory on the import path, and registered under that path for this process before the
+    configuration is parsed (``MRTPOConfig`` accepts registered names only). The path resolved again after its
+    module changed replaces the class it held."""
+    from ..rules import register_credit_rule, registered_rules, unregister_credit_rule
+
+    argv = list(argv)
+    name = None
+    if "--config" in argv:
+        import yaml
+
+        with open(argv[argv.index("--config") + 1], encoding="utf-8") as recipe:
+            name = (yaml.safe_load(recipe) or {}).get("credit_assignment")
+    for i, arg in enumerate(argv):  # the command line wins over the recipe, as TrlParser reads them
+        if arg == "--credit_assignment" and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith("--credit_assignment="):
+            name = arg.split("=", 1)[1]
+    if not isinstance(name, str) or "." not in name:
+        return
+    rule = resolve(name, "credit rule")
+    registered = registered_rules().get(name)
+    if registered is not None and registered.rule is rule:
+        return
+    if registered is not None:
+        unregister_credit_rule(name)
+    register_credit_rule(name, rule)
+
+
+def parse_recipe(argv: Sequence[str]) -> tuple:
+    """``(script_args, training_args, model_args, dataset_args)`` from a recipe and flags, as ``train`` and
+    ``inspect --config`` read them (a dotted-path rule registered first)."""
+    register_recipe_rule(argv)
+    return make_parser().parse_args_and_config(list(argv))
+
+
 def load_datasets(script_args: MRTPOScriptArguments, training_args, dataset_args=None) -> tuple:
     """``(train_dataset, eval_dataset)`` a script configuration names: a kit reader, a TRL dataset (``dataset_name``
     or a ``datasets`` mixture, split by ``dataset_train_split`` / ``dataset_test_split``), or the task's built-in
@@ -447,7 +484,7 @@ def run(argv: Sequence[str]):
     argv = list(argv)
     parser = make_parser()
     try:
-        parsed = parser.parse_args_and_config(argv)
+        parsed = parse_recipe(argv)
         check_recipe(*parsed[:2])
     except (TypeError, ValueError, FileNotFoundError) as error:
         parser.error(str(error))

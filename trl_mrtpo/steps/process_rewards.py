@@ -19,14 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
 from ..info_blocks import Prompt, call_builder, check_builders
-from ..rules import CreditSetup, CreditTerm, register_credit_term
+from ..rules import CreditSetup, CreditTerm
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name
 from ..validation import check_credit_rule, own_copies, within_float32
@@ -385,6 +385,7 @@ class StepCredit(CreditTerm):
     """A run's step-level credit term: its process rewards (with their names and weights) and each reward's failure
     boundary builder (or None); built from the trainer's ``process_rewards`` and ``failure_boundaries``."""
 
+    name: ClassVar[str] = "steps"
     process_rewards: list[Callable]
     process_weights: list[float]
     failure_builders: list[Callable | None]
@@ -447,6 +448,3 @@ class StepCredit(CreditTerm):
                 batch.views,
             ).to(batch.mask.device)
         return {"process": process, "failure_suffix": suffix}, [(f"process/{name}", mean) for name, mean in means]
-
-
-register_credit_term("steps", StepCredit.build)
