@@ -152,21 +152,52 @@ def test_an_environment_or_tool_given_in_the_wrong_form_is_refused_naming_the_ar
 @pytest.mark.parametrize(
     "observation", [{"text": "hi"}, 3, [{"type": "text", "text": "hi"}]], ids=["dict", "int", "parts"]
 )
-def test_a_reset_returning_what_a_text_model_cannot_read_is_refused_naming_the_environment(observation):
-    """Item 14 (and 1): TRL appended ``reset()``'s return to the prompt (``str + dict`` failed inside TRL; content
-    parts rendered as nothing for a text model). Text and None pass; content parts pass for a vision-language model."""
-    from trl_mrtpo.validation import checked_environment
+def test_a_reset_returning_what_a_text_model_cannot_read_is_refused_naming_the_environment(
+    observation, tiny_tokenizer, tmp_path
+):
+    """TRL appends ``reset()``'s return to the prompt: ``str + dict`` failed inside TRL, and content parts rendered
+    as nothing for a text model. Both stop the first step naming the environment's class and what it returned, read
+    from the batch TRL builds (the environment itself is not wrapped)."""
+    from datasets import Dataset
 
-    class Desk:
-        def __init__(self, value):
-            self.value = value
+    from tests.test_agent_credit import QUESTION, Atlas, scripted_trainer, tool_tokenizer
 
+    class Desk(Atlas):
         def reset(self, **row):
-            return self.value
+            return observation
 
-    with pytest.raises(TypeError, match=r"Desk.reset\(\) returned"):
-        checked_environment(Desk(observation), multimodal=False).reset(prompt="p")
-    assert checked_environment(Desk("text"), multimodal=False).reset() == "text"
-    assert checked_environment(Desk(None), multimodal=False).reset() is None
-    if isinstance(observation, list):
-        assert checked_environment(Desk(observation), multimodal=True).reset() == observation
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 4)
+    trainer = scripted_trainer(tool_tokenizer(tiny_tokenizer), tmp_path, dataset, environment_factory=Desk)
+    with pytest.raises(TypeError, match=rf"Desk.reset\(\) returned {type(observation).__name__}"):
+        trainer.train()
+
+
+def test_nothing_the_user_passed_is_patched(tiny_tokenizer, tmp_path):
+    """The user's reward list, reward objects, environment class and the environments TRL builds from it are as they
+    were: MRTPO checks what they return where it enters, without wrapping them after construction."""
+    from datasets import Dataset
+
+    from tests.test_agent_credit import QUESTION, Atlas, answered, scripted_trainer, tool_tokenizer
+
+    class Scorer:
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, completions, **kwargs):
+            self.calls += 1
+            return [1.0] * len(completions)
+
+    scorer = Scorer()
+    rewards = [answered, scorer]
+    def members(cls):  # reading a class's __annotations__ creates it: only its own names count
+        return {name: value for name, value in vars(cls).items() if not name.startswith("__")}
+
+    before = (list(rewards), dict(vars(scorer)), members(Atlas))
+    trainer = scripted_trainer(tool_tokenizer(tiny_tokenizer), tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 4),
+                               reward_funcs=rewards, environment_factory=Atlas)  # fmt: skip
+    assert (rewards, dict(vars(scorer)), members(Atlas)) == before
+    assert trainer.environment_factories == {None: Atlas}
+    trainer.train()
+    assert scorer.calls > 0 and rewards == before[0]
+    for environment in trainer._environment_pool[None]:
+        assert type(environment) is Atlas and "reset" not in vars(environment)

@@ -8,11 +8,9 @@ helpers only through this module, so a TRL upgrade that moves one fails here, in
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
 
 import torch
 from torch import nn
@@ -50,13 +48,14 @@ GRPO_TRAINER_NAMES = {
     "_save": "overridden (transformers Trainer): an adapter of a local model copy is saved without a Hub lookup",
 }
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table
-# logs, the vision-language and tool-rollout flags the replay refuses, and the eval group size.
+# logs, the vision-language and tool-rollout flags the replay refuses, the eval group size, and the batch's
+# environments (whose reset() values the prompts carry).
 GRPO_TRAINER_ATTRIBUTES = (
-    "_metrics", "_logs", "_is_vlm", "tools", "environment_factories", "num_generations_eval",
+    "_metrics", "_logs", "_is_vlm", "tools", "environment_factories", "num_generations_eval", "environments",
 )  # fmt: skip
-# ... and with ``environment_factory``: the instances TRL pools (set in __init__) and each example's environment name
-# (set for the batch being generated), checked after a tool-rollout step (tests/test_agent_kit.py).
-GRPO_ENVIRONMENT_ATTRIBUTES = ("_environment_pool", "_batch_environments")
+# ... and with ``environment_factory``: each example's environment name (set for the batch being generated), checked
+# after a tool-rollout step (tests/test_agent_kit.py).
+GRPO_ENVIRONMENT_ATTRIBUTES = ("_batch_environments",)
 # What the OPSD arm (trl_mrtpo.baselines.opsd) overrides or reads on TRL's experimental SDFTTrainer (TRL 1.16);
 # that the hook is called, the attribute set and the batch keys present is checked by a run (tests/test_opsd.py).
 SDFT_TRAINER_NAMES = {
@@ -80,7 +79,6 @@ __all__ = [
     "sharding_engine",
     "tokenize_prompts",
     "whole_policy",
-    "wrap_environments",
 ]
 
 
@@ -110,16 +108,6 @@ def tokenize_prompts(trainer, prompts: list, owners: list[int] | None = None) ->
         return trainer._tokenize_prompts(prompts)[0]
     finally:
         trainer._batch_environments = environments
-
-
-def wrap_environments(trainer, wrap: Callable[[Any], Any]) -> None:
-    """Applies ``wrap`` to every environment TRL builds from ``environment_factory``: those its factories build from
-    now on, and the instances it pooled at start-up (``_environment_pool``, TRL 1.16), which it resets first."""
-    if trainer.environment_factories is None:
-        return
-    for name, factory in trainer.environment_factories.items():
-        trainer.environment_factories[name] = functools.wraps(factory)(lambda factory=factory: wrap(factory()))
-        trainer._environment_pool[name] = [wrap(environment) for environment in trainer._environment_pool[name]]
 
 
 def log_metric(trainer, mode: str, name: str, value: float) -> None:

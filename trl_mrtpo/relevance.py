@@ -1,12 +1,9 @@
-"""The relevance provider (docs/method.md, steps 3-4): the only part of MRTPO that runs the policy for credit. It
-turns one generation batch's replay record into q ``[B, K, C]`` and the replayed pairs ``[B, K]``.
+"""The relevance provider (docs/method.md, steps 3-4): the only part of MRTPO that runs the policy for credit.
 
-A provider is any callable ``provider(policy, record) -> Relevance``: ``policy`` is the unwrapped model with every
-parameter whole on this process, ``record`` the :class:`ReplayRecord` the trainer built (step 2: the contexts of
-the pairs to replay, tokenised as TRL tokenises prompts). The trainer calls it every generation batch on every
-process, with or without work (replays run collectives under sharding). Pass another one as
-``MRTPOTrainer(..., relevance_provider=...)``: a reference model's replay, or known relevant tokens (the credit gym's
-oracle).
+A provider is any callable ``provider(policy, record) -> Relevance``: ``policy`` the unwrapped model, whole on this
+process; ``record`` the batch's :class:`ReplayRecord` (step 2's contexts, tokenised as TRL tokenises prompts). The
+trainer calls it every generation batch on every process, with or without work (replays run collectives under
+sharding). ``MRTPOTrainer(..., relevance_provider=...)`` takes another: a reference model's, or the gym's oracle.
 """
 
 from __future__ import annotations

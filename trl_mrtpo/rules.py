@@ -6,11 +6,9 @@ is q from :mod:`trl_mrtpo.relevance`; the research room's trainer computes its o
 names the rule, from the one registry here: ``mrtpo``, ``gdpo`` and ``grpo`` are registered by the core, and a name
 is registered once (a second registration is refused).
 
-A **credit term** adds to whatever rule runs: it may reweigh the per-reward advantages of responses (step 2's
-response-level weighting), adjust q before the rule reads it, add token advantages or drop penalties (process
-rewards, failure suffixes), replace steps 6-8, or rescale the result. Terms are passed to the trainer
-(``MRTPOTrainer(..., credit_terms=[...])``); ``process_rewards`` and ``failure_boundaries`` build the step term, and
-the research room's trainer adds the terms its configuration selects.
+A **credit term** adds to whatever rule runs (response weighting, q adjusted, token advantages added or penalties
+dropped, steps 6-8 replaced, the result rescaled). Terms are passed in (``MRTPOTrainer(..., credit_terms=[...])``);
+``process_rewards`` and ``failure_boundaries`` build the step term; the research room's trainer adds its own.
 
 A rule's or a term's state (running readings a resumed run needs) is its own object, written and read by the
 trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state``, ``restore`` and

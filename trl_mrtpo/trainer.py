@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from functools import cached_property, partial
+from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
@@ -25,7 +25,6 @@ from ._trl import (
     sharding_engine,
     tokenize_prompts,
     whole_policy,
-    wrap_environments,
 )
 from .batch import Scored, ScoredBatch, credit_mask, local_slice
 from .config import MRTPOConfig
@@ -61,10 +60,11 @@ from .validation import (
     check_environment_arguments,
     check_finite_rewards,
     check_loss_keeps_token_credit,
+    check_observations,
     check_sharded_replay,
-    checked_environment,
     checked_reward,
     checked_rollout,
+    reset_refusal,
 )
 
 logger = logging.get_logger(__name__)
@@ -173,7 +173,6 @@ class MRTPOTrainer(GRPOTrainer):
         rewards = (len(funcs), len(self.reward_funcs))  # TRL adds environments' get_reward after the functions
         given = for_environment_rewards(info_blocks, *rewards)
         self.info_block_builders = check_builders(given, self.reward_func_names)
-        wrap_environments(self, partial(checked_environment, multimodal=self._is_vlm))
         setup = CreditSetup(
             args,
             list(self.reward_func_names),
@@ -288,6 +287,8 @@ class MRTPOTrainer(GRPOTrainer):
             self._checkpointed().read(checkpoint, self.accelerator.process_index)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        if self.environments and not self._is_vlm:
+            check_observations(inputs, prompts, self.environments)
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         check_finite_rewards(rewards, self.reward_func_names)
         # TRL does not expose per-reward advantages: keep what they are computed from.
@@ -302,7 +303,13 @@ class MRTPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         started = time.perf_counter()
         self._announce_first_generation(inputs)
-        output = super()._generate_and_score_completions(inputs)
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        except TypeError as error:  # an environment's reset() returned what TRL cannot append to the prompt
+            refusal = reset_refusal(error, self._is_vlm) if self.environment_factories else None
+            if refusal is None:
+                raise
+            raise TypeError(refusal) from error
         if self.credit_rule.keeps_trl_advantages:
             return output
         scored, self._scored = self._scored, None

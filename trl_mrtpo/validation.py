@@ -448,22 +448,31 @@ def check_environment_arguments(kwargs: dict[str, Any]) -> None:
             )
 
 
-def checked_environment(environment: Any, multimodal: bool) -> Any:
-    """``environment`` with its ``reset`` checked where it returns: None or the text TRL appends to the prompt's last
-    message (content parts only for a vision-language model: a text model's template renders a list as nothing, and
-    the info blocks appended after it would vanish)."""
-    reset = environment.reset
+def _reset_refusal(environment: Any, observation: Any, multimodal: bool) -> str:
+    return (
+        f"{type(environment).__name__}.reset() returned {type(observation).__name__} {observation!r:.60}; it "
+        "returns None or the text appended to the prompt's last message"
+        + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
+    )
 
-    @functools.wraps(reset)
-    def checked_reset(**row):
-        observation = reset(**row)
-        if observation is None or isinstance(observation, str) or (multimodal and isinstance(observation, list)):
-            return observation
-        raise TypeError(
-            f"{type(environment).__name__}.reset() returned {type(observation).__name__} {observation!r:.60}; it "
-            "returns None or the text appended to the prompt's last message"
-            + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
-        )
 
-    environment.reset = checked_reset
-    return environment
+def check_observations(rows: Sequence[dict], prompts: Sequence[Any], environments: Sequence[Any]) -> None:
+    """For a text model, what environments' ``reset()`` returned, read from the prompts TRL built: content parts (a
+    list its template renders as nothing, the info blocks after them too) are refused naming the environment."""
+    for row, prompt, environment in zip(rows, prompts, environments):
+        own = row.get("prompt")
+        given_parts = isinstance(own, list) and bool(own) and isinstance(own[-1].get("content"), list)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[-1].get("content"), list) and not given_parts:
+            raise TypeError(_reset_refusal(environment, prompt[-1]["content"][1:], multimodal=False))
+
+
+def reset_refusal(error: TypeError, multimodal: bool) -> str | None:
+    """When TRL could not append what an environment's ``reset()`` returned to the prompt (``str + dict``): the
+    message naming the environment and the value, read from the failing frame of TRL's step; else None."""
+    trace = error.__traceback__
+    while trace.tb_next is not None:
+        trace = trace.tb_next
+    frame = trace.tb_frame
+    if frame.f_code.co_name == "_generate_and_score_completions" and "observation" in frame.f_locals:
+        return _reset_refusal(frame.f_locals["environment"], frame.f_locals["observation"], multimodal)
+    return None
