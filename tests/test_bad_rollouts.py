@@ -189,6 +189,7 @@ def test_nothing_the_user_passed_is_patched(tiny_tokenizer, tmp_path):
 
     scorer = Scorer()
     rewards = [answered, scorer]
+
     def members(cls):  # reading a class's __annotations__ creates it: only its own names count
         return {name: value for name, value in vars(cls).items() if not name.startswith("__")}
 
