@@ -81,16 +81,18 @@ def test_auto_is_torch_until_the_kernel_has_passed_on_a_gpu(backend, expected, m
     assert divergence.chosen_backend(backend) == expected
 
 
-def test_a_registered_divergence_backend_is_checked_at_start_up_and_runs_the_replay(
-    tiny_model, tiny_tokenizer, tmp_path
+def test_the_kernel_backend_is_checked_at_start_up_and_runs_the_replay(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
 ):
-    """A backend registered in this file: ``divergence_backend`` names it, its start-up check sees the real lm_head
-    once, every replay runs it, and the advantages are those of the torch path it wraps (bit for bit); one that
-    cannot run here is refused by the configuration with its own words; the built-in names are not taken."""
+    """``divergence_backend="triton"`` (here a stand-in wrapping the torch path for the kernel's backend): its
+    start-up check sees the real lm_head once, every replay runs it, and the advantages are the torch path's (bit
+    for bit); a backend that cannot run here is refused by the configuration with its own words; no other name is
+    taken (the backend is a choice, not a registry)."""
+    import trl_mrtpo.ops.triton_divergence as triton_module
     from tests.helpers import RecordingTrainer, make_args
     from trl_mrtpo.kits.basic import KIT as BASIC
     from trl_mrtpo.kits.basic import make_basic_dataset
-    from trl_mrtpo.ops.divergence import BACKENDS, DivergenceBackend, register_divergence_backend
+    from trl_mrtpo.ops.divergence import DivergenceBackend
 
     checked, computed = [], []
 
@@ -112,23 +114,18 @@ def test_a_registered_divergence_backend_is_checked_at_start_up_and_runs_the_rep
         return trainer.batches[0]["advantages"]
 
     initial = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
-    register_divergence_backend("wrapped", DivergenceBackend(compute, check=lambda *args: checked.append(args)))
-    register_divergence_backend("absent", DivergenceBackend(compute, missing=lambda: "needs the absent extra"))
-    try:
-        advantages = train("wrapped")
-        assert len(checked) == 1 and checked[0][0].shape == tiny_model.lm_head.weight.shape
-        with_blocks = sum(builder is not None for builder in BASIC.info_blocks)
-        assert computed and all(count == with_blocks for count in computed)
-        with torch.no_grad():
-            for name, p in tiny_model.named_parameters():
-                p.copy_(initial[name])
-        assert torch.equal(advantages, train("torch"))
-        with pytest.raises(ValueError, match="divergence_backend='absent' needs the absent extra"):
-            make_args(tmp_path, divergence_backend="absent")
-    finally:
-        BACKENDS.pop("wrapped", None)
-        BACKENDS.pop("absent", None)
+    # the kernel's backend stood in for by one that wraps the torch path
+    monkeypatch.setattr(triton_module, "BACKEND", DivergenceBackend(compute, check=lambda *args: checked.append(args)))
+    advantages = train("triton")
+    assert len(checked) == 1 and checked[0][0].shape == tiny_model.lm_head.weight.shape
+    with_blocks = sum(builder is not None for builder in BASIC.info_blocks)
+    assert computed and all(count == with_blocks for count in computed)
+    with torch.no_grad():
+        for name, p in tiny_model.named_parameters():
+            p.copy_(initial[name])
+    assert torch.equal(advantages, train("torch"))
+    monkeypatch.setattr(triton_module, "BACKEND", DivergenceBackend(compute, missing=lambda: "needs the absent extra"))
+    with pytest.raises(ValueError, match="divergence_backend='triton' needs the absent extra"):
+        make_args(tmp_path, divergence_backend="triton")
     with pytest.raises(ValueError, match="divergence_backend must be one of auto, torch, triton, got 'wrapped'"):
         make_args(tmp_path, divergence_backend="wrapped")
-    with pytest.raises(ValueError, match="'torch' is built in"):
-        register_divergence_backend("torch", DivergenceBackend(compute))

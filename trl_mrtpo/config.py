@@ -61,8 +61,7 @@ class MRTPOConfig(GRPOConfig):
             logits at once.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` (chunked), `"triton"` (fused kernel, CUDA, needs the `kernels` extra; checked against the torch
-            path at start-up on synthetic tokens of the lm_head's shape), another registered backend
-            ([`trl_mrtpo.ops.divergence.register_divergence_backend`]), or `"auto"`: torch, until the kernel has
+            path at start-up on synthetic tokens of the lm_head's shape), or `"auto"`: torch, until the kernel has
             passed `benchmarks/gpu_check.py` on a GPU.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.

@@ -1,8 +1,7 @@
 """Jensen-Shannon divergence between next-token distributions, in fp32 and log space (docs/method.md step 4).
 
-The torch path is here; other backends register themselves by name with :func:`register_divergence_backend` and
-compute the same q. The fused Triton kernel (:mod:`trl_mrtpo.ops.triton_divergence`) is one, imported only when a run
-names it."""
+The torch path is here. The one other backend is the fused Triton kernel (:mod:`trl_mrtpo.ops.triton_divergence`,
+its ``BACKEND``), which computes the same q and is imported only when a run names it."""
 
 from __future__ import annotations
 
@@ -29,38 +28,29 @@ _DEVICE_RULE_ON_CPU = False
 
 @dataclass(frozen=True)
 class DivergenceBackend:
-    """A registered way to compute :func:`replay_divergence`: ``compute(hidden_all, hidden_removed, weight, bias,
-    temperature)`` returns ``[M, N]`` fp32 q; ``check(weight, bias, temperature)`` runs once at start-up when a run
-    names the backend; ``missing()`` says what to install when it cannot run here (None: it can)."""
+    """A way to compute :func:`replay_divergence` other than torch's: ``compute(hidden_all, hidden_removed, weight,
+    bias, temperature)`` returns ``[M, N]`` fp32 q; ``check(weight, bias, temperature)`` runs once at start-up when a
+    run names the backend; ``missing()`` says what to install when it cannot run here (None: it can)."""
 
     compute: Callable[..., torch.Tensor]
     check: Callable[..., None] | None = None
     missing: Callable[[], str | None] = lambda: None
 
 
-BACKENDS: dict[str, DivergenceBackend] = {}
-# backends this package ships, registered by their module when a run names them (the kernel is not on the default path)
+# backends beside torch: the module whose ``BACKEND`` it is, imported when a run names it (not on the default path)
 SHIPPED_BACKENDS = {"triton": "trl_mrtpo.ops.triton_divergence"}
-
-
-def register_divergence_backend(name: str, backend: DivergenceBackend) -> None:
-    """``divergence_backend=name`` runs ``backend``; ``"auto"`` and ``"torch"`` are this module's."""
-    if name in ("auto", "torch"):
-        raise ValueError(f"the divergence backend {name!r} is built in")
-    BACKENDS[name] = backend
 
 
 def divergence_backends() -> tuple[str, ...]:
     """What ``divergence_backend`` may name."""
-    return ("auto", "torch", *dict.fromkeys([*SHIPPED_BACKENDS, *BACKENDS]))
+    return ("auto", "torch", *SHIPPED_BACKENDS)
 
 
 def divergence_backend(name: str) -> DivergenceBackend | None:
-    """The registered backend ``name`` (None for ``"auto"`` and ``"torch"``, this module's), importing a shipped one
-    on first use."""
-    if name in SHIPPED_BACKENDS and name not in BACKENDS:
-        importlib.import_module(SHIPPED_BACKENDS[name])
-    return BACKENDS.get(name)
+    """The backend ``name`` (None for ``"auto"`` and ``"torch"``, this module's), its module imported on first use."""
+    if name not in SHIPPED_BACKENDS:
+        return None
+    return importlib.import_module(SHIPPED_BACKENDS[name]).BACKEND
 
 
 def js_divergence(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:

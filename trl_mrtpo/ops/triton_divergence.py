@@ -21,7 +21,7 @@ import os
 import torch
 
 from ..constants import LN2, MAX_LOG_RATIO
-from .divergence import DivergenceBackend, _torch_divergence, register_divergence_backend
+from .divergence import DivergenceBackend, _torch_divergence
 
 try:
     import triton
@@ -263,11 +263,8 @@ def validate_triton_kernel(
 
 
 # Looked up at each call, so that the functions of this module are what runs (tests stand in for the kernel).
-register_divergence_backend(
-    "triton",
-    DivergenceBackend(
-        compute=lambda *args: fused_replay_divergence(*args),
-        check=lambda *args: validate_triton_kernel(*args),
-        missing=lambda: None if is_available() else "needs Triton: pip install 'trl-mrtpo[kernels]'",
-    ),
+BACKEND = DivergenceBackend(
+    compute=lambda *args: fused_replay_divergence(*args),
+    check=lambda *args: validate_triton_kernel(*args),
+    missing=lambda: None if is_available() else "needs Triton: pip install 'trl-mrtpo[kernels]'",
 )
