@@ -41,8 +41,10 @@ def trainer_for(tiny_model, tiny_tokenizer, tmp_path, **kwargs):
     return RecordingTrainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,
-        info_blocks=BASIC.info_blocks,
-        args=make_args(tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4, **overrides),
+        info_blocks=kwargs.pop("info_blocks", BASIC.info_blocks),
+        args=make_args(
+            tmp_path, **{"max_steps": 1, "per_device_train_batch_size": 8, "num_generations": 4} | overrides
+        ),
         train_dataset=make_basic_dataset(16),
         processing_class=tiny_tokenizer,
         **kwargs,
@@ -201,3 +203,64 @@ def test_nan_on_one_process_raises_the_same_error_on_every_process(tmp_path, tin
     assert messages[0] == messages[1], messages
     assert "non-finite q (NaN or inf) from the relevance provider 'nan_on_process_one'" in messages[0]
     assert "first at sample 3 of process 1" in messages[0], messages[0]
+
+
+# ---------------------------------------------------------------- the credit mask, and when a provider is called
+class OffMaskQ:
+    """Reward k's q is 1 on model token k of every pair (profiles that differ by reward), plus ``spill`` on every
+    position off the credit mask (the padding after a shorter completion)."""
+
+    def __init__(self, spill: float):
+        self.spill, self.calls = spill, 0
+
+    def __call__(self, policy, record):
+        self.calls += 1
+        replayed = record.mask.bool().any(-1, keepdim=True).expand_as(record.varying).clone()
+        num_rewards, width = replayed.shape[1], record.mask.shape[1]
+        mask = record.mask[:, None, :].float()
+        own = (torch.arange(width)[None, :] == torch.arange(num_rewards)[:, None]).float()[None]
+        relevance = (own * mask + self.spill * (1 - mask)) * replayed[..., None]
+        return Relevance(relevance, replayed, bool(replayed.any()))
+
+
+def test_q_off_the_credit_mask_changes_nothing(tiny_model, tiny_tokenizer, tmp_path):
+    """q a provider puts where credit may not land is masked before the weights and before per-reward strength reads
+    it: the same betas and advantages with and without it (it moved the betas)."""
+    from trl_mrtpo.scripts.inspection import fixed_rollout
+
+    texts = ["hope this helps.", "The sea is blue and wide. Hope this helps.", "blue", "Rain falls on the sea all day"]
+    runs = []
+    initial = {name: p.detach().clone() for name, p in tiny_model.named_parameters()}
+    for spill in (0.0, 5.0):
+        with torch.no_grad():
+            for name, p in tiny_model.named_parameters():
+                p.copy_(initial[name])
+        torch.manual_seed(0)
+        args = {"max_steps": 2, "credit_warmup_steps": 0, "reward_strength_floor": 0.25, "max_completion_length": 32}
+        trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path / str(spill), relevance_provider=OffMaskQ(spill),
+                              rollout_func=fixed_rollout(texts * 4), args=args)  # fmt: skip
+        trainer.train()
+        runs.append(trainer.credits)
+    assert all((credit.mask == 0).any() and (credit.mask == 1).any() for credit in runs[0])
+    for clean, spilt in zip(*runs):
+        torch.testing.assert_close(spilt.reward_betas, clean.reward_betas, atol=0, rtol=0)
+        torch.testing.assert_close(spilt.advantages, clean.advantages, atol=0, rtol=0)
+
+
+def test_a_provider_is_called_whenever_the_rule_reads_q(tiny_model, tiny_tokenizer, tmp_path):
+    """Known relevant tokens need no info block: the provider is called every generation batch and its q moves the
+    credit (it was never called without a block, and credit stayed uniform)."""
+    provider = OffMaskQ(0.0)
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=provider, info_blocks=None,
+                          args={"max_steps": 2, "credit_warmup_steps": 0})  # fmt: skip
+    trainer.train()
+    assert provider.calls == 2
+    assert any(credit.replayed.any() for credit in trainer.credits)
+
+
+@pytest.mark.parametrize("mode", ["gdpo", "grpo"])
+def test_a_provider_with_a_rule_that_reads_no_q_is_refused_at_start_up(tiny_model, tiny_tokenizer, tmp_path, mode):
+    message = rf"the relevance provider 'OffMaskQ' .*credit_assignment='{mode}' reads no q"
+    with pytest.raises(ValueError, match=message):
+        trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=OffMaskQ(0.0),
+                    args={"credit_assignment": mode})  # fmt: skip

@@ -201,8 +201,18 @@ class MRTPOTrainer(GRPOTrainer):
         named = [*zip(names, funcs), *((type(f).__name__, f) for f in term_functions)]
         runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
         removal = self.credit_rule.removal
-        self._replays = removal is not None and any(b is not None for b in self.info_block_builders)
-        if self._replays:
+        provider = (
+            f"the relevance provider {function_name(relevance_provider)!r}" if relevance_provider else "the replay"
+        )
+        if relevance_provider is not None and "relevance" not in self.credit_rule.reads:
+            raise ValueError(
+                f"{provider} was given, but credit_assignment={args.credit_assignment!r} reads no q: it would never "
+                "be called. Choose a rule that reads q (mrtpo), or drop the provider."
+            )
+        # a provider of one's own may know the relevant tokens without any info block: it is called all the same
+        blocks = any(b is not None for b in self.info_block_builders)
+        self._replays = removal is not None and (blocks or relevance_provider is not None)
+        if self._replays and relevance_provider is None:
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
@@ -218,9 +228,6 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             self._replay_temperature = replay_temperature(policy, self.temperature, args.divergence_backend)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
-        provider = (
-            f"the relevance provider {function_name(relevance_provider)!r}" if relevance_provider else "the replay"
-        )
         self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
         self._guard: CreditGuard | None = None  # this generation batch's finiteness check
         self._scored: Scored | None = None
@@ -514,7 +521,8 @@ class MRTPOTrainer(GRPOTrainer):
         read = replayed[..., None] & batch.mask[:, None, :].bool()  # q is read on replayed pairs' tokens only
         self._guard.note_non_finite("q", relevance, read, per_reward=True)
         self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
-        relevance = relevance.clamp(min=0.0)  # [-1e-6, 0) is rounding
+        # nothing off the credit mask (padding, tool results) reaches the weights or the strength reading
+        relevance = relevance.masked_fill(~read, 0.0).clamp(min=0.0)  # [-1e-6, 0) is rounding
         if self.model.training:
             self.reward_strength.read(relevance, replayed, self._guard.sum_over_processes)
         if any_replayed:
