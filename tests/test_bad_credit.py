@@ -51,10 +51,10 @@ def trainer_for(tiny_model, tiny_tokenizer, tmp_path, **kwargs):
     )
 
 
-def refused(trainer, match: str) -> str:
+def refused(trainer, match: str, error_type=NonFiniteCredit) -> str:
     """Trains, expects the named error, and checks that no parameter moved."""
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    with pytest.raises(NonFiniteCredit, match=match) as error:
+    with pytest.raises(error_type, match=match) as error:
         trainer.train()
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, before[name]), name
@@ -264,3 +264,101 @@ def test_a_provider_with_a_rule_that_reads_no_q_is_refused_at_start_up(tiny_mode
     with pytest.raises(ValueError, match=message):
         trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=OffMaskQ(0.0),
                     args={"credit_assignment": mode})  # fmt: skip
+
+
+# ---------------------------------------------------------------- what an extension returns, checked where it enters
+class Returns:
+    """A relevance provider that returns ``what(record)``."""
+
+    def __init__(self, what):
+        self.what = what
+
+    def __call__(self, policy, record):
+        return self.what(record)
+
+
+def q_of(record):
+    return torch.zeros((*record.varying.shape, record.mask.shape[1]))
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        (lambda r: q_of(r), r"returned a Tensor; it returns a Relevance\(relevance, replayed, any_replayed\)"),
+        (lambda r: (q_of(r), r.varying), r"returned a tuple of 2; it returns a Relevance"),
+        (lambda r: Relevance(q_of(r)[..., 0], r.varying, True), r"relevance of shape \(8, 4\), expected \(8, 4, 10\)"),
+        (lambda r: Relevance(q_of(r), r.varying.float(), True), r"replayed of dtype torch.float32, expected bool"),
+        (lambda r: Relevance(q_of(r).long(), r.varying, True), r"relevance of dtype torch.int64, expected float"),
+        (lambda r: Relevance(q_of(r), r.varying, torch.tensor(True)), r"any_replayed is a Tensor, expected bool"),
+    ],
+    ids=["tensor", "pair", "q-shape", "replayed-dtype", "q-dtype", "any-tensor"],
+)
+def test_a_providers_wrong_output_is_named(tiny_model, tiny_tokenizer, tmp_path, what, message):
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=Returns(what))
+    refused(trainer, r"the relevance provider 'Returns'.*" + message, (TypeError, ValueError))
+
+
+class BadTerm(CreditTerm):
+    """A term whose ``where`` output is wrong."""
+
+    name = "bad_term"
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
+        B, C = batch.mask.shape
+        K = batch.varying.shape[1]
+        if self.where == "container":
+            return {"process": None, "failure_suffix": None}
+        if self.where == "process":
+            return {"process": torch.zeros(B, C + 1), "failure_suffix": None}, []
+        if self.where == "suffix":
+            return {"process": None, "failure_suffix": torch.zeros(B, K, C)}, []
+        return {"process": None, "failure_suffix": None}, []
+
+    def weigh(self, rewards, advantages, reward_weights, num_generations, training):
+        if self.where == "weigh":
+            return advantages
+        return advantages, reward_weights
+
+    def finish(self, credit, inputs):
+        return credit.advantages if self.where == "finish" else credit
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        (
+            "container",
+            r"returned a dict; it returns \(\{'process': \.\.\., 'failure_suffix': \.\.\.\}, \[\(name, value",
+        ),
+        ("process", r"process of shape \(8, 11\), expected \(8, 10\)"),
+        ("suffix", r"failure_suffix of dtype torch.float32, expected bool"),
+        ("weigh", r"weigh\(\) returned a Tensor; it returns \(advantages \[N, K\], reward_weights \[K\]\)"),
+        ("finish", r"finish\(\) returned a Tensor; it returns a TokenCredit"),
+    ],
+)
+def test_a_terms_wrong_output_is_named(tiny_model, tiny_tokenizer, tmp_path, where, message):
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[BadTerm(where)])
+    refused(trainer, r"the term 'bad_term'.*" + message, (TypeError, ValueError))
+
+
+class FlatWeights(CreditRule):
+    """Step 5 returning ``[B, C]`` weights: one profile for every reward."""
+
+    removal = "each"
+    reads = ("relevance",)
+
+    def weights(self, inputs):
+        return torch.ones_like(inputs.batch.mask, dtype=torch.float32)
+
+
+def test_a_rules_wrong_weights_are_named(tiny_model, tiny_tokenizer, tmp_path):
+    register_credit_rule("flat_weights", FlatWeights)
+    try:
+        trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, args={"credit_assignment": "flat_weights"})
+        message = r"the credit rule 'flat_weights': token weights of shape \(8, 10\), expected \(8, 4, 10\)"
+        refused(trainer, message, (TypeError, ValueError))
+    finally:
+        unregister_credit_rule("flat_weights")

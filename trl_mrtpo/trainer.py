@@ -37,6 +37,7 @@ from .diagnostics import (
     process_means,
     q_statistics,
 )
+from .extension_outputs import check_tensor, checked_contribution, checked_credit, checked_relevance, checked_weighting
 from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
 from .hub_ids import local_copies, write_hub_ids
 from .info_blocks import (
@@ -228,6 +229,7 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             self._replay_temperature = replay_temperature(policy, self.temperature, args.divergence_backend)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
+        self._provider = provider  # how errors name it
         self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
         self._guard: CreditGuard | None = None  # this generation batch's finiteness check
         self._scored: Scored | None = None
@@ -335,7 +337,9 @@ class MRTPOTrainer(GRPOTrainer):
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         added = {"process": None, "failure_suffix": None}
         for name, term in self.credit_terms.items():
-            contribution, logged = term(batch, tokenizer, num_generations, rank, self.state)
+            returned = term(batch, tokenizer, num_generations, rank, self.state)
+            shape = (*batch.varying.shape, batch.mask.shape[1])
+            contribution, logged = checked_contribution(f"the term '{name}'", returned, shape, batch.mask.device)
             if contribution["process"] is not None:
                 self._guard.note_non_finite(f"added:{name}", contribution["process"], batch.mask, per_reward=False)
             added = {key: _joined(added[key], contribution[key]) for key in added}
@@ -382,7 +386,8 @@ class MRTPOTrainer(GRPOTrainer):
         local = local_slice(scored, self.accelerator.process_index)
         self._note_weighting("weighting", group_adv[local], reward_weights)
         for name, term in self.credit_terms.items():
-            group_adv, reward_weights = term.weigh(rewards, group_adv, reward_weights, num_generations, training)
+            weighed = term.weigh(rewards, group_adv, reward_weights, num_generations, training)
+            group_adv, reward_weights = checked_weighting(f"the term '{name}'", weighed, group_adv, reward_weights)
             self._note_weighting(f"weighting:{name}", group_adv[local], reward_weights)
         return ScoredBatch(
             inputs=scored.inputs,
@@ -433,14 +438,21 @@ class MRTPOTrainer(GRPOTrainer):
             self._guard.sum_over_processes,
             **added,
             combine=self._combine,
-            check_weights=lambda weights: self._guard.note_non_finite(
-                "rule", weights, batch.mask[:, None, :], per_reward=True
-            ),
+            check_weights=lambda weights: self._check_weights(weights, batch),
         )
-        credit = rule.advantages(inputs)
-        for term in terms:
-            credit = term.finish(credit, inputs)
+        shape, device = (*batch.varying.shape, batch.mask.shape[1]), batch.mask.device
+        rule_part = f"the credit rule '{self.args.credit_assignment}'"
+        credit = checked_credit(rule_part, rule.advantages(inputs), shape, device, "advantages()")
+        for name, term in self.credit_terms.items():
+            credit = checked_credit(f"the term '{name}'", term.finish(credit, inputs), shape, device, "finish()")
         return credit, relevance, rule.replayed(inputs)
+
+    def _check_weights(self, weights: torch.Tensor, batch: ScoredBatch) -> None:
+        """The rule's step-5 weights where they enter steps 6-8: ``[B, K, C]`` float on the batch's device, finite."""
+        shape = (*batch.varying.shape, batch.mask.shape[1])
+        rule_part = f"the credit rule '{self.args.credit_assignment}'"
+        check_tensor(rule_part, "token weights", weights, shape, "float", batch.mask.device)
+        self._guard.note_non_finite("rule", weights, batch.mask[:, None, :], per_reward=True)
 
     def _reduce_sum(self):
         """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
@@ -517,7 +529,9 @@ class MRTPOTrainer(GRPOTrainer):
         record = self._replay_record(batch)
         # every process enters (collectives under sharding and in the reading), even one with nothing to replay
         with whole_policy(self) as policy:
-            relevance, replayed, any_replayed = self.relevance_provider(policy, record)
+            result = self.relevance_provider(policy, record)
+        shape = (*batch.varying.shape, batch.mask.shape[1])
+        relevance, replayed, any_replayed = checked_relevance(self._provider, result, shape, batch.mask.device)
         read = replayed[..., None] & batch.mask[:, None, :].bool()  # q is read on replayed pairs' tokens only
         self._guard.note_non_finite("q", relevance, read, per_reward=True)
         self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
