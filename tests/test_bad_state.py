@@ -1,6 +1,9 @@
 """Bad state: checkpointed MRTPO state that is unreadable, inconsistent or written for another run is refused naming
 the file and the entry; a resume without state warns and trains."""
 
+from collections import deque
+
+import numpy as np
 import pytest
 import torch
 
@@ -207,3 +210,97 @@ def test_good_input_of_every_checked_family_passes(tmp_path):
     assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["concur_trust"] == trust
     assert math.isfinite(checked_steps([(0, 1, 3e38)], "p", 0, "ab")[0].score)
     Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])
+
+
+# ---------------------------------------------------------------- state that is saved can be restored
+class Part:
+    """A rule's or term's state: ``checks`` declared, ``state`` written."""
+
+    def __init__(self, checks: dict, state: dict):
+        self.state_checks, self._state, self.restored = checks, state, None
+
+    def identity(self):
+        return {}
+
+    def state(self):
+        return dict(self._state)
+
+    def restore(self, state):
+        self.restored = {key: state[key] for key in self.state_checks}
+
+
+def accept(value, num_rewards):
+    return None
+
+
+RUN = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}
+
+
+class Memo:
+    pass
+
+
+@pytest.mark.parametrize(
+    "value", [np.zeros(2), deque([1, 2]), torch.Generator(), Memo()], ids=["numpy", "deque", "generator", "object"]
+)
+def test_an_entry_the_safe_loader_cannot_read_is_refused_when_written(tmp_path, value):
+    """Saved without a word before, then the resume called the whole file damaged and dropped all of MRTPO's state."""
+    from trl_mrtpo.credit_state import CheckpointedState
+
+    state = CheckpointedState(RUN, {"the term 'memo'": Part({"memo": accept}, {"memo": value})})
+    with pytest.raises(ValueError, match=r"the term 'memo' writes the state entry 'memo' as .*cannot read back"):
+        state.write(str(tmp_path), 0)
+    assert not (tmp_path / "mrtpo_state_0.pt").exists()
+
+
+def test_an_entry_declared_but_never_written_is_refused_when_written(tmp_path):
+    from trl_mrtpo.credit_state import CheckpointedState
+
+    state = CheckpointedState(RUN, {"the term 'memo'": Part({"memo": accept, "count": accept}, {"memo": 1})})
+    with pytest.raises(ValueError, match=r"the term 'memo' declares the state entry 'count' but did not write it"):
+        state.write(str(tmp_path), 0)
+
+
+@pytest.mark.parametrize("taken", ["reward_specificity", "memo", "version", "reward_names"])
+def test_entry_names_are_owned(taken):
+    """Two parts writing one entry overwrote each other (checkpointed (1, 200), restored (201, 300))."""
+    from trl_mrtpo.credit_state import CheckpointedState
+
+    parts = {  # the core's parts first, as the trainer orders them
+        "per-reward strength": Part({"reward_specificity": accept}, {}),
+        "the term 'memo'": Part({"memo": accept}, {"memo": 1}),
+        "the term 'other'": Part({taken: accept}, {}),
+    }
+    with pytest.raises(ValueError, match=rf"the state entry '{taken}' of the term 'other' is also"):
+        CheckpointedState(RUN, parts)
+
+
+def test_a_state_written_by_a_newer_release_says_to_upgrade(tmp_path):
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(version=STATE_VERSION + 1, release="9.9.9"), path)
+    message = rf"written by trl-mrtpo 9.9.9 \(state version {STATE_VERSION + 1}\).*upgrade trl-mrtpo"
+    with pytest.raises(ValueError, match=message):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+def test_every_entry_type_the_docs_allow_round_trips(tmp_path):
+    """Tensors (float, integer, bool), numbers, strings, booleans, None, and lists and dicts of them: back equal."""
+    from trl_mrtpo.credit_state import CheckpointedState
+
+    values = {
+        "floats": torch.tensor([0.5, float("nan")], dtype=torch.float64), "ints": torch.arange(3),
+        "flags": torch.tensor([True, False]), "count": 7, "rate": 0.25, "label": "x", "on": True, "none": None,
+        "listed": [1, 2.5, "y", torch.ones(2)], "nested": {"a": {"b": [torch.zeros(1), 3]}},
+    }  # fmt: skip
+    written = Part({key: accept for key in values}, values)
+    CheckpointedState(RUN, {"the term 'every'": written}).write(str(tmp_path), 0)
+    read = Part({key: accept for key in values}, {})
+    CheckpointedState(RUN, {"the term 'every'": read}).read(str(tmp_path), 0)
+    for key, value in values.items():
+        got = read.restored[key]
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(got, value, equal_nan=True)
+        elif key in ("listed", "nested"):
+            assert repr(got) == repr(value), key
+        else:
+            assert got == value, key

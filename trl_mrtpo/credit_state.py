@@ -3,9 +3,11 @@ back and checked on resume, so that a resumed run continues exactly as an uninte
 
 from __future__ import annotations
 
+import io
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -61,8 +63,22 @@ def credit_state_path(checkpoint: str, process_index: int) -> str:
 
 def write_credit_state(checkpoint: str, process_index: int, identity: dict, state: dict) -> None:
     """Each process its own file; plain tensors, numbers and strings only, so that it loads with
-    ``weights_only=True``."""
-    torch.save({"version": STATE_VERSION, **identity, **state}, credit_state_path(checkpoint, process_index))
+    ``weights_only=True``; the release that wrote it is named in it."""
+    written = {"version": STATE_VERSION, "release": version("trl-mrtpo"), **identity, **state}
+    torch.save(written, credit_state_path(checkpoint, process_index))
+
+
+def safely_loadable(value: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` reads ``value`` back (tensors, numbers, strings, None, and lists,
+    tuples and dicts of them)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:
+        return False
+    return True
 
 
 def load_credit_state(
@@ -107,9 +123,16 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
     if not isinstance(state, dict) or any(key not in state for key in entries):
         found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
-    if state.get("version") != STATE_VERSION:
+    written = state.get("version")
+    if isinstance(written, int) and written > STATE_VERSION:
         raise ValueError(
-            f"{path} has MRTPO state version {state.get('version')}, this release reads version {STATE_VERSION}; "
+            f"{path} was written by trl-mrtpo {state.get('release', 'of a later release')} (state version "
+            f"{written}); this release ({version('trl-mrtpo')}) reads version {STATE_VERSION}: upgrade trl-mrtpo to "
+            "resume from it."
+        )
+    if written != STATE_VERSION:
+        raise ValueError(
+            f"{path} has MRTPO state version {written}, this release reads version {STATE_VERSION}; "
             "delete it to resume with a fresh MRTPO state."
         )
     differences = [
@@ -130,7 +153,7 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
             "with a fresh MRTPO state."
         )
 
-    unknown = set(state) - {"version", *entries, *identity}
+    unknown = set(state) - {"version", "release", *entries, *identity}
     if unknown:
         refuse(", ".join(sorted(map(str, unknown))), "unknown")
     num_rewards = len(identity["reward_names"])
@@ -143,22 +166,48 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
 
 class CheckpointedState:
     """MRTPO's state in a checkpoint: the run's identity and its parts' state (per-reward strength, the collapse
-    monitor, the credit rule, the terms), each part with ``identity()``, ``state()``, ``restore(state)`` and
-    ``state_checks`` (:class:`~trl_mrtpo.rules.Stateful`)."""
+    monitor, the credit rule, the terms), each part named (for the errors) with ``identity()``, ``state()``,
+    ``restore(state)`` and ``state_checks`` (:class:`~trl_mrtpo.rules.Stateful`). Each entry has one owner: an entry
+    two parts declare, or one named like the file's own keys, is refused when the state is assembled."""
 
-    def __init__(self, identity: dict, parts: Sequence):
-        self.parts = list(parts)
+    def __init__(self, identity: dict, parts: dict[str, Any]):
+        self.parts = dict(parts)
         self.identity = dict(identity)
-        for part in self.parts:
+        for part in self.parts.values():
             self.identity.update(part.identity())
+        owners = {key: "the state file itself" for key in ("version", "release", *self.identity)}
+        for name, part in self.parts.items():
+            for entry in part.state_checks:
+                if entry in owners:
+                    raise ValueError(
+                        f"the state entry {entry!r} of {name} is also {owners[entry]}'s; give it another name."
+                    )
+                owners[entry] = name
 
     def write(self, checkpoint: str, process_index: int) -> None:
-        state = {key: value for part in self.parts for key, value in part.state().items()}
+        """Writes every part's state, refusing (before anything is written) an entry a part declares but did not
+        write, one it did not declare, or one the safe loader could not read back on resume."""
+        state = {}
+        for name, part in self.parts.items():
+            written = part.state()
+            for entry in part.state_checks:
+                if entry not in written:
+                    raise ValueError(f"{name} declares the state entry {entry!r} but did not write it.")
+            for entry, value in written.items():
+                if entry not in part.state_checks:
+                    raise ValueError(f"{name} writes the state entry {entry!r} without declaring it (state_checks).")
+                if not safely_loadable(value):
+                    raise ValueError(
+                        f"{name} writes the state entry {entry!r} as {type(value).__name__}, which the safe loader "
+                        "(torch.load(weights_only=True)) cannot read back: keep tensors, numbers, strings, None, and "
+                        "lists or dicts of them."
+                    )
+            state.update(written)
         write_credit_state(checkpoint, process_index, self.identity, state)
 
     def read(self, checkpoint: str, process_index: int) -> None:
         """Restores every part from ``checkpoint`` (:func:`load_credit_state`); nothing when it holds no state."""
-        entries = {key: check for part in self.parts for key, check in part.state_checks.items()}
+        entries = {key: check for part in self.parts.values() for key, check in part.state_checks.items()}
         state = load_credit_state(checkpoint, process_index, self.identity, entries)
-        for part in self.parts if state is not None else ():
+        for part in self.parts.values() if state is not None else ():
             part.restore(state)

@@ -250,9 +250,14 @@ class MRTPOTrainer(GRPOTrainer):
         """A per-token quantity a rule or term reads besides q (none here: the research room's trainer has two)."""
         raise ValueError(f"no quantity {name!r} is computed by {type(self).__name__}; a rule or term read it.")
 
-    def _stateful(self) -> list:
-        """The collapse monitor, per-reward strength, the rule and the terms: what the checkpoint keeps."""
-        return [self._collapse_monitor, self.reward_strength, self.credit_rule, *self.credit_terms.values()]
+    def _stateful(self) -> dict:
+        """The collapse monitor, per-reward strength, the rule and the terms, by name: what the checkpoint keeps."""
+        return {
+            "the collapse monitor": self._collapse_monitor,
+            "per-reward strength": self.reward_strength,
+            f"the credit rule '{self.args.credit_assignment}'": self.credit_rule,
+            **{f"the term '{name}'": term for name, term in self.credit_terms.items()},
+        }
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:
         """Saves as transformers does, then this run's model card beside the weights (``save_model``, checkpoints: it

@@ -211,7 +211,7 @@ def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditReco
 
     inputs = [dict(row) for row in rows for _ in range(num_generations)]
     was_training = trainer.model.training
-    states = [(part, copy.deepcopy(part.state())) for part in trainer._stateful()]
+    states = [(part, copy.deepcopy(part.state())) for part in trainer._stateful().values()]
     trainer.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
     try:
         trainer._generate_and_score_completions(inputs)
