@@ -35,6 +35,7 @@ def test_steps_to_threshold_and_tracked_reward():
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
     """The benchmark's plumbing (every task and both code paths, the files, resume) on a small random model with the
     embedded model's tokenizer: its figures come from the embedded model itself, not from this run."""
@@ -78,6 +79,7 @@ def test_convergence_quick_run_is_complete_and_resumable(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_replay_overhead_smoke_run(tmp_path):
     """The benchmark's plumbing on a small random model with the embedded model's tokenizer (its figures come from
     the embedded model itself; loading it twice is what made this test slow)."""
@@ -186,6 +188,7 @@ def test_recorded_runs_are_reused_without_recomputing(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     """The GPU check's plumbing, on CPU at toy sizes: every part runs and writes its file, so a refactor cannot
     break the one command a lent GPU gets."""
@@ -211,6 +214,7 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_paper_task_dry_run_writes_the_grids_tables(tmp_path):
     """The GPU comparison command, dry (CPU, the embedded model, one step per arm): its tables are the CPU grids'."""
     import csv
@@ -228,6 +232,7 @@ def test_paper_task_dry_run_writes_the_grids_tables(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.benchmarks
 def test_replay_memory_model_is_within_its_stated_margin_of_a_measured_peak():
     """benchmarks/replay_memory.md states the model within +10 % of CPU-measured peaks at Qwen2.5's width; one case
     keeps it honest (2 layers of Qwen2.5-1.5B's width and vocabulary, fp32; measured 1.07x and 1.10x)."""

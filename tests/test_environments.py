@@ -6,7 +6,7 @@ reward source at all (TRL's own error). Credit is checked against the float64 re
 import pytest
 from datasets import Dataset
 
-from tests.test_agent_credit import BLOCKS, QUESTION, answered, check_credit_on_model_tokens, scripted_trainer
+from tests.test_agent_credit import BLOCKS, QUESTION, Atlas, answered, check_credit_on_model_tokens, scripted_trainer
 from tests.test_agent_credit import tool_tokenizer as qwen3_tokenizer
 
 
@@ -36,21 +36,6 @@ class Quiz(Ledger):
     def reset(self, **kwargs):
         super().reset()
         return "What is the code of Paris?"
-
-
-class Atlas:
-    """Owns neither: a tool only (its rollouts get None from the other environment's reward)."""
-
-    def reset(self, **kwargs):
-        return None
-
-    def lookup(self, city: str) -> str:
-        """Look up the code of a city.
-
-        Args:
-            city: the city's name.
-        """
-        return f"The code of {city} is 42."
 
 
 @pytest.fixture
@@ -95,7 +80,7 @@ def test_environments_own_the_data_and_one_owns_its_reward(tokenizer, tmp_path):
     ``reset()`` gives each rollout its question, the replay's contexts carry it, and the environment that owns a reward
     scores only its own rollouts (None for the others)."""
 
-    class AtlasQuiz(Atlas):
+    class AtlasQuiz(Atlas):  # a tool only: its rollouts get None from Quiz's reward
         def reset(self, **kwargs):
             return "What is the code of Paris?"
 
