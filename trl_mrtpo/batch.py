@@ -39,6 +39,11 @@ class ScoredBatch:
     mask: torch.Tensor  # [B, C] completion (and tool) mask
     output: dict
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(B, K, C)``: responses, rewards, completion positions (the shape of q and the token weights)."""
+        return (*self.varying.shape, self.mask.shape[1])
+
     @cached_property
     def views(self) -> list[Trajectory | None]:
         """Each response's tool-rollout view (:func:`~trl_mrtpo.trajectories.tool_views`), read once per batch by the

@@ -66,9 +66,9 @@ def checked_weighting(part: str, result: Any, advantages: torch.Tensor, reward_w
     return result
 
 
-def checked_credit(part: str, result: Any, shape: tuple, device: torch.device, call: str) -> TokenCredit:
+def checked_credit(part: str, result: Any, batch: Any, call: str) -> TokenCredit:
     """A rule's ``advantages()`` or a term's ``finish()``: a :class:`TokenCredit` with ``[B, C]`` advantages."""
     if not isinstance(result, TokenCredit):
         raise TypeError(f"{part}: {call} returned {_kind(result)}; it returns a TokenCredit.")
-    check_tensor(part, "advantages", result.advantages, (shape[0], shape[2]), "float", device)
+    check_tensor(part, "advantages", result.advantages, tuple(batch.mask.shape), "float", batch.mask.device)
     return result

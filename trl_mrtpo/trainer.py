@@ -229,7 +229,8 @@ class MRTPOTrainer(GRPOTrainer):
             policy = self.accelerator.unwrap_model(self.model)
             self._replay_temperature = replay_temperature(policy, self.temperature, args.divergence_backend)
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
-        self._provider = provider  # how errors name it
+        self._provider = provider  # how errors name it, and the rule
+        self._rule = f"the credit rule '{args.credit_assignment}'"
         self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
         self._guard: CreditGuard | None = None  # this generation batch's finiteness check
         self._scored: Scored | None = None
@@ -255,7 +256,7 @@ class MRTPOTrainer(GRPOTrainer):
         return {
             "the collapse monitor": self._collapse_monitor,
             "per-reward strength": self.reward_strength,
-            f"the credit rule '{self.args.credit_assignment}'": self.credit_rule,
+            self._rule: self.credit_rule,
             **{f"the term '{name}'": term for name, term in self.credit_terms.items()},
         }
 
@@ -343,8 +344,7 @@ class MRTPOTrainer(GRPOTrainer):
         added = {"process": None, "failure_suffix": None}
         for name, term in self.credit_terms.items():
             returned = term(batch, tokenizer, num_generations, rank, self.state)
-            shape = (*batch.varying.shape, batch.mask.shape[1])
-            contribution, logged = checked_contribution(f"the term '{name}'", returned, shape, batch.mask.device)
+            contribution, logged = checked_contribution(f"the term '{name}'", returned, batch.shape, batch.mask.device)
             if contribution["process"] is not None:
                 self._guard.note_non_finite(f"added:{name}", contribution["process"], batch.mask, per_reward=False)
             added = {key: _joined(added[key], contribution[key]) for key in added}
@@ -419,7 +419,7 @@ class MRTPOTrainer(GRPOTrainer):
         advantages with each reward's beta and the terms' additions (``added``: process advantages, failure
         suffixes), then each term's finish."""
         rule, terms = self.credit_rule, self.credit_terms.values()
-        relevance = batch.mask.new_zeros((*batch.varying.shape, batch.mask.shape[1]), dtype=torch.float32)
+        relevance = batch.mask.new_zeros(batch.shape, dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
         reads = [*(rule.reads if self._replays and beta > 0 else ()), *(name for term in terms for name in term.reads)]
         reads = list(dict.fromkeys(reads))  # each quantity computed once, however many read it
@@ -445,18 +445,14 @@ class MRTPOTrainer(GRPOTrainer):
             combine=self._combine,
             check_weights=lambda weights: self._check_weights(weights, batch),
         )
-        shape, device = (*batch.varying.shape, batch.mask.shape[1]), batch.mask.device
-        rule_part = f"the credit rule '{self.args.credit_assignment}'"
-        credit = checked_credit(rule_part, rule.advantages(inputs), shape, device, "advantages()")
+        credit = checked_credit(self._rule, rule.advantages(inputs), batch, "advantages()")
         for name, term in self.credit_terms.items():
-            credit = checked_credit(f"the term '{name}'", term.finish(credit, inputs), shape, device, "finish()")
+            credit = checked_credit(f"the term '{name}'", term.finish(credit, inputs), batch, "finish()")
         return credit, relevance, rule.replayed(inputs)
 
     def _check_weights(self, weights: torch.Tensor, batch: ScoredBatch) -> None:
         """The rule's step-5 weights where they enter steps 6-8: ``[B, K, C]`` float on the batch's device, finite."""
-        shape = (*batch.varying.shape, batch.mask.shape[1])
-        rule_part = f"the credit rule '{self.args.credit_assignment}'"
-        check_tensor(rule_part, "token weights", weights, shape, "float", batch.mask.device)
+        check_tensor(self._rule, "token weights", weights, batch.shape, "float", batch.mask.device)
         self._guard.note_non_finite("rule", weights, batch.mask[:, None, :], per_reward=True)
 
     def _reduce_sum(self):
@@ -535,8 +531,7 @@ class MRTPOTrainer(GRPOTrainer):
         # every process enters (collectives under sharding and in the reading), even one with nothing to replay
         with whole_policy(self) as policy:
             result = self.relevance_provider(policy, record)
-        shape = (*batch.varying.shape, batch.mask.shape[1])
-        relevance, replayed, any_replayed = checked_relevance(self._provider, result, shape, batch.mask.device)
+        relevance, replayed, any_replayed = checked_relevance(self._provider, result, batch.shape, batch.mask.device)
         read = replayed[..., None] & batch.mask[:, None, :].bool()  # q is read on replayed pairs' tokens only
         self._guard.note_non_finite("q", relevance, read, per_reward=True)
         self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
