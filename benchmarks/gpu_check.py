@@ -6,11 +6,13 @@
    fp32-output cuBLAS GEMMs) and our fused Triton kernel — each checked against float64, with its peak memory.
    ``auto`` may become ``triton`` only where the kernel is within 1e-5 bits of float64 and faster than the torch
    path at every K.
-2. The Triton kernel's tests on the real device (``tests/test_triton_divergence.py``), then the JS op at
-   V = 49152 (H = 576).
-3. Liger-Kernel's fused linear JSD (``LigerFusedLinearJSD``, the published fused anchor; it returns a reduced
-   loss, so only time and memory compare) called once per removed context, on the same inputs.
-4. A block-size sweep of our kernel (tokens x vocabulary x hidden tiles).
+2. The kernel's and the device rule's tests on the real device (``tests/test_triton_divergence.py``,
+   ``tests/test_device_rule.py``), then the JS op at V = 49152 (H = 576).
+3. Liger-Kernel's fused linear JSD (``LigerFusedLinearJSD`` with ``shift_labels``, the published fused anchor; it
+   returns a reduced loss, so only time and memory compare) called once per removed context, on the same inputs; and
+   our q against Liger's JSD primitive at beta = 0.5, per token.
+4. What ``divergence_backend="auto"`` chooses on this device at Qwen2.5-7B's head (V 152,064, H 3,584, bf16): the
+   start-up check's figures (near and far contexts) and the kernel's and the torch rule's timings.
 5. The optimizer-step overhead of MRTPO over GDPO (``benchmarks/replay_overhead.py --device cuda``) on a randomly
    initialised model of SmolLM2-135M's shape (no weights travel; timing does not need trained ones).
 
@@ -40,7 +42,6 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True,
                rope_parameters={"rope_theta": 100000.0, "rope_type": "default"},
                rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)  # fmt: skip
-BLOCKS = [(16, 64, 64), (32, 128, 64), (32, 128, 128), (64, 128, 64), (64, 256, 64), (128, 128, 32)]
 
 
 def run(command: list[str], log: Path, timeout: int) -> dict:
@@ -50,10 +51,10 @@ def run(command: list[str], log: Path, timeout: int) -> dict:
     return {"returncode": done.returncode, "seconds": round(time.perf_counter() - started, 1), "log": log.name}
 
 
-# (tokens, [(vocab, hidden), ...], k values, block sweep) of the GPU run and of the CPU dry run
+# (tokens, [(vocab, hidden), ...], k values, the head auto decides at) of the GPU run and of the CPU dry run
 SIZES = {
-    "cuda": (4096, ((49152, 576), (152064, 1536)), (1, 3, 8), BLOCKS),
-    "cpu": (16, ((256, 32),), (1,), BLOCKS[:1]),
+    "cuda": (4096, ((49152, 576), (152064, 1536)), (1, 3, 8), (152064, 3584)),
+    "cpu": (16, ((256, 32),), (1,), (300, 32)),
 }
 
 
@@ -88,15 +89,42 @@ def _inputs(tokens: int, hidden: int, vocab: int, k: int, device: str = "cuda"):
     return h_all, h_removed, weight
 
 
-def _per_removed_context(jsd, h_all, h_removed, weight) -> list:
-    """Liger's fused linear JSD between P_all's and each removed context's next-token distributions."""
-    return [jsd(h, weight, h_all, weight) for h in h_removed]
+def _liger_per_removed_context(jsd, h_all, h_removed, weight, labels) -> list:
+    """Liger's fused linear JSD between P_all's and each removed context's next-token distributions (its API: student
+    input and weight, teacher input and weight, ``shift_labels``; it returns a reduced loss and keeps the input's
+    gradient)."""
+    return [jsd(h, weight, h_all, weight, labels) for h in h_removed]
 
 
-def liger_and_blocks(output: Path, device: str = "cuda") -> None:
+def liger_per_token_error(h_all, h_removed, weight) -> float:
+    """The largest |our q - Liger's JSD at beta = 0.5| in bits per token, through Liger's JSD primitive (its per-entry
+    loss tile, summed over the vocabulary), on fp32 logits of the first 64 tokens."""
+    import math
+
+    import torch
+    from liger_kernel.ops.backends._triton.jsd import jsd_loss_and_grad_triton
+
     from trl_mrtpo.ops import triton_divergence
 
-    tokens, shapes, ks, blocks = SIZES[device]
+    shown = slice(0, min(64, h_all.shape[0]))
+    q = triton_divergence.fused_replay_divergence(h_all[shown], h_removed[:, shown], weight)
+    all_logprobs = torch.log_softmax(h_all[shown].float() @ weight.float().T, -1)
+    worst = 0.0
+    for m, h in enumerate(h_removed):
+        removed_logprobs = torch.log_softmax(h[shown].float() @ weight.float().T, -1)
+        tile, _ = jsd_loss_and_grad_triton(removed_logprobs, all_logprobs, None, 0.5, -100, 1.0)
+        worst = max(worst, (q[m] - tile.sum(-1) / math.log(2)).abs().max().item())
+    return worst
+
+
+def liger_and_auto(output: Path, device: str = "cuda") -> None:
+    """Liger's fused linear JSD timed beside our kernel (``liger_vs_ours.json``), and what ``auto`` chooses on this
+    device at the 7B head (``auto_on_device.json``: the start-up check's figures and the two timings)."""
+    import torch
+
+    from trl_mrtpo.ops import triton_divergence
+
+    tokens, shapes, ks, head = SIZES[device]
     rows = []
     for vocab, hidden in shapes:
         for k in ks:
@@ -107,26 +135,23 @@ def liger_and_blocks(output: Path, device: str = "cuda") -> None:
                 from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
 
                 jsd = LigerFusedLinearJSD(jsd_beta=0.5)
-                liger, liger_mb = _timed(partial(_per_removed_context, jsd, h_all, h_removed, weight))
+                labels = torch.zeros(tokens, dtype=torch.long, device=device)  # no position ignored
+                liger, liger_mb = _timed(partial(_liger_per_removed_context, jsd, h_all, h_removed, weight, labels))
                 row.update(liger_s=liger, liger_mb=liger_mb, liger_over_ours=liger / ours)
+                row["ours_minus_liger_jsd_bits_max"] = liger_per_token_error(h_all, h_removed, weight)
             except Exception as error:  # noqa: BLE001 - recorded, the other rows go on
                 row["liger_error"] = f"{type(error).__name__}: {error}"
             rows.append(row)
     (output / "liger_vs_ours.json").write_text(json.dumps(rows, indent=1))
-    sweep = []
-    vocab, hidden = shapes[-1]
-    h_all, h_removed, weight = _inputs(tokens, hidden, vocab, ks[-1], device)
-    for block_n, block_v, block_h in blocks:
-        try:
-            kernel = partial(
-                triton_divergence.fused_replay_divergence, block_n=block_n, block_v=block_v, block_h=block_h
-            )
-            seconds, megabytes = _timed(partial(kernel, h_all, h_removed, weight))
-            sweep.append({"block_n": block_n, "block_v": block_v, "block_h": block_h, "seconds": seconds,
-                          "peak_mb": megabytes})  # fmt: skip
-        except Exception as error:  # noqa: BLE001
-            sweep.append({"block_n": block_n, "block_v": block_v, "block_h": block_h, "error": str(error)})
-    (output / "block_sweep.json").write_text(json.dumps(sweep, indent=1))
+    vocab, hidden = head
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 dots are wrong
+    weight = (torch.randn(vocab, hidden, device=device) / hidden**0.5).to(dtype)
+    figures = {"vocab": vocab, "hidden": hidden, "dtype": str(weight.dtype)}
+    figures["check"] = triton_divergence.check_kernel(weight, None, 1.0)
+    figures.update(triton_divergence.time_against_torch(weight, None, 1.0, None, None if device == "cuda" else 16))
+    on_cuda = device == "cuda"
+    figures["auto"] = triton_divergence.auto_backend(weight, None, 1.0, None) if on_cuda else "torch (off CUDA)"
+    (output / "auto_on_device.json").write_text(json.dumps(figures, indent=1))
 
 
 def random_smollm2(folder: Path, tokenizer: Path, **shape) -> str:
@@ -210,18 +235,22 @@ def main(output: Path, tokenizer: Path | None, dry_run: bool = False) -> int:
     summary[f"js_kernel_{first[0]}"] = js_kernel(python, device, tokens, first, ks, output)
     table = output / f"js_kernel_{device}_{first[0]}.csv"
     summary["auto"] = decide_auto(table, output / "auto.json", tokens, first[1], device)
+    (output / "summary.json").write_text(json.dumps(summary, indent=1))  # a run cut short keeps it
+    try:
+        liger_and_auto(output, device)
+        summary["liger_and_auto"] = "ok"
+    except Exception:  # noqa: BLE001
+        summary["liger_and_auto"] = traceback.format_exc()
+    (output / "summary.json").write_text(json.dumps(summary, indent=1))  # a run cut short keeps it
     summary["triton_tests"] = run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_divergence.py",
-         f"--junitxml={output / 'triton_tests.xml'}", *(["--collect-only"] if dry_run else [])],
+         "tests/test_device_rule.py", f"--junitxml={output / 'triton_tests.xml'}",
+         *(["--collect-only"] if dry_run else [])],
         output / "triton_tests.log", 300,
     )  # fmt: skip
+    (output / "summary.json").write_text(json.dumps(summary, indent=1))  # a run cut short keeps it
     for shape in others:
         summary[f"js_kernel_{shape[0]}"] = js_kernel(python, device, tokens, shape, ks, output)
-    try:
-        liger_and_blocks(output, device)
-        summary["liger_and_blocks"] = "ok"
-    except Exception:  # noqa: BLE001
-        summary["liger_and_blocks"] = traceback.format_exc()
     if tokenizer is not None:
         shape = dict(num_hidden_layers=2, intermediate_size=64, hidden_size=72) if dry_run else {}
         model = random_smollm2(output / "smollm2-random", tokenizer, **shape)

@@ -11,4 +11,4 @@ output="${1:-${OUT:-benchmarks/results}/gpu_check}"
 source benchmarks/gpu_env.sh
 gpu_env benchmarks/gpu_check.sh
 export OMP_NUM_THREADS=4
-timeout 480 python3 benchmarks/gpu_check.py "$output"
+timeout 420 python3 benchmarks/gpu_check.py "$output"

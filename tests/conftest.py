@@ -81,10 +81,12 @@ def tiny_llama_config(tokenizer, **fields):
     return LlamaConfig(**{**settings, **fields})
 
 
-def tiny_model_of(config_name: str, tokenizer, tie_word_embeddings: bool, seed: int = 0, max_positions: int = 4096):
+def tiny_model_of(
+    config_name: str, tokenizer, tie_word_embeddings: bool, seed: int = 0, max_positions: int = 4096, **fields
+):
     """A random 2-layer model of a real family's architecture (``config_name``: ``Qwen2Config``, ...) for
     ``tokenizer``, with the family's ``tie_word_embeddings`` and its vocabulary padded past the tokenizer's (Qwen's
-    configs hold 152,064 rows for 151,665 tokens)."""
+    configs hold 152,064 rows for 151,665 tokens); ``fields`` set any other of the config's fields."""
     import transformers
 
     config = getattr(transformers, config_name)(
@@ -100,6 +102,7 @@ def tiny_model_of(config_name: str, tokenizer, tie_word_embeddings: bool, seed: 
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
         tie_word_embeddings=tie_word_embeddings,
+        **fields,
     )
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config)

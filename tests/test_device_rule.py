@@ -48,7 +48,7 @@ def test_q_is_the_same_whatever_the_chunk_the_last_one_partial(device_rule):
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], atol=1e-6, rtol=0)
     # without a chunk size, the workspace decides: 2 GiB holds the whole batch, 40 KiB 40,960 // (4 x 101 x 10) tokens
-    assert workspace_chunk(2 << 30, 101, 3) >= 37 and workspace_chunk(40 * 1024, 101, 3) == 10
+    assert workspace_chunk(2 << 30, 101, 10) >= 37 and workspace_chunk(40 * 1024, 101, 10) == 10
     small = workspace_divergence(hidden_all, hidden_removed, weight, bias, 0.7, 40 * 1024)
     torch.testing.assert_close(small, results[0], atol=1e-6, rtol=0)
 
@@ -73,7 +73,8 @@ class CountingOperators(TorchDispatchMode):
 )
 def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operators(shape, vocab, hidden, dtype):
     """With a 2 GiB workspace and K = 3: ``chunk = floor(2^31 / (4 V (3K + 1)))`` tokens (353 at V = 152,064),
-    ``ceil(N / chunk)`` GEMMs (186) and 23 operators per chunk plus 9 (4,287); the chunked path before took 38,912
+    ``ceil(N / chunk)`` GEMMs (186) and 24 operators per chunk plus 9 (4,473; 23 for an fp32 head, whose ``addmm``
+    takes the temperature in its epilogue); the chunked path before took 38,912
     GEMMs and about 973,000 operators at the 7B shape, and 8-token chunks for an fp32 head."""
     tokens, removed, workspace = 64 * 1_024, 3, 2 << 30
     hidden_all = torch.empty(tokens, hidden, device="meta", dtype=dtype)
@@ -84,5 +85,61 @@ def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operato
     chunk = workspace // (4 * vocab * (3 * removed + 1))
     chunks = math.ceil(tokens / chunk)
     assert q.shape == (removed, tokens) and chunk >= 300
-    assert counted.counts["addmm"] == chunks
-    assert sum(counted.counts.values()) == 23 * chunks + 9 <= 5_000, dict(counted.counts)
+    assert counted.counts["mm" if dtype == torch.bfloat16 else "addmm"] == chunks
+    # a bf16 head: torch.mm with fp32 output, then the temperature in place (one operator more than addmm's epilogue)
+    per_chunk = 24 if dtype == torch.bfloat16 else 23
+    assert sum(counted.counts.values()) == per_chunk * chunks + 9 <= 5_000, dict(counted.counts)
+
+
+def test_the_device_rule_returns_k_by_zero_on_empty_input(device_rule):
+    q = divergence.replay_divergence(torch.zeros(0, 16), torch.zeros(3, 0, 16), torch.zeros(101, 16))
+    assert q.shape == (3, 0) and q.dtype == torch.float32
+
+
+def test_the_out_dtype_gemm_exists_from_torch_2_8():
+    assert not divergence.out_dtype_gemm_exists("2.7.1+cu126") and not divergence.out_dtype_gemm_exists("2.6.0")
+    assert divergence.out_dtype_gemm_exists("2.8.0") and divergence.out_dtype_gemm_exists("2.11.0+cu130")
+    assert divergence.out_dtype_gemm_exists("2.9.0.dev20250701")
+
+
+class RecordingGemms(TorchDispatchMode):
+    """Each GEMM's operator and overload: ``mm.dtype`` is the fp32-output GEMM of low-precision operands."""
+
+    def __init__(self):
+        super().__init__()
+        self.gemms = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in ("mm", "addmm"):
+            self.gemms.append(f"{func.overloadpacket.__name__}.{func._overloadname}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("torch_version", ["2.7.1+cu126", "2.13.0"])
+def test_torch_before_2_8_never_reaches_out_dtype(monkeypatch, torch_version):
+    """On a device that would take it (``meta`` stands for CUDA with capability >= 8), bf16 operands go to the
+    fp32-output GEMM only where torch has it; before 2.8 the fallback (an fp32 GEMM of upcast operands) runs."""
+    monkeypatch.setattr(divergence, "_OUT_DTYPE_GEMM", divergence.out_dtype_gemm_exists(torch_version))
+    hidden_all = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
+    hidden_removed = torch.empty(3, 64, 32, device="meta", dtype=torch.bfloat16)
+    weight = torch.empty(1000, 32, device="meta", dtype=torch.bfloat16)
+    with RecordingGemms() as recorded:
+        workspace_divergence(hidden_all, hidden_removed, weight, None, 0.7, 2 << 30, 16)
+    expected = "mm.dtype" if torch_version.startswith("2.13") else "addmm.default"  # the fallback: fp32 operands
+    assert recorded.gemms == [expected] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_device_rule_applies_a_softcap_before_the_temperature(device_rule, dtype):
+    hidden_all, hidden_removed, weight, bias = inputs(dtype)
+    weight = weight * 8  # logits of several units: a cap of 3 binds
+    q = divergence.replay_divergence(hidden_all, hidden_removed, weight, bias, temperature=0.7, softcap=3.0)
+
+    def logits(hidden):
+        z = hidden.double() @ weight.double().T + bias.double()
+        return 3.0 * torch.tanh(z / 3.0) / 0.7
+
+    for m in range(3):
+        torch.testing.assert_close(
+            q[m].double(), js_float64(logits(hidden_all), logits(hidden_removed[m])), atol=1e-6, rtol=0
+        )

@@ -96,9 +96,9 @@ def test_the_kernel_backend_is_checked_at_start_up_and_runs_the_replay(
 
     checked, computed = [], []
 
-    def compute(hidden_all, hidden_removed, weight, bias, temperature):
+    def compute(hidden_all, hidden_removed, weight, bias, temperature, softcap, chunk_size):
         computed.append(hidden_removed.shape[0])
-        return replay_divergence(hidden_all, hidden_removed, weight, bias, temperature, backend="torch")
+        return replay_divergence(hidden_all, hidden_removed, weight, bias, temperature, chunk_size, "torch", softcap)
 
     def train(backend):
         torch.manual_seed(0)

@@ -262,3 +262,51 @@ def test_a_declared_logit_scale_is_read_from_the_config_in_low_precision(kind, d
 
     model, multiplier = _scaled_model(kind)
     assert logit_multiplier(model.to(dtype)) == multiplier
+
+
+def _gemma2(tokenizer, cap: float):
+    """A tiny random Gemma 2 whose ``final_logit_softcapping`` binds on its logits."""
+    from tests.conftest import tiny_model_of
+
+    model = tiny_model_of("Gemma2Config", tokenizer, True, final_logit_softcapping=cap, attn_implementation="eager")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # logits of several units, so that a cap of 2 binds
+    return model.eval()
+
+
+@pytest.mark.parametrize("device_rule", [False, True], ids=["cpu-rule", "device-rule"])
+def test_gemma2_is_replayed_with_its_final_logit_softcapping(batch, monkeypatch, device_rule, tiny_tokenizer):
+    """Gemma 2's forward returns ``cap * tanh(z / cap)``; the replay applies the same cap before the temperature, on
+    the CPU rule and the device rule alike, and q matches the model's own logits in float64."""
+    from trl_mrtpo.ops import divergence
+    from trl_mrtpo.replay import final_logit_softcap, logit_multiplier
+
+    monkeypatch.setattr(divergence, "_DEVICE_RULE_ON_CPU", device_rule)
+    model = _gemma2(tiny_tokenizer, cap=2.0)
+    assert final_logit_softcap(model) == 2.0 and logit_multiplier(model) == 1.0
+    contexts, completions = batch
+    q = replay_relevance(model, contexts, completions, 0.9, backend="torch")
+    for ctx, completion, got in zip(contexts, completions, q):
+        torch.testing.assert_close(got.double(), full_logits_relevance(model, ctx, completion, 0.9), atol=2e-6, rtol=0)
+    model.config.final_logit_softcapping = None  # the same weights replayed without the cap: a different q
+    uncapped = replay_relevance(model, contexts, completions, 0.9, backend="torch")
+    assert max((a - b).abs().max().item() for a, b in zip(q, uncapped) if a.numel()) > 1e-3
+
+
+def test_a_gemma2_model_trains_under_mrtpo(tmp_path, tiny_tokenizer):
+    from tests.helpers import RecordingTrainer, make_args
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    model = _gemma2(tiny_tokenizer, cap=2.0)
+    trainer = RecordingTrainer(
+        model=model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path, max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    assert trainer.replays and trainer.replays[0]["replayed"].any()
+    assert torch.isfinite(trainer.batches[0]["advantages"]).all()

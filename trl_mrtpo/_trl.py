@@ -206,11 +206,12 @@ def sampled_token_logprobs(
     token_ids: torch.Tensor,
     temperature: float,
     vocab_chunk_size: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[N]`` log-probabilities of ``token_ids`` from TRL's ``ChunkedLogProbFunction`` (nine positional arguments in
     TRL 1.16: hidden, weight, bias, ids, temperature, chunk size, soft-capping, logit scale, optional outputs)."""
     return ChunkedLogProbFunction.apply(
-        hidden, lm_head_weight, lm_head_bias, token_ids, temperature, vocab_chunk_size, None, 1.0, ()
+        hidden, lm_head_weight, lm_head_bias, token_ids, temperature, vocab_chunk_size, softcap, 1.0, ()
     )[0]
 
 

@@ -60,9 +60,9 @@ class MRTPOConfig(GRPOConfig):
             device's memory with the chunk's fp32 logits and JS temporaries (docs/kernels.md), on CPU about 2M
             logits at once.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
-            `"torch"` (chunked), `"triton"` (fused kernel, CUDA, needs the `kernels` extra; checked against the torch
-            path at start-up on synthetic tokens of the lm_head's shape), or `"auto"`: torch, until the kernel has
-            passed `benchmarks/gpu_check.py` on a GPU.
+            `"torch"` (chunked), `"triton"` (cuBLAS logits and a Triton row kernel, CUDA, needs the `kernels` extra;
+            checked against the torch rule at start-up on near and far contexts at the lm_head's shape), or `"auto"`:
+            on CUDA the kernel when it passes that check and is faster on the real shape, else torch.
         info_block_separator (`str`, *optional*, defaults to `"\n\n"`):
             Text placed between the prompt and each appended info block.
         > Parameters that control process rewards
@@ -131,9 +131,7 @@ class MRTPOConfig(GRPOConfig):
     )
     divergence_backend: str = field(
         default="auto",
-        metadata={
-            "help": "JS divergence backend: auto, triton (CUDA, `kernels` extra), torch or another registered one."
-        },
+        metadata={"help": "JS divergence backend: auto (the kernel on CUDA when it proves itself), triton or torch."},
     )
     info_block_separator: str = field(
         default="\n\n", metadata={"help": "Text between the prompt and each appended info block."}

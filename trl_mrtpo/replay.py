@@ -52,9 +52,16 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
             f"MRTPO replay reads the lm_head weight directly, but the output layer is a {type(head).__name__}, "
             "not a linear layer."
         )
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError("MRTPO replay does not support final_logit_softcapping models yet.")
     return decoder, head
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """The model's ``final_logit_softcapping`` (Gemma 2: its forward returns ``cap * tanh(z / cap)``), or None."""
+    if hasattr(model, "get_base_model"):  # peft.PeftModel
+        model = model.get_base_model()
+    config = getattr(model, "config", None)
+    cap = getattr(getattr(config, "get_text_config", lambda: config)(), "final_logit_softcapping", None)
+    return float(cap) if cap else None
 
 
 def declared_logit_multiplier(config) -> float | None:
@@ -76,15 +83,19 @@ def logit_multiplier(model: nn.Module) -> float:
     ``logits_scaling``, Cohere's ``logit_scale``, ...) is replayed at temperature ``T / m`` to see the distribution
     it samples from. The factor the config declares (1 when it declares none) is returned exactly when the forward
     agrees with it within the rounding of the logits' dtype (bf16 rounds each logit by up to 2^-8 of its size);
-    otherwise a linear factor is fitted, and a non-linear transform (soft-capping) has none and is refused.
+    otherwise a linear factor is fitted. A declared ``final_logit_softcapping`` is applied to the raw logits before
+    the comparison (the replay applies it too); any other non-linear transform has no factor and is refused.
     """
     decoder, _ = causal_lm_parts(model)
+    softcap = final_logit_softcap(model)
     device = next(model.parameters()).device
     input_ids = torch.tensor([[1, 2]], device=device)
     with eval_mode(model), lm_head_parameters(model) as (weight, bias):
         logits = model(input_ids=input_ids, use_cache=False).logits
         hidden = decoder(input_ids=input_ids).last_hidden_state.double()
         raw = hidden @ weight.double().T + (bias.double() if bias is not None else 0.0)
+        if softcap is not None:
+            raw = softcap * torch.tanh(raw / softcap)
     if not (torch.isfinite(logits).all() and torch.isfinite(raw).all()):
         raise ValueError(
             f"The logits of {type(model).__name__} overflow {logits.dtype} (inf or NaN on a two-token probe): neither "
@@ -112,17 +123,29 @@ def logit_multiplier(model: nn.Module) -> float:
     )
 
 
-def replay_temperature(policy: nn.Module, temperature: float, backend: str) -> float:
-    """The temperature the replay divides its own lm_head logits by: ``T / m`` for a model that scales its logits in
-    forward (:func:`logit_multiplier`), after the named divergence backend's start-up check on the real lm_head (run
-    once, before any step uses it). Every process calls it (a sharded model is gathered for the probe)."""
+def replay_settings(policy: nn.Module, temperature: float, backend: str) -> tuple[float, str]:
+    """The temperature the replay divides its own lm_head logits by, and the divergence backend it runs, settled
+    once at start-up on every process (a sharded model is gathered for the probe).
+
+    The temperature is ``T / m`` for a model that scales its logits in forward (:func:`logit_multiplier`). A named
+    backend runs its start-up check on the real lm_head first. ``"auto"`` is ``"torch"`` except on CUDA with Triton,
+    where the kernel is taken only when its check passes and it is faster than the torch rule on the real shape
+    (:func:`trl_mrtpo.ops.triton_divergence.check_kernel`, ``time_against_torch``), agreed by every process.
+    """
     with gathered_for_probe(policy):
         temperature = temperature / logit_multiplier(policy)
-        registered = divergence_backend(backend)
-        if registered is not None and registered.check is not None:
-            with lm_head_parameters(policy) as (weight, bias):
-                registered.check(weight, bias, temperature)
-    return temperature
+        softcap = final_logit_softcap(policy)
+        with lm_head_parameters(policy) as (weight, bias):
+            if backend == "auto":  # the kernel's module is imported on CUDA only: off it, auto is torch
+                if not weight.is_cuda:
+                    return temperature, "torch"
+                from .ops.triton_divergence import auto_backend
+
+                return temperature, auto_backend(weight, bias, temperature, softcap)
+            named = divergence_backend(backend)
+            if named is not None and named.check is not None:
+                named.check(weight, bias, temperature, softcap)
+    return temperature, backend
 
 
 @contextmanager
@@ -320,7 +343,7 @@ def replay_relevance(
     batch_size: int = REPLAY_BATCH_SIZE,
     chunk_size: int | None = None,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
-    backend: str = "auto",
+    backend: str = "torch",
 ) -> list[torch.Tensor]:
     """Relevance q for every replayed context of every response.
 
@@ -338,7 +361,7 @@ def replay_relevance(
         chunk_size: tokens per divergence chunk (see :func:`replay_divergence`).
         min_shared_prefix: fewest new tokens a shared prefix needs for its own cached forward; None turns prefix
             reuse off.
-        backend: divergence backend (see :func:`replay_divergence`).
+        backend: divergence backend (see :func:`replay_divergence`; ``auto`` is settled by :func:`replay_settings`).
 
     Returns:
         per response j, ``[m_j, L_j]`` fp32 q (``[0, L_j]`` when nothing is replayed).
@@ -350,11 +373,13 @@ def replay_relevance(
     by_count: dict[int, list[tuple[int, int]]] = {}
     for j, count, first in owners:
         by_count.setdefault(count, []).append((j, first))
+    softcap = final_logit_softcap(model)
     with lm_head_parameters(model) as (weight, bias):
         for count, members in by_count.items():
             # Responses with the same number of contexts are concatenated along tokens: one call for all.
             states = [torch.cat([hidden[first + c] for _, first in members]) for c in range(count)]
-            q = replay_divergence(states[0], torch.stack(states[1:]), weight, bias, temperature, chunk_size, backend)
+            removed = torch.stack(states[1:])
+            q = replay_divergence(states[0], removed, weight, bias, temperature, chunk_size, backend, softcap)
             lengths = [len(completions[j]) for j, _ in members]
             for (j, _), part in zip(members, q.split(lengths, dim=1)):
                 results[j] = part

@@ -50,7 +50,7 @@ from .info_blocks import (
     replay_contexts,
 )
 from .relevance import RelevanceProvider, ReplayRecord, ReplayRelevance
-from .replay import causal_lm_parts, replay_temperature
+from .replay import causal_lm_parts, replay_settings
 from .rules import CreditInputs, CreditSetup, CreditTerm, terms_by_name
 from .strength import RewardStrength, generation_batch_index
 from .utils import completion_text, function_name
@@ -223,11 +223,14 @@ class MRTPOTrainer(GRPOTrainer):
         token_credit = [label for term in self.credit_terms.values() for label in term.token_credit]
         check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *token_credit])
         check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
-        # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m.
-        self._replay_temperature = self.temperature
+        # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m; the
+        # divergence backend ("auto" included) is settled here, once, on every process.
+        self._replay_temperature, self._replay_backend = self.temperature, args.divergence_backend
         if self._replays or extra or runs_policy:
             policy = self.accelerator.unwrap_model(self.model)
-            self._replay_temperature = replay_temperature(policy, self.temperature, args.divergence_backend)
+            self._replay_temperature, self._replay_backend = replay_settings(
+                policy, self.temperature, args.divergence_backend
+            )
         self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
         self._provider = provider  # how errors name it, and the rule
         self._rule = f"the credit rule '{args.credit_assignment}'"
@@ -510,7 +513,7 @@ class MRTPOTrainer(GRPOTrainer):
             rows=batch.inputs,
             joint=joint,
             temperature=self._replay_temperature,
-            backend=self.args.divergence_backend,
+            backend=self._replay_backend,
             chunk_size=self.args.replay_chunk_size,
             process_index=self.accelerator.process_index,
         )

@@ -13,7 +13,8 @@ import torch
 
 from .._trl import tokenize_prompts
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE, VOCAB_TILE
-from ..replay import lm_head_parameters, replayed_hidden_states
+from ..ops.divergence import softcapped_
+from ..replay import final_logit_softcap, lm_head_parameters, replayed_hidden_states
 
 
 def self_certainty(
@@ -22,6 +23,7 @@ def self_certainty(
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_chunk_size: int = VOCAB_TILE,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[N]`` INTUITOR's per-token self-certainty ``KL(U || p) = -log V - mean_v log p_v``, that is
     ``log Z - mean_v z_v - log V`` (>= 0, in nats; ``z`` the tempered logits, ``Z`` their normaliser), accumulated
@@ -41,7 +43,8 @@ def self_certainty(
     for start in range(0, vocab, vocab_chunk_size):
         rows = slice(start, start + vocab_chunk_size)
         bias = None if lm_head_bias is None else lm_head_bias[rows].float()
-        logits = torch.nn.functional.linear(states, lm_head_weight[rows].float(), bias).div_(temperature)
+        logits = torch.nn.functional.linear(states, lm_head_weight[rows].float(), bias)
+        softcapped_(logits, softcap, temperature)
         normaliser = torch.logaddexp(normaliser, torch.logsumexp(logits, dim=-1))
         logit_sum += logits.sum(-1)
     return normaliser - logit_sum / vocab - math.log(vocab)
@@ -89,7 +92,8 @@ class SelfCertaintyReward:
             return scores
         with lm_head_parameters(model) as (weight, bias):
             # the sampling distribution: a model that scales its logits in forward is scored at T / m, as replayed
-            certainty = self_certainty(torch.cat(hidden), weight, bias, trainer._replay_temperature)
+            softcap = final_logit_softcap(model)
+            certainty = self_certainty(torch.cat(hidden), weight, bias, trainer._replay_temperature, softcap=softcap)
         for (j, _, _), part in zip(owners, certainty.split([len(h) for h in hidden])):
             scores[j] = part.mean().item()
         return scores

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from packaging.version import Version
 
 from ..constants import (
     DEFAULT_CHUNK_ELEMENTS,
@@ -21,16 +22,17 @@ from ..constants import (
     VOCAB_TILE,
 )
 
-# Tests run the device rule on CPU by setting this (everything but its one CUDA-only line: an fp32-output GEMM of
-# low-precision operands, which the CPU has not; it casts those operands to fp32 once instead).
+# Tests run the device rule on CPU by setting this (everything but the fp32-output GEMM of low-precision operands,
+# which only CUDA has: fp32_logits takes its tested fallback, an fp32 GEMM of upcast operands, instead).
 _DEVICE_RULE_ON_CPU = False
 
 
 @dataclass(frozen=True)
 class DivergenceBackend:
     """A way to compute :func:`replay_divergence` other than torch's: ``compute(hidden_all, hidden_removed, weight,
-    bias, temperature)`` returns ``[M, N]`` fp32 q; ``check(weight, bias, temperature)`` runs once at start-up when a
-    run names the backend; ``missing()`` says what to install when it cannot run here (None: it can)."""
+    bias, temperature, softcap, chunk_size)`` returns ``[M, N]`` fp32 q; ``check(weight, bias, temperature, softcap)``
+    runs once at start-up on the real lm_head and raises when the backend disagrees with the torch rule;
+    ``missing()`` says what to install when it cannot run here (None: it can)."""
 
     compute: Callable[..., torch.Tensor]
     check: Callable[..., None] | None = None
@@ -90,9 +92,8 @@ def _js_terms(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tenso
 
 
 def chosen_backend(backend: str) -> str:
-    """The backend ``replay_divergence`` runs: an explicit name as given; ``"auto"`` is ``"torch"`` on every device
-    until the Triton kernel has passed ``benchmarks/gpu_check.py`` on a GPU (it has run in Triton's CPU interpreter
-    only): one decision for every process, never a per-rank fallback."""
+    """The backend ``replay_divergence`` runs for a name that reached it: ``"auto"`` is ``"torch"`` here (the trainer
+    resolves ``auto`` once at start-up, :func:`trl_mrtpo.replay.replay_settings`, and passes what it chose)."""
     return "torch" if backend == "auto" else backend
 
 
@@ -104,28 +105,29 @@ def replay_divergence(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     backend: str = "auto",
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Per-token relevance ``q[m, t] = JS(p_all_t || p_not_m_t) / ln 2`` from last hidden states.
 
     Two backends compute the same thing without ever holding ``[N, V]`` logits for every context:
 
-    - ``torch`` (CPU, or GPUs without Triton): the ``M + 1`` contexts of a token chunk go through the shared lm_head
-      in one fp32 matmul; ``P_all``'s log-softmax is computed once per chunk and shared by every removed context.
-      Memory is bounded by the chunk.
-    - ``triton`` (CUDA), registered by :mod:`trl_mrtpo.ops.triton_divergence`: tiles the vocabulary, with fp32
-      accumulation and one log-normaliser per context shared across rewards.
+    - ``torch``: the ``M + 1`` contexts of a token chunk go through the shared lm_head in one GEMM with fp32 output;
+      ``P_all``'s log-softmax is computed once per chunk and shared by every removed context. On CUDA the chunk is
+      sized from a fixed workspace (:func:`workspace_divergence`); on CPU by :data:`DEFAULT_CHUNK_ELEMENTS`.
+    - ``triton`` (CUDA, :mod:`trl_mrtpo.ops.triton_divergence`): the same GEMM per chunk, then one Triton program
+      per token computes its ``M + 1`` log-normalisers and ``M`` JS sums in two reads of the chunk's logits.
 
-    ``auto`` is ``torch`` (:func:`chosen_backend`); a registered backend is an explicit choice, checked once at
-    start-up (its ``check``).
+    Logits are ``softcap * tanh(z / softcap)`` (when ``softcap`` is set, as Gemma 2's forward applies it) divided by
+    ``temperature``, with ``z = h W^T + b`` in fp32.
 
     Args:
         hidden_all: ``[N, H]`` last hidden states at the N completion positions after ``P_all``.
         hidden_removed: ``[M, N, H]`` the same positions after each ``P_not_m``.
         lm_head_weight: ``[V, H]``; lm_head_bias: ``[V]`` or None.
         temperature: sampling temperature; logits are divided by it.
-        chunk_size: tokens per chunk of the torch path; default keeps ``(M + 1) * chunk * V`` near 2M elements,
-            with at least 8 tokens.
-        backend: ``"auto"``, ``"torch"`` or a registered backend's name.
+        chunk_size: tokens per chunk; default: the device's rule.
+        backend: ``"auto"`` (torch), ``"torch"`` or ``"triton"``.
+        softcap: the model's ``final_logit_softcapping``, or None.
 
     Returns:
         ``[M, N]`` fp32 relevance in [0, 1].
@@ -137,32 +139,97 @@ def replay_divergence(
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     if backend not in divergence_backends():
         raise ValueError(f"backend must be one of {divergence_backends()}, got {backend!r}")
+    head = (lm_head_weight, lm_head_bias, temperature)
     if chosen_backend(backend) != "torch":
-        registered = divergence_backend(backend)
-        return registered.compute(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
+        return divergence_backend(backend).compute(hidden_all, hidden_removed, *head, softcap, chunk_size)
     if hidden_all.is_cuda or _DEVICE_RULE_ON_CPU:
         workspace = device_workspace(hidden_all.device)
-        return workspace_divergence(
-            hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, workspace, chunk_size
-        )
-    return _torch_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, chunk_size)
+        return workspace_divergence(hidden_all, hidden_removed, *head, workspace, chunk_size, softcap)
+    return _torch_divergence(hidden_all, hidden_removed, *head, chunk_size, softcap)
+
+
+def out_dtype_gemm_exists(version: str) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` exists in this torch release (2.8 and later)."""
+    return Version(Version(version).base_version) >= Version("2.8")
+
+
+_OUT_DTYPE_GEMM = out_dtype_gemm_exists(torch.__version__)
+
+
+def fp32_output_gemm_applies(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`fp32_logits` can ask cuBLAS for fp32 output from low-precision operands: torch has the argument
+    (2.8+), the operands are on CUDA with compute capability 8.0 or more (bf16 tensor cores) and are both bf16 or
+    both fp16. ``meta`` tensors count as such a device (the operator counts of docs/kernels.md)."""
+    if not (_OUT_DTYPE_GEMM and rows.dtype == weight.dtype and rows.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    if rows.device.type == "meta":
+        return True
+    return rows.is_cuda and torch.cuda.get_device_capability(rows.device) >= (8, 0)
+
+
+def fp32_bias(lm_head_bias: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The bias :func:`fp32_logits` takes, made once per call: fp32, or a 0-d zero when the head has none."""
+    return torch.zeros((), device=device) if lm_head_bias is None else lm_head_bias.float()
+
+
+def fp32_logits(
+    rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, scale: float, fp32_weight_t=None
+) -> torch.Tensor:
+    """``scale * (rows @ weight_t + bias)`` in fp32, never rounded to the operands' dtype (step 4's logits); ``bias``
+    from :func:`fp32_bias`.
+
+    Where :func:`fp32_output_gemm_applies`, one cuBLAS GEMM of the operands as they are (fp32 accumulation and output)
+    as ``torch.mm(..., out_dtype=torch.float32)``, the form TRL and Liger call (torch 2.11's ``addmm`` refuses
+    ``out_dtype`` beside ``beta`` and ``alpha``), then the bias and the scale in place; elsewhere an fp32 GEMM of the
+    rows upcast and ``fp32_weight_t`` (the weight upcast once per call by the caller; ``weight_t`` itself when it is
+    fp32), the bias and the scale in its epilogue."""
+    beta = scale if bias.dim() else 0.0
+    if fp32_output_gemm_applies(rows, weight_t):
+        logits = torch.mm(rows, weight_t, out_dtype=torch.float32)
+        if bias.dim():
+            logits.add_(bias)
+        return logits.mul_(scale) if scale != 1.0 else logits
+    weight_t = weight_t if fp32_weight_t is None else fp32_weight_t
+    return torch.addmm(bias, rows.float(), weight_t.float(), beta=beta, alpha=scale)
+
+
+def softcapped_(logits: torch.Tensor, softcap: float | None, temperature: float) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap) / temperature`` in place (the logits as the model's forward, then sampling,
+    transform them); only the division when ``softcap`` is None."""
+    if softcap is not None:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 def device_workspace(device: torch.device) -> int:
     """Bytes the device rule may use for one chunk's logits and JS temporaries: a fixed share
     (:data:`~trl_mrtpo.constants.REPLAY_WORKSPACE_FRACTION`) of the device's total memory, so the chunking is the
-    same every step; 2 GiB off CUDA (the device rule forced on CPU)."""
+    same every step; 2 GiB off CUDA (the device rule forced on CPU, Triton's interpreter)."""
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory * REPLAY_WORKSPACE_FRACTION)
     return 2 << 30
 
 
-def workspace_chunk(workspace: int, vocab: int, num_removed: int) -> int:
-    """Tokens per chunk of :func:`workspace_divergence`: its peak is ``(3K + 1)`` fp32 vocabulary rows per token for
-    ``K`` removed contexts (the ``K + 1`` log-probability rows, then two ``K``-row JS temporaries), at least 1."""
-    return max(1, workspace // (4 * vocab * (3 * num_removed + 1)))
+def workspace_chunk(workspace: int, vocab: int, rows_per_token: int) -> int:
+    """Tokens per chunk when each token holds ``rows_per_token`` fp32 vocabulary rows at the chunk's peak, at least
+    1: ``3K + 1`` for the torch device rule with K removed contexts (the ``K + 1`` log-probability rows, then two
+    ``K``-row JS temporaries), ``K + 1`` for the Triton kernel (the logits alone)."""
+    return max(1, workspace // (4 * vocab * rows_per_token))
+
+
+def stacked_contexts(hidden_all: torch.Tensor, hidden_removed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, M + 1, H]``: each token's ``P_all`` state, then its ``M`` removed contexts' states, in ``dtype``."""
+    return torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1).to(dtype)
+
+
+def operand_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the hidden states enter the GEMM in: the weight's when they share it, else fp32 (hidden states are
+    never rounded down to a lower-precision head)."""
+    return weight.dtype if hidden.dtype == weight.dtype else torch.float32
 
 
 def workspace_divergence(
@@ -173,34 +240,32 @@ def workspace_divergence(
     temperature: float,
     workspace: int,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The device rule of the torch path (step 4; docs/kernels.md): ``[M, N]`` q in token chunks of
     :func:`workspace_chunk` tokens (``chunk_size`` when given), the whole vocabulary at once, one pass.
 
-    The ``M + 1`` contexts are stacked once as ``[N, M + 1, H]`` in the hidden states' dtype; each chunk is one GEMM
-    with the weight's dtype as operands and fp32 output (cuBLAS; the temperature and the bias in its epilogue), one
-    ``log_softmax`` and the JS of :func:`_js_terms` in place: about 23 aten operators and one GEMM per chunk,
-    ``ceil(N / chunk)`` chunks, whatever the vocabulary.
+    The ``M + 1`` contexts are stacked once as ``[N, M + 1, H]`` in the weight's dtype; each chunk is one
+    :func:`fp32_logits` GEMM (the temperature in its epilogue unless a softcap comes first), one ``log_softmax``
+    and the JS of :func:`_js_terms` in place: about 23 aten operators and one GEMM per chunk, ``ceil(N / chunk)``
+    chunks, whatever the vocabulary.
     """
     num_removed, num_tokens, hidden_size = hidden_removed.shape
     vocab = lm_head_weight.shape[0]
-    chunk = chunk_size or workspace_chunk(workspace, vocab, num_removed)
-    stacked = torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1)  # [N, M + 1, H]
-    weight = lm_head_weight.t()
-    low_precision = weight.dtype != torch.float32
-    on_device = stacked.is_cuda or stacked.is_meta
-    if stacked.dtype != weight.dtype or (low_precision and not on_device):
-        stacked, weight = stacked.float(), weight.float()  # once per call: a CPU has no fp32-output bf16 GEMM
-        low_precision = False
-    bias = torch.zeros((), device=stacked.device) if lm_head_bias is None else lm_head_bias.float()
-    beta = 0.0 if lm_head_bias is None else 1.0 / temperature
+    if num_tokens == 0:
+        return torch.zeros(num_removed, 0, dtype=torch.float32, device=hidden_all.device)
+    chunk = chunk_size or workspace_chunk(workspace, vocab, 3 * num_removed + 1)
+    stacked = stacked_contexts(hidden_all, hidden_removed, operand_dtype(hidden_all, lm_head_weight))
+    weight_t = lm_head_weight.t()
+    fp32_weight_t = None if fp32_output_gemm_applies(stacked, weight_t) else weight_t.float()  # once per call
+    scale = 1.0 if softcap is not None else 1.0 / temperature
+    bias = fp32_bias(lm_head_bias, stacked.device)
     sums = []
     for start in range(0, num_tokens, chunk):
         rows = stacked[start : start + chunk].view(-1, hidden_size)
-        if low_precision:  # cuBLAS: bf16 / fp16 operands, fp32 accumulation and output
-            logits = torch.addmm(bias, rows, weight, beta=beta, alpha=1.0 / temperature, out_dtype=torch.float32)
-        else:
-            logits = torch.addmm(bias, rows, weight, beta=beta, alpha=1.0 / temperature)
+        logits = fp32_logits(rows, weight_t, bias, scale, fp32_weight_t)
+        if softcap is not None:
+            softcapped_(logits, softcap, temperature)
         logprobs = torch.log_softmax(logits.view(-1, num_removed + 1, vocab), dim=-1)
         del logits
         sums.append(_js_terms_in_place(logprobs[:, :1], logprobs[:, 1:]))
@@ -227,11 +292,12 @@ def _torch_divergence(
     lm_head_bias: torch.Tensor | None,
     temperature: float,
     chunk_size: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The chunked torch path of :func:`replay_divergence`: fp32 lm_head and JS over token chunks (a weight in
-    another dtype goes to :func:`_tiled_divergence`, which never holds an fp32 copy of the whole lm_head)."""
+    """The chunked torch path of :func:`replay_divergence` off CUDA: fp32 lm_head and JS over token chunks (a weight
+    in another dtype goes to :func:`_tiled_divergence`, which never holds an fp32 copy of the whole lm_head)."""
     if lm_head_weight.dtype != torch.float32:
-        return _tiled_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature)
+        return _tiled_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, softcap)
     num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
@@ -241,9 +307,7 @@ def _torch_divergence(
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
         stacked = torch.cat([hidden_all[None, start:end], hidden_removed[:, start:end]]).float()
-        logits = torch.nn.functional.linear(stacked, lm_head_weight, bias)
-        if temperature != 1.0:
-            logits.div_(temperature)
+        logits = softcapped_(torch.nn.functional.linear(stacked, lm_head_weight, bias), softcap, temperature)
         logprobs = torch.log_softmax(logits, dim=-1)
         del logits
         out[:, start:end] = js_divergence(logprobs[0], logprobs[1:])
@@ -256,6 +320,7 @@ def _tiled_divergence(
     lm_head_weight: torch.Tensor,
     lm_head_bias: torch.Tensor | None,
     temperature: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The torch path for a low-precision lm_head (bf16, fp16): fp32 logits from vocabulary tiles of
     :data:`VOCAB_TILE` rows cast to fp32 one at a time, in two passes over the tiles (each context's log-normaliser,
@@ -274,7 +339,7 @@ def _tiled_divergence(
             for first in range(0, num_tokens, tokens):
                 rows = slice(first, min(first + tokens, num_tokens))
                 stacked = torch.cat([hidden_all[None, rows], hidden_removed[:, rows]]).float()
-                yield rows, torch.nn.functional.linear(stacked, weight, bias).div_(temperature)
+                yield rows, softcapped_(torch.nn.functional.linear(stacked, weight, bias), softcap, temperature)
 
     normaliser = torch.full((num_removed + 1, num_tokens), -math.inf, device=device)
     for rows, logits in tiled_logits():

@@ -19,9 +19,11 @@ def sampled_logprobs(
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     vocab_chunk_size: int = VOCAB_TILE,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``[N]`` fp32 ``log pi(token_ids[t] | .)`` from the ``[N, H]`` last hidden states that predict them, in fp32,
-    ``vocab_chunk_size`` vocabulary rows at a time (TRL's kernel casts each tile, never the whole lm_head)."""
+    ``vocab_chunk_size`` vocabulary rows at a time (TRL's kernel casts each tile, never the whole lm_head), with the
+    model's ``final_logit_softcapping`` (``softcap``) applied before the temperature."""
     if hidden.dim() != 2 or hidden.shape[1] != lm_head_weight.shape[1]:
         raise ValueError(
             f"hidden must be [N, H] with H={lm_head_weight.shape[1]} (the lm_head's), got {tuple(hidden.shape)}"
@@ -32,6 +34,6 @@ def sampled_logprobs(
         raise ValueError(f"token_ids must be [{hidden.shape[0]}], got {tuple(token_ids.shape)}")
     bias = None if lm_head_bias is None else lm_head_bias.float()
     logprobs = sampled_token_logprobs(
-        hidden.float(), lm_head_weight, bias, token_ids.to(hidden.device), temperature, vocab_chunk_size
+        hidden.float(), lm_head_weight, bias, token_ids.to(hidden.device), temperature, vocab_chunk_size, softcap
     )
     return logprobs.float()

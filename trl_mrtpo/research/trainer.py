@@ -17,7 +17,7 @@ from .._trl import whole_policy
 from ..batch import ScoredBatch, completion_token_lists
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from ..relevance import ReplayRelevance
-from ..replay import lm_head_parameters, replayed_hidden_states
+from ..replay import final_logit_softcap, lm_head_parameters, replayed_hidden_states
 from ..rules import CreditSetup, CreditTerm
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
@@ -132,7 +132,7 @@ def replay_logprobs(
         [token for j, count, _ in owners for token in list(completions[j]) * count], device=states.device
     )
     with lm_head_parameters(model) as (weight, bias):
-        logprobs = sampled_logprobs(states, token_ids, weight, bias, temperature)
+        logprobs = sampled_logprobs(states, token_ids, weight, bias, temperature, softcap=final_logit_softcap(model))
     parts = logprobs.split([count * len(completions[j]) for j, count, _ in owners])
     for (j, count, _), part in zip(owners, parts):
         results[j] = part.view(count, -1)
