@@ -218,3 +218,38 @@ def test_the_trainer_checks_an_explicit_kernel_at_start_up(monkeypatch, tiny_mod
             train_dataset=make_basic_dataset(4),
             processing_class=tiny_tokenizer,
         )
+
+
+def test_auto_takes_the_kernel_only_after_its_check_and_a_faster_timing(monkeypatch, caplog):
+    """The device path forced on CPU with the check and the timings stubbed: the kernel only when the check passes
+    and it is faster; a failing check or a slower kernel keeps torch, and off CUDA nothing runs."""
+    calls = []
+    weight = torch.zeros(50, 8)
+
+    def stub(check_fails=False, kernel_s=1.0):
+        def check(*args):
+            calls.append("check")
+            if check_fails:
+                raise ValueError("the kernel disagrees")
+            return {}
+
+        monkeypatch.setattr(triton_divergence, "check_kernel", check)
+        monkeypatch.setattr(
+            triton_divergence,
+            "time_against_torch",
+            lambda *args: calls.append("time") or {"triton_s": kernel_s, "torch_s": 2.0},
+        )
+
+    monkeypatch.setattr(triton_divergence, "is_available", lambda: True)
+    stub()
+    assert triton_divergence.auto_backend(weight, None, 1.0, None) == "torch" and calls == []  # off CUDA
+    monkeypatch.setattr(triton_divergence, "on_cuda", lambda tensor: True)
+    with caplog.at_level("INFO", logger="trl_mrtpo.ops.triton_divergence"):
+        assert triton_divergence.auto_backend(weight, None, 1.0, None) == "triton" and calls == ["check", "time"]
+    assert "chose 'triton'" in caplog.text and "'triton_s': 1.0" in caplog.text
+    calls.clear()
+    stub(kernel_s=3.0)
+    assert triton_divergence.auto_backend(weight, None, 1.0, None) == "torch" and calls == ["check", "time"]
+    calls.clear()
+    stub(check_fails=True)
+    assert triton_divergence.auto_backend(weight, None, 1.0, None) == "torch" and calls == ["check"]

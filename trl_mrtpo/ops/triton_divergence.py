@@ -310,10 +310,15 @@ def time_against_torch(
     }
 
 
+def on_cuda(tensor: torch.Tensor) -> bool:
+    """Whether ``auto`` may consider the kernel for this lm_head (tests force the device path on CPU here)."""
+    return tensor.is_cuda
+
+
 def auto_backend(weight: torch.Tensor, bias: torch.Tensor | None, temperature: float, softcap: float | None) -> str:
     """``divergence_backend="auto"``: ``"triton"`` on CUDA when the kernel passes its precision check and is faster
     than the torch rule on this lm_head, on every process; else ``"torch"``. Logs the figures and the choice once."""
-    if not (weight.is_cuda and is_available()):
+    if not (on_cuda(weight) and is_available()):
         return "torch"
     try:
         figures = {"check": check_kernel(weight, bias, temperature, softcap)}
