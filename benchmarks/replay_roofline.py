@@ -51,8 +51,10 @@ class CountingBytes(TorchDispatchMode):
 
 
 def main() -> None:
-    lines = [__doc__.split("\n\n")[0], "", f"{TOKENS:,} tokens, K = {REMOVED}, bf16 head, no bias, temperature 0.7.", ""]
-    lines += ["| head | device | torch rule TB | kernel TB | floor TB | GEMM TFLOP | torch rule s | kernel s | floor s |"]
+    setting = f"{TOKENS:,} tokens, K = {REMOVED}, bf16 head, no bias, temperature 0.7."
+    lines = [__doc__.split("\n\n")[0], "", setting, ""]
+    columns = "torch rule TB | kernel TB | floor TB | GEMM TFLOP | torch rule s | kernel s | floor s"
+    lines += [f"| head | device | {columns} |"]
     lines += ["|---|---|---|---|---|---|---|---|---|"]
     for head, (vocab, hidden) in HEADS.items():
         for device, (memory, bandwidth, rate) in DEVICES.items():
@@ -66,10 +68,9 @@ def main() -> None:
             kernel = modelled_bytes(TOKENS, REMOVED, vocab, hidden, workspace_chunk(workspace, vocab, REMOVED + 1))
             flops = 2 * TOKENS * (REMOVED + 1) * hidden * vocab
             seconds = [max(b / bandwidth, flops / rate) for b in (counted.bytes, kernel["total"], kernel["floor"])]
-            lines.append(
-                f"| {head} | {device} | {counted.bytes / 1e12:.2f} | {kernel['total'] / 1e12:.2f} | "
-                f"{kernel['floor'] / 1e12:.2f} | {flops / 1e12:.0f} | " + " | ".join(f"{s:.2f}" for s in seconds) + " |"
-            )
+            terabytes = [counted.bytes / 1e12, kernel["total"] / 1e12, kernel["floor"] / 1e12]
+            cells = [*(f"{t:.2f}" for t in terabytes), f"{flops / 1e12:.0f}", *(f"{s:.2f}" for s in seconds)]
+            lines.append(f"| {head} | {device} | " + " | ".join(cells) + " |")
             assert math.isclose(counted.flops, flops, rel_tol=1e-9)
     Path(__file__).with_name("replay_roofline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
