@@ -128,7 +128,7 @@ def test_a_reference_over_64_mb_is_refused_by_the_loader_and_excluded_by_the_eva
 
     root, _ = spider
     with pytest.raises(
-        ValueError, match=r"dev.json: 1 reference result\(s\) hold more than 64000000 bytes.*example 1"
+        ValueError, match=r"dev.json: 1 reference query\(ies\) cannot be scored against.*example 1.*64000000 bytes"
     ):
         get_kit("sql").loaders["spider"](str(root), "dev.json")
     answers = [fenced("SELECT v FROM big ORDER BY id")[0]["content"], fenced("SELECT 1")[0]["content"]]
@@ -136,3 +136,69 @@ def test_a_reference_over_64_mb_is_refused_by_the_loader_and_excluded_by_the_eva
     assert result.count == 2 and result.metrics["excluded_references"] == 1.0
     assert result.metrics["execution_accuracy"] == 0.5  # the large reference matched, the count did not
     assert {"question": "A huge result?", "excluded": "reference result too large"} in result.details
+
+
+MANY_ROWS = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 12000) SELECT x FROM c"
+
+
+def test_a_reference_of_12000_rows_scores_itself_1_and_feeds_no_error_block(shop):
+    """12,000 integers (96 KB) pass the default 10,000-row cap: the reference's own cap is lifted for rows as for
+    bytes, and a prediction's cap scales with it."""
+    from trl_mrtpo.kits.sql import sql_error_block, sql_execution_reward
+
+    same = fenced("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c LIMIT 12000) SELECT x FROM c")
+    assert sql_execution_reward([same], db_path=[shop], query=[MANY_ROWS]) == [1.0]
+    row = {"db_path": shop, "query": MANY_ROWS}
+    assert sql_error_block(prompt=[], completion=same[0]["content"], row=row, score=1.0) is None
+
+
+@pytest.fixture
+def latin1(tmp_path):
+    """A table whose text was stored as latin-1 bytes (as some BIRD databases do): 'café' and 'cafë' differ in one
+    byte that is not valid UTF-8."""
+    import sqlite3
+
+    path = tmp_path / "latin1.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (id INTEGER, name TEXT)")
+    for i, name in enumerate(["café", "cafë", "plain"]):
+        conn.execute("INSERT INTO t VALUES (?, CAST(? AS TEXT))", (i, name.encode("latin-1")))
+    conn.commit()
+    conn.close()
+    return str(path)
+
+
+def test_text_that_is_not_utf8_is_read_and_compared_byte_for_byte(latin1):
+    from trl_mrtpo.kits.sql import sql_execution_reward
+
+    reference = "SELECT name FROM t WHERE id = 0"
+    assert run_query(latin1, reference).error is None
+    assert sql_execution_reward([fenced(reference)], db_path=[latin1], query=[reference]) == [1.0]
+    wrong = fenced("SELECT name FROM t WHERE id = 1")  # 'cafë': another string, not a decoding collision
+    assert sql_execution_reward([wrong], db_path=[latin1], query=[reference]) == [0.0]
+
+
+def test_a_broken_reference_is_none_with_one_warning_and_named_by_the_loader(shop, tmp_path):
+    import json
+    import shutil
+
+    from trl_mrtpo.kits import get_kit
+    from trl_mrtpo.kits.sql import sql_execution_reward, unusable_references
+
+    broken = "SELECT nme FROM customers"
+    prediction = fenced("SELECT name FROM customers")
+    with pytest.warns(
+        UserWarning, match=r"reference query fails on .*shop.*SELECT nme FROM customers.*no such column"
+    ):
+        assert sql_execution_reward([prediction, prediction], db_path=[shop] * 2, query=[broken] * 2) == [None, None]
+    rows = [{"db_path": shop, "query": "SELECT name FROM customers"}, {"db_path": shop, "query": broken}]
+    rows.append({"db_path": shop, "query": "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c "
+                 "LIMIT 1000001) SELECT x FROM c"})  # fmt: skip
+    reasons = unusable_references(rows)
+    assert list(reasons) == [1, 2] and "no such column: nme" in reasons[1] and "1000000 rows" in reasons[2]
+    root = tmp_path / "spider"
+    (root / "database" / "shop").mkdir(parents=True)
+    shutil.copy(shop, root / "database" / "shop" / "shop.sqlite")
+    (root / "dev.json").write_text(json.dumps([{"db_id": "shop", "question": "Names?", "query": broken}]))
+    with pytest.raises(ValueError, match=r"dev.json: 1 reference query\(ies\) cannot be scored against.*example 0"):
+        get_kit("sql").loaders["spider"](str(root), "dev.json")

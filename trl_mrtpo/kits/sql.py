@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import warnings
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,15 @@ from typing import Any
 from ..utils import completion_text
 from . import Kit, Spans
 from .sql_sandbox import (
+    DEFAULT_MAX_ROWS,
     MAX_REFERENCE_RESULT_BYTES,
+    MAX_REFERENCE_ROWS,
     MAX_RESULT_BYTES,
     QueryResult,
     check_single_query,
     result_bytes,
     run_query,
 )
-from .sql_sandbox_child import RESULT_TOO_LARGE
 
 FORMAT_RULE = (
     "Format: answer with exactly one SQLite query inside a ```sql ... ``` code block, and nothing else in code."
@@ -75,19 +77,38 @@ def sql_format_reward(completions: list, **kwargs) -> list[float]:
 
 
 def run_reference(db_path: str, reference: str) -> QueryResult:
-    """The reference query's result, which may hold up to :data:`MAX_REFERENCE_RESULT_BYTES`."""
-    return run_query(str(db_path), reference, max_bytes=MAX_REFERENCE_RESULT_BYTES)
+    """The reference query's result, which may hold up to :data:`MAX_REFERENCE_ROWS` rows and
+    :data:`MAX_REFERENCE_RESULT_BYTES` bytes."""
+    return run_query(str(db_path), reference, max_rows=MAX_REFERENCE_ROWS, max_bytes=MAX_REFERENCE_RESULT_BYTES)
 
 
 def run_prediction(db_path: str, sql: str, reference: str | None) -> tuple[QueryResult, QueryResult | None]:
-    """A model-written query's result and its reference's (None without one). The prediction may hold twice what
-    the reference's result holds (at least :data:`MAX_RESULT_BYTES`, at most :data:`MAX_REFERENCE_RESULT_BYTES`),
-    so a correct query for a large reference result is not refused for its size."""
+    """A model-written query's result and its reference's (None without one). The prediction may hold twice the rows
+    and bytes of the reference's result (at least the default caps, at most the reference's own), so a correct query
+    for a large reference result is not refused for its size."""
     gold = run_reference(db_path, reference) if reference else None
-    cap = MAX_RESULT_BYTES
+    rows, size = DEFAULT_MAX_ROWS, MAX_RESULT_BYTES
     if gold is not None and gold.rows is not None:
-        cap = min(max(2 * result_bytes(gold), MAX_RESULT_BYTES), MAX_REFERENCE_RESULT_BYTES)
-    return run_query(str(db_path), sql, max_bytes=cap), gold
+        rows = min(max(2 * len(gold.rows), DEFAULT_MAX_ROWS), MAX_REFERENCE_ROWS)
+        size = min(max(2 * result_bytes(gold), MAX_RESULT_BYTES), MAX_REFERENCE_RESULT_BYTES)
+    return run_query(str(db_path), sql, max_rows=rows, max_bytes=size), gold
+
+
+_WARNED_REFERENCES: set[tuple[str, str]] = set()
+
+
+def _usable(db: str, reference: str, gold: QueryResult | None) -> bool:
+    """Whether a prediction can be scored against this reference; warns once per reference that fails."""
+    if gold is None or gold.error is None:
+        return True
+    if (db, reference) not in _WARNED_REFERENCES:
+        _WARNED_REFERENCES.add((db, reference))
+        warnings.warn(
+            f"The reference query fails on {db}: {reference[:200]!r} ({gold.error}). Its rows score None (no "
+            "advantage) until the dataset is fixed.",
+            stacklevel=3,
+        )
+    return False
 
 
 def sql_executable_reward(completions: list, db_path: list[str], query: list[str] | None = None, **kwargs):
@@ -100,12 +121,17 @@ def sql_executable_reward(completions: list, db_path: list[str], query: list[str
     return out
 
 
-def sql_execution_reward(completions: list, db_path: list[str], query: list[str], **kwargs) -> list[float]:
-    """1 when the query's result equals the reference query's result on the sample's database."""
+def sql_execution_reward(completions: list, db_path: list[str], query: list[str], **kwargs) -> list[float | None]:
+    """1 when the query's result equals the reference query's result on the sample's database; None (with one
+    warning) when the reference itself cannot be run or is past its limits."""
     n = len(completions)
     out = []
     for completion, db, reference in zip(completions, _per_sample(db_path, n), _per_sample(query, n)):
         sql = _query_of(completion)
+        gold = run_reference(db, reference) if reference else None
+        if not _usable(str(db), reference, gold):
+            out.append(None)
+            continue
         out.append(float(sql is not None and same_result(*run_prediction(db, sql, reference))))
     return out
 
@@ -324,17 +350,18 @@ def builtin_sql_dataset(num_prompts: int = 0, seed: int = 0, cache_dir: str | No
     return make_sql_dataset(cache_dir or cache_root() / "sql_data").shuffle(seed=seed)
 
 
-def oversized_references(rows: list[dict]) -> list[int]:
-    """The rows whose reference query's result holds more than :data:`MAX_REFERENCE_RESULT_BYTES`: no prediction
-    could be scored against them (each is run once, in the sandbox; the results are cached for training)."""
+def unusable_references(rows: list[dict]) -> dict[int, str]:
+    """The rows whose reference query no prediction could be scored against, with why: it fails, or its result holds
+    more than :data:`MAX_REFERENCE_ROWS` rows or :data:`MAX_REFERENCE_RESULT_BYTES` bytes (each is run once, in the
+    sandbox; the results are cached for training)."""
     from tqdm.auto import tqdm
 
-    oversized = []
+    reasons = {}
     for i, row in enumerate(tqdm(rows, desc="Running the reference queries", disable=len(rows) < 100)):
-        error = run_reference(row["db_path"], row["query"]).error or ""
-        if error.startswith(RESULT_TOO_LARGE):
-            oversized.append(i)
-    return oversized
+        error = run_reference(row["db_path"], row["query"]).error
+        if error is not None:
+            reasons[i] = error
+    return reasons
 
 
 def _published_loader(name: str):
@@ -344,12 +371,15 @@ def _published_loader(name: str):
         if not data_path or not data_split_file:
             raise ValueError(f"data_loader={name} needs data_path and data_split_file")
         rows = load_spider_or_bird(data_path, data_split_file, database_dir)
-        oversized = oversized_references(rows)
-        if oversized:
-            examples = "; ".join(f"example {i}: {rows[i]['query'][:200]!r}" for i in oversized[:5])
+        unusable = unusable_references(rows)
+        if unusable:
+            examples = "; ".join(
+                f"example {i}: {rows[i]['query'][:200]!r} ({why})" for i, why in list(unusable.items())[:5]
+            )
             raise ValueError(
-                f"{data_split_file}: {len(oversized)} reference result(s) hold more than {MAX_REFERENCE_RESULT_BYTES} "
-                f"bytes, past what a prediction may be compared with ({examples}); remove these examples."
+                f"{data_split_file}: {len(unusable)} reference query(ies) cannot be scored against: they fail, or "
+                f"their result holds more than {MAX_REFERENCE_ROWS} rows or {MAX_REFERENCE_RESULT_BYTES} bytes "
+                f"({examples}); fix or remove these examples."
             )
         return Dataset.from_list(rows)
 

@@ -37,6 +37,7 @@ DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_ROWS = 10_000
 MAX_RESULT_BYTES = 1_000_000  # largest result (all rows' values) a query may return, unless its reference is larger
 MAX_REFERENCE_RESULT_BYTES = 64_000_000  # largest result a reference query may return (and a prediction of it)
+MAX_REFERENCE_ROWS = 1_000_000  # most rows a reference query may return (and a prediction of it)
 MAX_FORMAT_WIDTH = 1_000  # largest width or precision a printf / format conversion may ask for
 CACHE_BYTES = 64_000_000  # the result cache's size; the least recently used results leave first
 SANDBOX_MEMORY_BYTES = 1 << 30  # the sandbox child's address space

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 MAX_VALUE_BYTES = 10_000_000  # largest string or blob model SQL may build
-RESULT_TOO_LARGE = "the result holds more than"  # how a result past its byte cap is refused (the caller reads it)
+RESULT_TOO_LARGE = (
+    "the result holds more than"  # how a result past its row or byte cap is refused (the caller reads it)
+)
 
 # Authorizer: reading is all model SQL may do. Functions are allowed except extension loading and blob makers.
 _ALLOWED_ACTIONS = {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
@@ -47,6 +49,9 @@ def sandbox_connection(db_path: str | Path, deadline: float) -> sqlite3.Connecti
     (``time.monotonic()`` seconds)."""
     conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True, check_same_thread=False)
     conn.set_authorizer(_authorizer)
+    # Text that is not UTF-8 (latin-1 in some BIRD databases) is read, not refused: every undecodable byte maps to its
+    # own surrogate, so distinct strings stay distinct and a reference and a prediction decode alike.
+    conn.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
     conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
     # One opcode can allocate a huge value (randomblob(1e9)) before the progress handler runs again: cap sizes.
     if hasattr(conn, "setlimit"):  # Python >= 3.11
@@ -76,7 +81,7 @@ def execute_query(db_path: str, sql: str, timeout_s: float, max_rows: int, max_b
             rows.append(row)
             size += row_bytes(row)
             if len(rows) > max_rows:
-                return {"rows": None, "error": f"the result has more than {max_rows} rows"}
+                return {"rows": None, "error": f"{RESULT_TOO_LARGE} {max_rows} rows"}
             if size > max_bytes:
                 return {"rows": None, "error": f"{RESULT_TOO_LARGE} {max_bytes} bytes"}
         return {"rows": [[_normalise(v) for v in row] for row in rows], "error": None}

@@ -203,19 +203,25 @@ def evaluate_sql(
     generate: Callable, root: str, split_file: str, database_dir: str = "database", limit: int | None = None
 ) -> BenchmarkResult:
     """Execution accuracy on a local Spider or BIRD split (the answer must be in a ```sql fence). An item whose
-    reference result is past what a prediction may be compared with is excluded (counted, and listed in the
-    details), not scored wrong."""
-    from ..kits.sql import load_spider_or_bird, oversized_references, sql_execution_reward
+    reference query fails, or whose result is past what a prediction may be compared with, is excluded (counted, and
+    listed in the details with why), not scored wrong."""
+    from ..kits.sql import load_spider_or_bird, sql_execution_reward, unusable_references
+    from ..kits.sql_sandbox_child import RESULT_TOO_LARGE
 
     rows = load_spider_or_bird(root, split_file, database_dir)[:limit]
-    excluded = set(oversized_references(rows))
+    excluded = unusable_references(rows)
     kept = [r for i, r in enumerate(rows) if i not in excluded]
     outputs = generate([r["prompt"] for r in kept])
     scores = sql_execution_reward(outputs, [r["db_path"] for r in kept], [r["query"] for r in kept])
     details = [
         {"question": r["question"], "output": o, "correct": bool(score)} for r, o, score in zip(kept, outputs, scores)
     ]
-    details += [{"question": rows[i]["question"], "excluded": "reference result too large"} for i in sorted(excluded)]
+    details += [
+        {"question": rows[i]["question"], "excluded": "reference result too large"}
+        if why.startswith(RESULT_TOO_LARGE)
+        else {"question": rows[i]["question"], "excluded": f"reference query fails: {why}"}
+        for i, why in sorted(excluded.items())
+    ]
     metrics = {"execution_accuracy": sum(scores) / max(len(kept), 1), "excluded_references": float(len(excluded))}
     return BenchmarkResult(split_file, metrics, len(kept), details)
 
