@@ -396,3 +396,59 @@ def test_a_recipes_rule_by_import_path_is_resolved_by_the_command(tmp_path, monk
     with pytest.raises(TypeError, match="credit rule 'tests.helpers.make_args' must be a CreditRule subclass"):
         parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
     assert "tests.helpers.make_args" not in credit_rule_names()
+
+
+class SubtractedMean(CreditTerm):
+    """q minus 0.9 of its mean: below 0 on most tokens, under the documented floor of the weights."""
+
+    name = "subtracted_mean"
+
+    def relevance(self, relevance, replayed, batch):
+        return relevance - 0.9 * relevance.mean(-1, keepdim=True)
+
+
+class Flattened(CreditTerm):
+    name = "flattened"
+
+    def relevance(self, relevance, replayed, batch):
+        return relevance.flatten(1)
+
+
+@pytest.mark.parametrize(
+    ("term", "message"),
+    [
+        (SubtractedMean(), r"the term 'subtracted_mean'.*relevance\(\) returned q below 0"),
+        (Flattened(), r"the term 'flattened': relevance\(\) of shape \(8, \d+\), expected \(8, \d+, \d+\)"),
+    ],
+)
+def test_a_terms_relevance_is_checked_for_shape_and_sign(tiny_model, tiny_tokenizer, tmp_path, term, message):
+    with pytest.raises(ValueError, match=message):
+        run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[term], max_steps=1, credit_warmup_steps=0)
+
+
+class LearnedWeights(SquaredRelevance):
+    """Weights through a parameter that requires grad (a learned rule): nothing of it may reach TRL's loss."""
+
+    def __init__(self, setup):
+        super().__init__(setup)
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def weights(self, inputs):
+        return super().weights(inputs) * self.scale
+
+
+def test_rules_and_terms_run_without_grad(tiny_model, tiny_tokenizer, tmp_path):
+    """With 2 iterations a rule's graph was backpropagated twice ('backward through the graph a second time'); with 1,
+    gradients flowed into the rule's parameter."""
+    register_credit_rule("learned", LearnedWeights)
+    try:
+        trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_assignment="learned", num_iterations=2)
+    finally:
+        unregister_credit_rule("learned")
+    assert not trainer.batches[0]["advantages"].requires_grad
+    assert trainer.credit_rule.scale.grad is None
+
+
+def test_one_term_instead_of_a_list_is_refused_at_construction(tiny_model, tiny_tokenizer, tmp_path):
+    with pytest.raises(TypeError, match=r"credit_terms takes a list of CreditTerm instances; got one LaterTokens"):
+        run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=LaterTokens())

@@ -102,3 +102,79 @@ def test_one_environment_owns_the_data_without_a_dataset(tokenizer, tmp_path):
     trainer.train()
     assert trainer.reward_func_names == ["answered", "Quiz"]
     check_credit_on_model_tokens(trainer)
+
+
+class Instructed(Ledger):
+    """States its instruction in ``reset()``: TRL appends it to the prompt, where an in-prompt block finds it."""
+
+    RULE = "Always look the code up first."
+
+    def reset(self, **kwargs):
+        super().reset()
+        return self.RULE
+
+
+def test_an_in_prompt_span_that_reset_adds_is_found_in_the_prompts_trl_builds(tokenizer, tmp_path):
+    """The span is not in the dataset's prompt, only in what TRL builds after ``reset()``: construction accepts it and
+    the first batch replays it (it was refused at construction as 'not a span of the prompt')."""
+    from trl_mrtpo import InfoBlock
+
+    def rule(**_):
+        return InfoBlock(Instructed.RULE, placement="in_prompt")
+
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, reward_funcs=[answered], info_blocks=[rule],
+                               environment_factory=Instructed)  # fmt: skip
+    trainer.train()
+    assert trainer.credits[0].replayed[:, 0].any()
+
+
+def _returns(value):
+    class Returning(Ledger):
+        def get_reward(self):
+            return value
+
+    return Returning
+
+
+@pytest.mark.parametrize("value", ["1.0", [1.0, 0.0], {"score": 1.0}])
+def test_what_get_reward_returns_is_checked_naming_the_environment(tokenizer, tmp_path, value):
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, reward_funcs=[answered], info_blocks=None,
+                               environment_factory=_returns(value))  # fmt: skip
+    with pytest.raises(TypeError, match=r"reward function 'Returning.get_reward' returned .* for sample 0"):
+        trainer.train()
+
+
+def test_get_reward_that_is_none_for_every_rollout_is_warned_about_once(tokenizer, tmp_path):
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, reward_funcs=[answered], info_blocks=None,
+                               environment_factory=_returns(None))  # fmt: skip
+    with pytest.warns(UserWarning, match=r"'Returning.get_reward' returned None for every sample"):
+        trainer.train()
+
+
+def test_a_reward_looking_method_without_get_reward_is_warned_about(tokenizer, tmp_path):
+    class Scorer:
+        def reset(self, **kwargs):
+            return None
+
+        def lookup(self, city: str) -> str:
+            """Look up the code of a city.
+
+            Args:
+                city: the city's name.
+            """
+            return f"The code of {city} is 42."
+
+        def reward(self) -> float:
+            """The reward of this rollout (meant as get_reward).
+
+            Returns:
+                the reward.
+            """
+            return 1.0
+
+    with pytest.warns(UserWarning, match=r"Scorer has a method 'reward' but no get_reward"):
+        scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
+                         reward_funcs=[answered], info_blocks=None, environment_factory=Scorer)  # fmt: skip

@@ -37,6 +37,14 @@ def credit_parts(provider: str, rule: str, terms: Sequence[str]) -> dict[str, tu
         "q": (f"non-finite q (NaN or inf) from {provider}", hint_q),
         "q_negative": (f"q below -{NEGATIVE_Q_TOLERANCE:g} from {provider}", "q is a divergence in [0, 1]."),
         "q_adjusted": ("non-finite q (NaN or inf) after the terms' and the rule's adjustments", term_hint),
+        **{
+            f"q_negative:{part}": (
+                f"{part}: relevance() returned q below 0",
+                "q is a divergence in [0, 1]; below 0 "
+                "it would push token weights under the floor 1 - beta, or make every pair uniform.",
+            )
+            for part in [*(f"the term '{t}'" for t in terms), f"the credit rule '{rule}'"]
+        },
         "weighting": (
             "non-finite per-reward advantages or reward weights",
             "Check the configuration's reward_weights.",

@@ -44,6 +44,10 @@ class InfoBlockError(ValueError):
     """An info block builder failed or returned something unusable; the message names the reward and sample."""
 
 
+class SpanNotFound(InfoBlockError):
+    """An in-prompt block whose text the prompt does not hold."""
+
+
 def _prompt_preview(prompt: Prompt) -> str:
     text = prompt if isinstance(prompt, str) else str(prompt[-1].get("content", "")) if prompt else ""
     return repr(text[:80] + ("..." if len(text) > 80 else ""))
@@ -107,7 +111,7 @@ def build_block(
     if result.placement == "in_prompt":
         count = _span_count(prompt, result.text)
         if count == 0:
-            raise InfoBlockError(
+            raise SpanNotFound(
                 f"The {where} returned an in_prompt block whose text {result.text[:60]!r} is not a span of the prompt."
             )
         if count > 1:
@@ -281,11 +285,15 @@ def for_environment_rewards(builders: Any, functions: int, rewards: int) -> Any:
 BUILDER_SIGNATURE = "(*, prompt, completion, row, score)"
 
 
-def check_builders_on_first_row(builders: Any, reward_names: Sequence[str], dataset: Any, tools: bool) -> None:
+def check_builders_on_first_row(
+    builders: Any, reward_names: Sequence[str], dataset: Any, tools: bool, environments: bool = False
+) -> None:
     """Before the model loads: each builder bound to ``BUILDER_SIGNATURE`` and called once on the dataset's first row
     with an empty completion (and trajectory view where tools are used). A signature that does not bind, a
     ``KeyError`` on the row or a return value :func:`build_block` refuses is refused here; any other exception is a
     warning (it may only fail on the empty stand-in). Rows without a ``prompt`` (an environment's) are not checked.
+    With ``environments``, an in-prompt span is looked for in the prompts TRL builds, at the first batch: an
+    environment's ``reset()`` may add it.
     """
     import warnings
 
@@ -319,6 +327,9 @@ def check_builders_on_first_row(builders: Any, reward_names: Sequence[str], data
             pass
         try:
             build_block(builder, name, 0, row["prompt"], "", row, 0.0, view)
+        except SpanNotFound:
+            if not environments:
+                raise
         except InfoBlockError as refused:
             cause = refused.__cause__
             checked = "(checked on the train dataset's first row, with an empty completion, before the model loads)"

@@ -182,6 +182,19 @@ class CreditTerm(Stateful):
         return credit
 
 
+def given_terms(credit_terms: Any) -> list[CreditTerm]:
+    """``MRTPOTrainer(credit_terms=...)`` as a list: None is none; one term alone, or anything but a list or tuple,
+    is refused (each entry is checked by :func:`terms_by_name`)."""
+    if credit_terms is None:
+        return []
+    if not isinstance(credit_terms, (list, tuple)):
+        raise TypeError(
+            f"credit_terms takes a list of CreditTerm instances; got one {type(credit_terms).__name__}: pass "
+            f"[{type(credit_terms).__name__}(...)]."
+        )
+    return list(credit_terms)
+
+
 def terms_by_name(terms: Sequence[CreditTerm]) -> dict[str, CreditTerm]:
     """A run's terms by name, in the order given; anything but a :class:`CreditTerm`, or two terms of one name, is
     refused."""

@@ -51,7 +51,7 @@ from .info_blocks import (
 )
 from .relevance import RelevanceProvider, ReplayRecord, ReplayRelevance
 from .replay import causal_lm_parts, replay_settings
-from .rules import CreditInputs, CreditSetup, CreditTerm, terms_by_name
+from .rules import CreditInputs, CreditSetup, CreditTerm, given_terms, terms_by_name
 from .strength import RewardStrength, generation_batch_index
 from .utils import completion_text, function_name
 from .validation import (
@@ -154,7 +154,7 @@ class MRTPOTrainer(GRPOTrainer):
         # rewards, which TRL adds while loading, at the first step)
         builders = info_blocks if environments else check_builders(info_blocks, names)
         tools = bool(kwargs.get("tools")) or environments
-        check_builders_on_first_row(builders, names, train_dataset, tools)
+        check_builders_on_first_row(builders, names, train_dataset, tools, environments)
         # what the user's functions return is checked where it returns, naming them: wrapped once, before TRL has them
         checked = [
             func if isinstance(func, (str, torch.nn.Module)) else checked_reward(func, name)
@@ -172,6 +172,8 @@ class MRTPOTrainer(GRPOTrainer):
             **kwargs,
         )
         rewards = (len(funcs), len(self.reward_funcs))  # TRL adds environments' get_reward after the functions
+        for k in range(len(funcs), len(self.reward_funcs)):  # checked where they return, as the user's functions are
+            self.reward_funcs[k] = checked_reward(self.reward_funcs[k], f"{self.reward_func_names[k]}.get_reward")
         given = for_environment_rewards(info_blocks, *rewards)
         self.info_block_builders = check_builders(given, self.reward_func_names)
         setup = CreditSetup(
@@ -188,7 +190,7 @@ class MRTPOTrainer(GRPOTrainer):
             from .steps.process_rewards import StepCredit  # loaded only for the runs that ask for it
 
             steps.append(StepCredit.build(setup))
-        terms = [*self._configured_terms(setup), *steps, *(credit_terms or [])]
+        terms = [*self._configured_terms(setup), *steps, *given_terms(credit_terms)]
         self.credit_terms: dict[str, CreditTerm] = terms_by_name(terms)
         replacing = [name for name, term in self.credit_terms.items() if term.combine is not None]
         if len(replacing) > 1:
@@ -318,6 +320,7 @@ class MRTPOTrainer(GRPOTrainer):
         """A no-op hook called once per generation batch (training and evaluation) with its rows and ``[N, K]``
         rewards, gathered over processes (NaN: the reward does not apply); the credit gym overrides it."""
 
+    @torch.no_grad()  # nothing of a rule's or a term's graph reaches TRL's loss
     def _generate_and_score_completions(self, inputs):
         started = time.perf_counter()
         self._announce_first_generation(inputs)
@@ -543,8 +546,14 @@ class MRTPOTrainer(GRPOTrainer):
         if self.model.training:
             self.reward_strength.read(relevance, replayed, self._guard.sum_over_processes)
         if any_replayed:
-            for part in [*self.credit_terms.values(), self.credit_rule]:
+            parts = [
+                *((f"the term '{name}'", term) for name, term in self.credit_terms.items()),
+                (self._rule, self.credit_rule),
+            ]
+            for name, part in parts:
                 relevance = part.relevance(relevance, replayed, batch)
+                check_tensor(name, "relevance()", relevance, batch.shape, "float", batch.mask.device)
+                self._guard.note(f"q_negative:{name}", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
             self._guard.note_non_finite("q_adjusted", relevance, read, per_reward=True)
         return relevance, replayed
 

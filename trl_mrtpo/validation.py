@@ -440,6 +440,15 @@ def check_environment_arguments(kwargs: dict[str, Any]) -> None:
                     f"{where} is an instance of {type(factory).__name__}; pass the class (or a function returning a "
                     "new environment): TRL builds one environment per rollout and resets it for each prompt."
                 )
+            looks_like_reward = [m for m in ("reward", "compute_reward", "get_score") if hasattr(factory, m)]
+            if isinstance(factory, type) and looks_like_reward and not hasattr(factory, "get_reward"):
+                warnings.warn(
+                    f"{factory.__name__} has a method {looks_like_reward[0]!r} but no get_reward: TRL reads an "
+                    f"environment's reward from get_reward only, and offers {looks_like_reward[0]!r} to the model as "
+                    "a tool. Rename it get_reward if it is the reward.",
+                    UserWarning,
+                    stacklevel=3,
+                )
     for index, tool in enumerate(kwargs.get("tools") or ()):
         if not callable(tool):
             raise TypeError(
