@@ -204,7 +204,7 @@ def test_a_floor_that_would_do_nothing_is_refused(tmp_path, mode):
 def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, caplog):
     """The core state is global: a resume on more processes (or from a checkpoint only the main process uploaded)
     gives a new rank the lowest rank's state, not a fresh strength beside ranks that rest rewards."""
-    from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, load_credit_state, write_credit_state
+    from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, load_credit_state, serialised_state, write_credit_state
 
     identity = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}
     for rank, value in ((1, 0.3), (3, 0.7)):
@@ -212,7 +212,7 @@ def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, c
             "collapse_streaks": {},
             "reward_specificity": torch.tensor([value, math.nan], dtype=torch.float64),
         }
-        write_credit_state(str(tmp_path), rank, identity, state)
+        write_credit_state(str(tmp_path), rank, serialised_state(identity, state))
     for rank, expected in ((0, 0.3), (1, 0.3), (2, 0.3), (3, 0.7), (5, 0.3)):
         loaded = load_credit_state(str(tmp_path), rank, identity, CORE_STATE_ENTRIES)
         assert loaded["reward_specificity"][0].item() == expected, rank

@@ -61,24 +61,22 @@ def credit_state_path(checkpoint: str, process_index: int) -> str:
     return os.path.join(checkpoint, f"mrtpo_state_{process_index}.pt")
 
 
-def write_credit_state(checkpoint: str, process_index: int, identity: dict, state: dict) -> None:
-    """Each process its own file; plain tensors, numbers and strings only, so that it loads with
-    ``weights_only=True``; the release that wrote it is named in it."""
-    written = {"version": STATE_VERSION, "release": version("trl-mrtpo"), **identity, **state}
-    torch.save(written, credit_state_path(checkpoint, process_index))
-
-
-def safely_loadable(value: Any) -> bool:
-    """Whether ``torch.load(weights_only=True)`` reads ``value`` back (tensors, numbers, strings, None, and lists,
-    tuples and dicts of them)."""
+def serialised_state(identity: dict, state: dict) -> bytes | None:
+    """The state file's bytes (the release that wrote it named in it), or None when ``torch.load(weights_only=True)``
+    could not read them back: tensors, numbers, strings, None, and lists, tuples and dicts of them only."""
     buffer = io.BytesIO()
+    torch.save({"version": STATE_VERSION, "release": version("trl-mrtpo"), **identity, **state}, buffer)
     try:
-        torch.save(value, buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=True)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception:
-        return False
-    return True
+        return None
+    return buffer.getvalue()
+
+
+def write_credit_state(checkpoint: str, process_index: int, payload: bytes) -> None:
+    """Each process its own file, from :meth:`CheckpointedState.serialised`."""
+    with open(credit_state_path(checkpoint, process_index), "wb") as file:
+        file.write(payload)
 
 
 def load_credit_state(
@@ -120,7 +118,7 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
     if isinstance(state, dict) and state.get("version") == 4:  # TRL's generation buffer: left to TRL since 5
         logger.info(f"{path}: version 4; its generation buffer is ignored (the resumed run samples anew).")
         state = {key: value for key, value in state.items() if key != "generation_buffer"} | {"version": 5}
-    if not isinstance(state, dict) or any(key not in state for key in entries):
+    if not isinstance(state, dict) or "version" not in state:
         found = ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not an MRTPO checkpoint state (found: {found}); delete it or resume elsewhere.")
     written = state.get("version")
@@ -153,9 +151,16 @@ def read_credit_state(path: str, identity: dict, entries: dict[str, StateCheck])
             "with a fresh MRTPO state."
         )
 
-    unknown = set(state) - {"version", "release", *entries, *identity}
-    if unknown:
-        refuse(", ".join(sorted(map(str, unknown))), "unknown")
+    missing = [key for key in entries if key not in state]
+    unknown = sorted(map(str, set(state) - {"version", "release", *entries, *identity}))
+    if missing or unknown:
+        lacks = f"lacks the entry {', '.join(missing)} " if missing else ""
+        holds = f"holds the entry {', '.join(unknown)} " if unknown else ""
+        raise ValueError(
+            f"{path}: MRTPO's state {lacks}{'and ' if lacks and holds else ''}{holds}that this run's rule and terms "
+            "declare otherwise (their state changed since the checkpoint); resume with the code that wrote it, or "
+            "delete the file to resume with a fresh MRTPO state."
+        )
     num_rewards = len(identity["reward_names"])
     for entry, check in entries.items():
         problem = check(state[entry], num_rewards)
@@ -185,25 +190,34 @@ class CheckpointedState:
                 owners[entry] = name
 
     def write(self, checkpoint: str, process_index: int) -> None:
-        """Writes every part's state, refusing (before anything is written) an entry a part declares but did not
-        write, one it did not declare, or one the safe loader could not read back on resume."""
+        """Writes :meth:`serialised` to ``checkpoint``."""
+        write_credit_state(checkpoint, process_index, self.serialised())
+
+    def serialised(self) -> bytes:
+        """Every part's state as the file's bytes, refusing an entry a part declares but did not write, one it did
+        not declare, or one the safe loader could not read back on resume (checked once for the whole state; entry
+        by entry only to name the one at fault)."""
         state = {}
         for name, part in self.parts.items():
             written = part.state()
             for entry in part.state_checks:
                 if entry not in written:
                     raise ValueError(f"{name} declares the state entry {entry!r} but did not write it.")
-            for entry, value in written.items():
+            for entry in written:
                 if entry not in part.state_checks:
                     raise ValueError(f"{name} writes the state entry {entry!r} without declaring it (state_checks).")
-                if not safely_loadable(value):
-                    raise ValueError(
-                        f"{name} writes the state entry {entry!r} as {type(value).__name__}, which the safe loader "
-                        "(torch.load(weights_only=True)) cannot read back: keep tensors, numbers, strings, None, and "
-                        "lists or dicts of them."
-                    )
             state.update(written)
-        write_credit_state(checkpoint, process_index, self.identity, state)
+        payload = serialised_state(self.identity, state)
+        if payload is None:
+            owner = {entry: name for name, part in self.parts.items() for entry in part.state_checks}
+            for entry, value in state.items():
+                if serialised_state({}, {entry: value}) is None:
+                    raise ValueError(
+                        f"{owner[entry]} writes the state entry {entry!r} as {type(value).__name__}, which the safe "
+                        "loader (torch.load(weights_only=True)) cannot read back: keep tensors, numbers, strings, "
+                        "None, and lists or dicts of them."
+                    )
+        return payload
 
     def read(self, checkpoint: str, process_index: int) -> None:
         """Restores every part from ``checkpoint`` (:func:`load_credit_state`); nothing when it holds no state."""

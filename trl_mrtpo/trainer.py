@@ -29,7 +29,7 @@ from ._trl import (
 from .batch import Scored, ScoredBatch, credit_mask, local_slice
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, warmup_beta
-from .credit_state import CheckpointedState
+from .credit_state import CheckpointedState, write_credit_state
 from .diagnostics import (
     CollapseMonitor,
     CreditRecord,
@@ -281,7 +281,9 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state (with
-        ``push_to_hub``, :meth:`_push_from_checkpoint` has written it already, before the upload)."""
+        ``push_to_hub``, :meth:`_push_from_checkpoint` has written it already, before the upload). It is checked and
+        serialised first: a state that cannot be saved stops before transformers writes the checkpoint."""
+        self._state_payload = None if self.args.save_only_model else self._checkpointed().serialised()
         super()._save_checkpoint(model, trial)
         if not self.args.push_to_hub:
             folder = os.path.join(
@@ -297,8 +299,8 @@ class MRTPOTrainer(GRPOTrainer):
         super()._push_from_checkpoint(checkpoint_folder)
 
     def _write_credit_state(self, folder: str) -> None:
-        if not self.args.save_only_model:  # no optimizer either: such a checkpoint is not resumed from
-            self._checkpointed().write(folder, self.accelerator.process_index)
+        if self._state_payload is not None:  # None with save_only_model: no optimizer either, never resumed from
+            write_credit_state(folder, self.accelerator.process_index, self._state_payload)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
