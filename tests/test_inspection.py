@@ -1,5 +1,9 @@
 """Heatmap page and localisation report: exact numbers on a hand-made record, and the inspect command end to end."""
 
+import re
+
+import pytest
+
 from tests.helpers import CharTokenizer, record_for
 from trl_mrtpo.kits import get_kit
 from trl_mrtpo.observability.viz import credit_heatmap_html
@@ -350,3 +354,69 @@ def test_inspect_gives_the_q_training_gives_on_the_same_responses(tmp_path, tiny
     assert both.any()
     for j, k in both.nonzero().tolist():
         torch.testing.assert_close(inspected.relevance[j, k], trained.relevance[j, k], rtol=0, atol=1e-6)
+
+
+def test_inspect_config_replays_with_the_recipes_separator(tmp_path, tiny_tokenizer, monkeypatch):
+    """The contexts inspect --config replays are the training run's for the recipe: its info_block_separator joins
+    the appended blocks (they were joined with the default blank line)."""
+    import json
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.scripts.cli import main
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    data = tmp_path / "data.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(2)]
+    data.write_text("\n".join(map(json.dumps, rows)))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model_name_or_path: {model_dir}\n"
+        "reward_funcs: [tests.test_inspection.says_red, tests.test_inspection.says_red]\n"
+        "info_blocks: [tests.test_inspection.red_block, tests.test_inspection.red_block]\n"
+        "info_block_separator: ' || '\n"
+        f"datasets:\n  - path: json\n    data_files: {data}\n    split: train\n"
+    )
+    contexts = []
+    replay_record = MRTPOTrainer._replay_record
+
+    def recording(self, batch):
+        record = replay_record(self, batch)
+        if self.reward_func_names[0] == "says_red":  # the recipe's trainer, not the control's
+            contexts.extend(self.processing_class.decode(ids[0]) for ids in record.context_ids if ids)
+        return record
+
+    monkeypatch.setattr(MRTPOTrainer, "_replay_record", recording)
+    main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "4",
+          "--threads", "1"])  # fmt: skip
+    assert contexts and all(" || " in context for context in contexts), contexts[:1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--adapter", "{empty}"], r"--adapter .*: no adapter_config.json"),
+        (["--model", "{empty}"], r"a folder without config.json"),
+        (["--config", "{tmp}/missing.yaml"], r"--config .*missing.yaml: no such file"),
+        (["--config", "{tmp}/unknown.yaml"], r"no_such_block"),
+    ],
+    ids=["empty-adapter", "empty-model", "missing-config", "unknown-block"],
+)
+def test_inspect_mistakes_end_in_the_usage_line_and_exit_2(tmp_path, capsys, flags, message):
+    """Before any model loads (they ended in tracebacks, or in 'You need to have sentencepiece or tiktoken
+    installed' for an empty folder)."""
+    from trl_mrtpo.scripts.cli import main
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "unknown.yaml").write_text(
+        "model_name_or_path: embedded\ntask: basic\ninfo_blocks: [no_such_block, none]\n"
+    )
+    flags = [flag.format(empty=empty, tmp=tmp_path) for flag in flags]
+    with pytest.raises(SystemExit) as stopped:
+        main(["inspect", *flags, "--threads", "1"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and re.search(message, err), err

@@ -66,13 +66,17 @@ def run_eval(args: argparse.Namespace):
 
 
 def run_inspect(args: argparse.Namespace):
-    from .inspection import inspect_credit, inspect_recipe
+    from .inspection import inspect_credit, recipe_inspection
+    from .policy import check_policy_folders
 
     _pin_threads(args.threads)
     settings = flags_for(inspect_credit, args, "model", "task")
-    if args.config:
-        return inspect_recipe(args.config, verbose=True, **settings)
-    return inspect_credit(model=args.model, task=args.task, return_verdicts=True, verbose=True, **settings)
+    try:  # a mistake in the flags or the recipe ends in the usage line, before any model loads
+        task = recipe_inspection(args.config) if args.config else {"model": args.model, "task": args.task}
+        check_policy_folders(task["model"], args.adapter)
+    except (TypeError, ValueError, FileNotFoundError) as error:
+        args.parser.error(str(error))
+    return inspect_credit(return_verdicts=True, verbose=True, **{**task, **settings})
 
 
 def run_gym(args: argparse.Namespace) -> str:
@@ -173,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")
     inspect.add_argument("--report", default=None, help="write the localisation report as CSV here")
-    inspect.set_defaults(func=run_inspect)
+    inspect.set_defaults(func=run_inspect, parser=inspect)
 
     gym = sub.add_parser(
         "gym",

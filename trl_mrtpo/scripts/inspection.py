@@ -516,14 +516,13 @@ def recipe_credit_settings(args: MRTPOConfig) -> dict:
     return {name: getattr(args, name) for name in [*names, "reward_weights", "temperature"]}
 
 
-def inspect_recipe(
-    config: str, adapter: str | None = None, **settings
-) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
-    """``inspect_credit`` on the task a training recipe describes (the YAML ``trl-mrtpo train --config`` reads: its
-    model, with ``adapter`` applied, and its chat template; ``task`` or ``reward_funcs`` / ``info_blocks``; the task's
-    environment and tools; process rewards; its dataset or mixture; its credit settings and trainer), then the
-    verdicts."""
+def recipe_inspection(config: str) -> dict:
+    """What ``inspect_credit`` takes from a training recipe (the YAML ``trl-mrtpo train --config`` reads: its model and
+    chat template; ``task`` or ``reward_funcs`` / ``info_blocks``; the task's environment and tools; process rewards;
+    its dataset or mixture; its credit settings and trainer). Reads the recipe and its data, loads no model: a mistake
+    in it raises here, naming it."""
     import tempfile
+    from pathlib import Path
 
     from .train import (
         check_recipe,
@@ -534,6 +533,8 @@ def inspect_recipe(
         recipe_rewards,
     )
 
+    if not Path(config).is_file():
+        raise FileNotFoundError(f"--config {config}: no such file.")
     # nothing is trained: the recipe's precision and device settings are not what inspect runs with
     overrides = ["--bf16", "false", "--use_cpu", str(not torch.cuda.is_available()).lower()]
     with tempfile.TemporaryDirectory(prefix="trl-mrtpo-inspect-") as scratch:
@@ -543,21 +544,26 @@ def inspect_recipe(
     trainer_class, template = check_recipe(script_args, training_args)
     if trainer_class is None:
         raise ValueError("trainer: opsd has no token credit to inspect; inspect the recipe with trainer: mrtpo.")
-    model = recipe_model(model_args)
     kit, rewards, blocks = recipe_rewards(script_args)
     training_args.eval_strategy = "no"
     dataset, _ = load_datasets(script_args, training_args, dataset_args)
-    return inspect_credit(
-        model=model,
-        adapter=adapter,
-        reward_funcs=rewards,
-        info_blocks=blocks,
-        dataset=dataset,
-        return_verdicts=True,
-        recipe_args=training_args,
-        trainer_class=trainer_class,
-        process_rewards=recipe_process_rewards(script_args),
-        chat_template=template,
-        environment_factory=kit.environment if kit is not None else None,
-        **{"reward_strength_floor": training_args.reward_strength_floor, **settings},
-    )
+    return {
+        "model": recipe_model(model_args),
+        "reward_funcs": rewards,
+        "info_blocks": blocks,
+        "dataset": dataset,
+        "recipe_args": training_args,
+        "trainer_class": trainer_class,
+        "process_rewards": recipe_process_rewards(script_args),
+        "chat_template": template,
+        "environment_factory": kit.environment if kit is not None else None,
+        "reward_strength_floor": training_args.reward_strength_floor,
+    }
+
+
+def inspect_recipe(
+    config: str, adapter: str | None = None, **settings
+) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
+    """``inspect_credit`` on the task a training recipe describes (:func:`recipe_inspection`), with ``adapter``
+    applied to its model, then the verdicts."""
+    return inspect_credit(adapter=adapter, return_verdicts=True, **{**recipe_inspection(config), **settings})

@@ -2,6 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
+
+def check_policy_folders(model: str, adapter: str | None) -> None:
+    """A model folder holds ``config.json`` and an adapter folder ``adapter_config.json``: a folder without them is
+    named here, before transformers fails on it with an unrelated message (a missing tokenizer converter)."""
+    if model != "embedded" and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise FileNotFoundError(
+            f"--model {model} is a folder without config.json: not a model folder (save_pretrained and save_model "
+            "write one)."
+        )
+    if adapter is not None and not os.path.isfile(os.path.join(adapter, "adapter_config.json")):
+        raise FileNotFoundError(
+            f"--adapter {adapter}: no adapter_config.json there; a LoRA adapter folder (what save_model writes for a "
+            "PEFT model) holds adapter_config.json and the adapter's weights."
+        )
+
 
 def load_policy(model: str, adapter: str | None = None, device_map: str | None = None):
     """``(model, tokenizer)``: ``model`` is a hub id, a folder or ``"embedded"``; ``adapter`` a LoRA adapter folder
@@ -11,8 +28,13 @@ def load_policy(model: str, adapter: str | None = None, device_map: str | None =
 
     from .embedded import embedded_model_path
 
+    check_policy_folders(model, adapter)
     model_path = embedded_model_path() if model == "embedded" else model
-    tokenizer = AutoTokenizer.from_pretrained(adapter or model_path)
+    # an adapter folder written by save_model holds the tokenizer too; one that does not falls back to the model's
+    tokenizer_path = (
+        adapter if adapter and os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else model_path
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     policy = AutoModelForCausalLM.from_pretrained(model_path, device_map=device_map)
     if adapter:
         from peft import PeftModel
