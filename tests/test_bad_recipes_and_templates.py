@@ -437,9 +437,10 @@ def test_inspect_config_applies_the_adapter_beside_it(tmp_path, tiny_tokenizer, 
     assert any("lora_A" in name for name, _ in trainer.model.named_parameters())
 
 
-def test_inspect_config_without_a_model_is_refused_as_train_refuses_it(tmp_path, tiny_tokenizer, monkeypatch):
-    with pytest.raises(ValueError, match="model_name_or_path is required"):
+def test_inspect_config_without_a_model_is_refused_as_train_refuses_it(tmp_path, tiny_tokenizer, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as stopped:
         _inspect_recipe(tmp_path, tiny_tokenizer, monkeypatch, "", model=False)
+    assert stopped.value.code == 2 and "model_name_or_path is required" in capsys.readouterr().err
 
 
 def test_model_embedded_in_python_is_refused_naming_the_function(tmp_path):

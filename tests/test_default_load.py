@@ -37,9 +37,11 @@ PACKAGE = ROOT / "trl_mrtpo"
 # returns checked where it enters (extension_outputs, +88); 4,342 with checkpoint state checked when written (each
 # entry owned, declared, written and readable by the safe loader; a newer release's file named, +54); 4,436 with the
 # fp32-output GEMM guarded by torch release, device and capability (torch 2.6-2.7 and torch 2.11's addmm had failed),
-# Gemma 2's final_logit_softcapping replayed instead of refused, and "auto" settled once at start-up (+94). It only
-# falls; a rise names the feature that needs the lines, here.
-DEFAULT_RUN_LINES_CEILING = 4436
+# Gemma 2's final_logit_softcapping replayed instead of refused, and "auto" settled once at start-up (+94); 4,500 with
+# environments' rewards checked where they return, a term's relevance() checked for shape and sign, credit computed
+# under no_grad, credit_terms type-checked, and the state serialised before the checkpoint with a refusal naming
+# missing and extra entries (+64). It only falls; a rise names the feature that needs the lines, here.
+DEFAULT_RUN_LINES_CEILING = 4500
 # The rooms built on the core: none of them is loaded by a default run.
 ROOMS = ("steps", "research", "gym", "kits", "scripts", "baselines", "observability")
 
