@@ -379,3 +379,33 @@ def test_a_step_scored_with_several_numbers_is_refused_naming_the_reward(path, s
     with pytest.raises(ValueError, match="Step 0 of the process reward 'prm' on sample 3 has score"):
         check(MULTI_ELEMENT_SCORES[score]())
     assert check(torch.tensor([0.25]))[0][-1 if path == "span" else 0] == 0.25
+
+
+def graded(completions, solution, **kwargs):
+    """Reads a `solution` column the dataset lacks."""
+    return [float(s in c) for c, s in zip(completions, solution)]
+
+
+def test_a_reward_column_the_dataset_lacks_is_named_before_the_model_loads(tmp_path, monkeypatch):
+    """It surfaced after a full generation step as TRL's bare TypeError; now the constructor names the function, the
+    column and the dataset's columns, before the model loads. Arguments TRL supplies are never asked of the data."""
+    import trl.trainer.grpo_trainer as grpo
+    from datasets import Dataset
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(grpo, "create_model_from_path", never)
+
+    def uses_trl_arguments(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **kwargs):
+        return [0.0] * len(completions)
+
+    data = Dataset.from_list([{"prompt": "Say hi.", "answer": "hi"}] * 4)
+    with pytest.raises(
+        ValueError, match=r"reward function 'graded' needs the column 'solution'.*columns: prompt, answer"
+    ):
+        MRTPOTrainer(model="some/model", reward_funcs=[uses_trl_arguments, graded], args=make_args(tmp_path),
+                     train_dataset=data)  # fmt: skip

@@ -1,6 +1,7 @@
 """MRTPOTrainer end to end on a tiny random Llama built in the test (no hub)."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -510,3 +511,33 @@ def test_the_first_generation_is_announced_once(tiny_model, tiny_tokenizer, tmp_
     record = sample_credit(outside, [make_basic_dataset(1)[0]], 4)
     assert record.completion_ids.shape[0] == 4 and outside.state.global_step == 0  # sampled, not trained
     assert "Step 1: sampling" not in capsys.readouterr().out
+
+
+def test_a_warm_up_below_1_is_a_fraction_of_max_steps_and_a_short_run_is_warned(tiny_model, tiny_tokenizer, tmp_path):
+    """transformers' convention for warm-up: 0.5 of 8 steps is 4, so beta is half way up its ramp at step 2 (it was
+    read as 0.5 steps: full strength from step 1); and a run shorter than twice its warm-up says so, once."""
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    def trainer(**settings):
+        return MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path, credit_beta=0.5, **settings),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+        )
+
+    fraction = trainer(credit_warmup_steps=0.5, max_steps=8)
+    fraction.state.max_steps, fraction.state.global_step = 8, 2
+    assert fraction._beta() == pytest.approx(0.25)  # u = 2 / 4: 3u^2 - 2u^3 = 0.5
+    short = trainer(credit_warmup_steps=10, max_steps=8)
+    short.state.max_steps = 8
+    with pytest.warns(UserWarning, match=r"max_steps=8 is under twice credit_warmup_steps=10.*beta reaches 0.4"):
+        short._beta()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        short._beta()  # once

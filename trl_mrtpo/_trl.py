@@ -47,6 +47,12 @@ GRPO_TRAINER_NAMES = {
     "before the checkpoint is uploaded",
     "_save": "overridden (transformers Trainer): an adapter of a local model copy is saved without a Hub lookup",
 }
+# What GRPOTrainer._calculate_rewards passes a reward function besides the dataset's columns (TRL 1.16): the columns
+# it withholds, and the arguments it supplies itself (``environments`` with an environment_factory).
+REWARD_WITHHELD_COLUMNS = ("prompt", "completion", "completion_ids")
+REWARD_SUPPLIED_ARGUMENTS = (
+    "prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments",
+)  # fmt: skip
 # Instance attributes read or written (set in GRPOTrainer.__init__, TRL 1.16): the metrics and completions-table
 # logs, the vision-language and tool-rollout flags the replay refuses, the eval group size, and the batch's
 # environments (whose reset() values the prompts carry).

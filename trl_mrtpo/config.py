@@ -38,8 +38,10 @@ class MRTPOConfig(GRPOConfig):
             (`my_package.rules.MyRule`): `trl-mrtpo train` and `inspect --config` import and register it.
         credit_beta (`float`, *optional*, defaults to `0.5`):
             Redistribution strength in [0, 1]: every token keeps at least `1 - credit_beta` of the uniform credit.
-        credit_warmup_steps (`int`, *optional*, defaults to `10`):
-            Optimizer steps over which `credit_beta` ramps up smoothly from 0 (`3u^2 - 2u^3`). 0 disables warm-up.
+        credit_warmup_steps (`float`, *optional*, defaults to `10`):
+            Optimizer steps over which `credit_beta` ramps up smoothly from 0 (`3u^2 - 2u^3`); a value below 1 is a
+            fraction of `max_steps`, as transformers reads `warmup_steps`. 0 disables warm-up. A run shorter than
+            twice its warm-up is warned about.
         max_second_moment_ratio (`float`, *optional*, defaults to `2.0`):
             Cap rho: the batch's token-advantage second moment stays at most rho times that of uniform spreading.
         reward_strength_floor (`float` or `None`, *optional*, defaults to `0.25`):
@@ -99,9 +101,9 @@ class MRTPOConfig(GRPOConfig):
         default=0.5,
         metadata={"help": "Redistribution strength in [0, 1]; every token keeps at least 1 - credit_beta."},
     )
-    credit_warmup_steps: int = field(
+    credit_warmup_steps: float = field(
         default=10,
-        metadata={"help": "Optimizer steps over which credit_beta ramps up from 0 (smoothstep); 0 disables it."},
+        metadata={"help": "Steps over which credit_beta ramps up from 0 (smoothstep); below 1: a share of max_steps."},
     )
     max_second_moment_ratio: float = field(
         default=2.0,

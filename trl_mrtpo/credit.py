@@ -67,7 +67,23 @@ def group_advantages(
     return advantages.reshape(n, k).to(rewards.dtype), varying.reshape(n, k)
 
 
-def warmup_beta(beta: float, step: int, warmup_steps: int) -> float:
+def warmup_steps(value: float, max_steps: int) -> float:
+    """Step 9's ``N``: ``value`` steps, or for ``0 < value < 1`` that share of ``max_steps`` (rounded up), as
+    transformers reads ``warmup_steps``."""
+    return math.ceil(value * max_steps) if 0 < value < 1 and max_steps > 0 else value
+
+
+def short_run_warning(max_steps: int, configured: float, steps: float, beta: float) -> str:
+    """What a run shorter than twice its warm-up is told: the beta it reaches at its last step."""
+    reached = warmup_beta(beta, max_steps, steps)
+    return (
+        f"max_steps={max_steps} is under twice credit_warmup_steps={configured:g}: beta reaches {reached:.2g} of "
+        f"{beta:g} by the last step, so token credit is weaker than configured for most of the run. Set "
+        f"credit_warmup_steps to at most {max_steps // 2} (or a share such as 0.25) for a short run."
+    )
+
+
+def warmup_beta(beta: float, step: int, warmup_steps: float) -> float:
     """Step 9: ``beta_n = beta * (3u^2 - 2u^3)`` with ``u = min(n / N, 1)``; no warm-up when ``N <= 0``."""
     if warmup_steps <= 0:
         return float(beta)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -28,7 +29,7 @@ from ._trl import (
 )
 from .batch import Scored, ScoredBatch, credit_mask, local_slice
 from .config import MRTPOConfig
-from .credit import TokenCredit, group_advantages, warmup_beta
+from .credit import TokenCredit, group_advantages, short_run_warning, warmup_beta, warmup_steps
 from .credit_state import CheckpointedState, write_credit_state
 from .diagnostics import (
     CollapseMonitor,
@@ -62,6 +63,7 @@ from .validation import (
     check_finite_rewards,
     check_loss_keeps_token_credit,
     check_observations,
+    check_reward_columns,
     check_sharded_replay,
     checked_reward,
     checked_rollout,
@@ -150,6 +152,7 @@ class MRTPOTrainer(GRPOTrainer):
         # a copy: TRL appends environments' rewards to the list it is given, which would be the user's
         funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
         names = [f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs]
+        check_reward_columns(funcs, names, train_dataset)
         # a builder's mistake is refused before the model loads, not at the first step (the builders of environments'
         # rewards, which TRL adds while loading, at the first step)
         builders = info_blocks if environments else check_builders(info_blocks, names)
@@ -241,6 +244,7 @@ class MRTPOTrainer(GRPOTrainer):
         self._scored: Scored | None = None
         self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced
+        self._warned_warmup = False
         self.last_credit: CreditRecord | None = None
         self._collapse_monitor = CollapseMonitor(args.collapse_warning_steps)
         floor = args.reward_strength_floor if self._replays and removal == "each" else None  # each reward's own q
@@ -382,11 +386,16 @@ class MRTPOTrainer(GRPOTrainer):
 
     def _beta(self) -> float:
         """Step 9: the warmed-up beta of this step (a rule at full strength ramps to 1); 0 for a rule that replays
-        nothing."""
+        nothing. A warm-up below 1 is a share of ``max_steps``; a run shorter than twice it is warned about once."""
         if self.credit_rule.removal is None:
             return 0.0
         target = 1.0 if self.credit_rule.full_strength else self.args.credit_beta
-        return warmup_beta(target, self.state.global_step, self.args.credit_warmup_steps)
+        steps = warmup_steps(self.args.credit_warmup_steps, self.state.max_steps)
+        if not self._warned_warmup and 0 < self.state.max_steps < 2 * steps:
+            self._warned_warmup = True
+            message = short_run_warning(self.state.max_steps, self.args.credit_warmup_steps, steps, target)
+            warnings.warn(message, UserWarning, stacklevel=2)
+        return warmup_beta(target, self.state.global_step, steps)
 
     def _weighted_batch(self, scored: Scored, output: dict, mode: str) -> ScoredBatch:
         """Steps 1-2 and the response-level weighting on the whole gathered batch, so that every process decides

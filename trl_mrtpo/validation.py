@@ -426,6 +426,34 @@ def checked_rollout(rollout_func: Callable) -> Callable:
     return checked
 
 
+def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: Any) -> None:
+    """Before the model loads: each reward function's required keyword arguments are what TRL passes it, the
+    dataset's columns (TRL withholds ``prompt``, ``completion`` and ``completion_ids``) and the arguments TRL
+    supplies; one the data lacks is named with the function (TRL's bare ``TypeError`` came after a generation)."""
+    from ._trl import REWARD_SUPPLIED_ARGUMENTS, REWARD_WITHHELD_COLUMNS
+
+    columns = getattr(dataset, "column_names", None)
+    if not isinstance(columns, list):  # no dataset (an environment's data), or one streamed without a schema
+        return
+    available = {*REWARD_SUPPLIED_ARGUMENTS, *(c for c in columns if c not in REWARD_WITHHELD_COLUMNS)}
+    for func, name in zip(funcs, names):
+        if isinstance(func, (str, torch.nn.Module)):  # a reward model: TRL feeds it tokens, not columns
+            continue
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):  # a model, a hub id, or a callable without a signature to read
+            continue
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        required = [p.name for p in parameters if p.kind in keyword and p.default is inspect.Parameter.empty]
+        missing = [argument for argument in required if argument not in available]
+        if missing:
+            raise ValueError(
+                f"reward function '{name}' needs the column {missing[0]!r}, which the train dataset lacks (TRL passes "
+                f"a reward function the dataset's columns, less {', '.join(REWARD_WITHHELD_COLUMNS)}, and "
+                f"{', '.join(REWARD_SUPPLIED_ARGUMENTS)}); the dataset's columns: {', '.join(columns)}."
+            )
+
+
 def check_environment_arguments(kwargs: dict[str, Any]) -> None:
     """``environment_factory`` and ``tools`` as TRL uses them, checked before TRL builds anything from them: a factory
     (or a dict of factories) TRL calls once per rollout, and tools that are functions (their signature and docstring

@@ -38,7 +38,11 @@ def tool_schemas() -> list[dict]:
 
 
 def _call(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}  # noqa: E501
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}],
+    }  # noqa: E501
 
 
 def _result(environment, name: str, arguments: dict) -> dict:
@@ -87,7 +91,7 @@ def data_hash(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
-def train_adapter(output: Path, num: int = 128, epochs: float = 2.0, seed: int = SEED) -> dict:
+def train_adapter(output: Path, num: int = 64, epochs: float = 2.0, seed: int = SEED) -> dict:
     """Trains the adapter on :func:`demonstrations` and writes it with ``provenance.json``; returns the provenance."""
     import os
 
@@ -164,7 +168,7 @@ def train_adapter(output: Path, num: int = 128, epochs: float = 2.0, seed: int =
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default=str(ADAPTER_DIR), help="the adapter folder (default: the shipped one)")
-    parser.add_argument("--demonstrations", type=int, default=128)
+    parser.add_argument("--demonstrations", type=int, default=64)
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=SEED)
     args = parser.parse_args(argv)
