@@ -9,6 +9,7 @@ helpers only through this module, so a TRL upgrade that moves one fails here, in
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -47,6 +48,9 @@ GRPO_TRAINER_NAMES = {
     "before the checkpoint is uploaded",
     "_save": "overridden (transformers Trainer): an adapter of a local model copy is saved without a Hub lookup",
 }
+# Python's error when GRPOTrainer._generate_and_score_completions appends what an environment's reset() returned to
+# the prompt's text and it is not a string (TRL 1.16 appends with +): the returned type is its group 1.
+RESET_APPEND_ERROR = re.compile(r'can only concatenate str \(not "(\w+)"\) to str')
 # What GRPOTrainer._calculate_rewards passes a reward function besides the dataset's columns (TRL 1.16): the columns
 # it withholds, and the arguments it supplies itself (``environments`` with an environment_factory).
 REWARD_WITHHELD_COLUMNS = ("prompt", "completion", "completion_ids")

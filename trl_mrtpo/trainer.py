@@ -333,7 +333,7 @@ class MRTPOTrainer(GRPOTrainer):
         try:
             output = super()._generate_and_score_completions(inputs)
         except TypeError as error:  # an environment's reset() returned what TRL cannot append to the prompt
-            refusal = reset_refusal(error, self._is_vlm) if self.environment_factories else None
+            refusal = reset_refusal(error, self.environments, self._is_vlm) if self.environment_factories else None
             if refusal is None:
                 raise
             raise TypeError(refusal) from error

@@ -503,13 +503,18 @@ def check_observations(rows: Sequence[dict], prompts: Sequence[Any], environment
             raise TypeError(_reset_refusal(environment, prompt[-1]["content"][1:], multimodal=False))
 
 
-def reset_refusal(error: TypeError, multimodal: bool) -> str | None:
-    """When TRL could not append what an environment's ``reset()`` returned to the prompt (``str + dict``): the
-    message naming the environment and the value, read from the failing frame of TRL's step; else None."""
-    trace = error.__traceback__
-    while trace.tb_next is not None:
-        trace = trace.tb_next
-    frame = trace.tb_frame
-    if frame.f_code.co_name == "_generate_and_score_completions" and "observation" in frame.f_locals:
-        return _reset_refusal(frame.f_locals["environment"], frame.f_locals["observation"], multimodal)
-    return None
+def reset_refusal(error: TypeError, environments: Sequence[Any], multimodal: bool) -> str | None:
+    """When TRL could not append what an environment's ``reset()`` returned to the prompt's text (``str + dict``):
+    the message naming the environment's class (from TRL's batch of environments) and the returned type (from
+    Python's own error text, :data:`~trl_mrtpo._trl.RESET_APPEND_ERROR`); else None."""
+    from ._trl import RESET_APPEND_ERROR
+
+    appended = RESET_APPEND_ERROR.search(str(error))
+    if appended is None:
+        return None
+    classes = sorted({type(environment).__name__ for environment in environments or ()}) or ["the environment"]
+    return (
+        f"{' or '.join(classes)}.reset() returned {appended[1]}; it returns None or the text appended to the prompt's "
+        "last message"
+        + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
+    )

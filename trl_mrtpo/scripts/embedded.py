@@ -67,3 +67,49 @@ def embedded_model_path() -> str:
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return str(target)
+
+
+AGENT_ADAPTER = Path(__file__).resolve().parents[1] / "adapters" / "agent-smollm2"
+
+
+def embedded_agent_path() -> str:
+    """The embedded model with the agent kit's warm start merged (the adapter ``trl_mrtpo.scripts.agent_warm_start``
+    trains and the package ships), and TRL's Qwen3 chat template, which renders tool calls: a local folder, made once
+    per adapter and cached. ``model_name_or_path: embedded-agent`` in a recipe."""
+    import hashlib
+
+    adapter_weights = AGENT_ADAPTER / "adapter_model.safetensors"
+    if not adapter_weights.is_file():
+        raise FileNotFoundError(f"The agent warm start is missing ({adapter_weights}); reinstall trl-mrtpo.")
+    stamp = hashlib.sha256(adapter_weights.read_bytes()).hexdigest()
+    target = cache_root() / f"{EMBEDDED_MODEL_NAME}-agent"
+    if (target / "model.safetensors").is_file() and (target / "adapter.sha256").is_file():
+        if (target / "adapter.sha256").read_text() == stamp:
+            return str(target)
+    import torch
+    import trl
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = embedded_model_path()
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(AGENT_ADAPTER)).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "adapter.sha256").write_text(stamp)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.replace(target)
+    return str(target)
+
+
+# The models the commands and recipes name: "embedded" and "embedded-agent" (the agent kit's warm start).
+LOCAL_MODELS = {"embedded": embedded_model_path, "embedded-agent": embedded_agent_path}
+
+
+def local_model(model: str) -> str:
+    """A hub id or folder for ``model``: the embedded models by name (:data:`LOCAL_MODELS`), anything else as given."""
+    return LOCAL_MODELS[model]() if model in LOCAL_MODELS else model

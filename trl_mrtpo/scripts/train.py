@@ -304,12 +304,12 @@ def recipe_process_rewards(script_args: MRTPOScriptArguments) -> list:
 
 def recipe_model(model_args) -> str:
     """The recipe's ``model_name_or_path`` as a hub id or folder (``embedded``: the embedded SmolLM2's)."""
-    from .embedded import embedded_model_path
+    from .embedded import local_model
 
     model = model_args.model_name_or_path
     if model is None:
-        raise ValueError("model_name_or_path is required (a hub id, a local folder, or 'embedded')")
-    return embedded_model_path() if model == "embedded" else model
+        raise ValueError("model_name_or_path is required (a hub id, a local folder, 'embedded' or 'embedded-agent')")
+    return local_model(model)
 
 
 def build_trainer(
