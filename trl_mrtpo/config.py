@@ -179,6 +179,11 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(f"credit_beta must be in [0, 1], got {self.credit_beta}.")
         if self.credit_warmup_steps < 0:
             raise ValueError(f"credit_warmup_steps must be >= 0, got {self.credit_warmup_steps}.")
+        if self.credit_warmup_steps >= 1 and self.credit_warmup_steps != int(self.credit_warmup_steps):
+            raise ValueError(
+                f"credit_warmup_steps must be a whole number of steps, or a share of max_steps below 1, got "
+                f"{self.credit_warmup_steps}."
+            )
         if self.max_second_moment_ratio < 1.0:
             raise ValueError(
                 "max_second_moment_ratio must be >= 1 (1 forbids any redistribution), "
