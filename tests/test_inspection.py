@@ -420,3 +420,28 @@ def test_inspect_mistakes_end_in_the_usage_line_and_exit_2(tmp_path, capsys, fla
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("usage: ") and re.search(message, err), err
+
+
+def test_inspect_credit_takes_a_template_by_the_name_a_recipe_uses(tmp_path, tiny_tokenizer, monkeypatch):
+    """``chat_template="qwen3"`` is TRL's shipped template, as ``chat_template_path: qwen3`` is in a recipe (it was
+    taken as the template's text)."""
+    from pathlib import Path
+
+    import trl
+
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.scripts import inspection
+
+    model_dir = tmp_path / "tiny"
+    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    seen = []
+
+    def inspected(trainer, rows, num_generations):
+        seen.append(trainer.processing_class.chat_template)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inspection, "sample_credit", inspected)
+    with pytest.raises(KeyboardInterrupt):
+        inspect_credit(model=str(model_dir), chat_template="qwen3", num_prompts=1, num_generations=2)
+    assert seen == [(Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()]

@@ -5,7 +5,9 @@
    Qwen3 for Qwen3-Instruct-2507) with the family's ``tie_word_embeddings``, a vocabulary larger than its tokenizer
    (as Qwen's configs have), saved in the recipe's ``dtype``; its tokenizer carries the family's special tokens as
    added tokens and TRL's shipped chat template for the family, so ``add_response_schema`` and tool parsing attach
-   as for the real model. ``embedded`` (SmolLM2-135M-Instruct) is the real model and is not substituted.
+   as for the real model. ``embedded`` (SmolLM2-135M-Instruct) and ``embedded-agent`` (it with the agent warm start)
+   are the real model and are not substituted; the agent recipe's step must show tool calls, a varying tool-call
+   reward and replayed tool rollouts.
 2. **data**: Spider, HIR-16K and RLLA (not on PyPI) become small local copies in their real layouts.
 3. **vLLM**: TRL's engine becomes the stand-in of ``test_vllm_stand_in.py`` (sampled ids and off-policy log-probs).
 4. **steps**: ``max_steps`` is cut to 1 (one optimizer step: a whole generation batch, every accumulation step).
@@ -101,7 +103,7 @@ def test_recipe_trains_as_written(recipe, local_data, tmp_path, monkeypatch):
     config = yaml.safe_load(recipe.read_text())
     overrides = ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--use_cpu", "true"]
     family = config["model_name_or_path"]
-    if family != "embedded":
+    if family not in ("embedded", "embedded-agent"):
         dtype = config.get("dtype", "float32")
         overrides += ["--model_name_or_path", family_model_dir(family, dtype, tmp_path / "model")]
     if config.get("load_in_4bit"):
@@ -122,7 +124,7 @@ def test_recipe_trains_as_written(recipe, local_data, tmp_path, monkeypatch):
             assert getattr(args, key) == config[key], key
     assert args.gradient_accumulation_steps == config.get("gradient_accumulation_steps", 1)
     assert args.bf16 == config.get("bf16", False)
-    if family != "embedded":
+    if family not in ("embedded", "embedded-agent"):
         dtype = getattr(torch, config.get("dtype", "float32"))
         assert any(p.dtype == dtype for p in trainer.model.parameters())
     if config.get("trainer") == "opsd":
@@ -143,3 +145,10 @@ def test_recipe_trains_as_written(recipe, local_data, tmp_path, monkeypatch):
         (engine,) = StandInVLLM.created
         assert engine.synced >= 1
     json.dumps(trainer.state.log_history)  # logged metrics are plain numbers
+    if family == "embedded-agent":  # the warm start calls the tools: the agent recipe has something to credit
+        logged = trainer.state.log_history[0]
+        credit = trainer.last_credit
+        calls = credit.rewards[:, trainer.reward_func_names.index("agent_call_reward")]
+        assert logged["tools/call_frequency"] > 0, logged
+        assert len(set(calls.tolist())) > 1, calls  # the tool-call reward varies
+        assert credit.replayed.any(), "no tool rollout was replayed"

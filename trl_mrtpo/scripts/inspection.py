@@ -259,7 +259,8 @@ def inspect_credit(
     credit would do with each reward, per-reward strength read with ``reward_strength_floor``). ``model``: a hub id,
     a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
 
-    ``chat_template`` (Jinja text) replaces the tokenizer's; ``environment_factory`` (TRL's) gives a multi-turn tool
+    ``chat_template`` replaces the tokenizer's: named as a recipe's ``chat_template_path`` names it (a template TRL
+    ships, e.g. ``"qwen3"``, a Jinja file, or a folder with a tokenizer), or Jinja text; ``environment_factory`` (TRL's) gives a multi-turn tool
     task its tools (a kit's own environment is used when ``task`` names it). ``recipe_args`` (a recipe's config),
     ``trainer_class`` and ``process_rewards`` score as that recipe trains: its credit settings (every field
     MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and temperature;
@@ -281,7 +282,10 @@ def inspect_credit(
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
     policy, tokenizer = load_policy(model, adapter)
     if chat_template is not None:
-        tokenizer.chat_template = chat_template
+        from .train import chat_template as named_template
+
+        is_text = "{%" in chat_template or "{{" in chat_template
+        tokenizer.chat_template = chat_template if is_text else named_template(chat_template)
     if reward_funcs is None:
         kit = get_kit(task)
         reward_funcs, info_blocks = kit.rewards, kit.info_blocks
