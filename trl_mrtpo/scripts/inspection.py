@@ -257,11 +257,11 @@ def inspect_credit(
     ``MRTPOTrainer`` takes them) with ``dataset`` (rows with a ``prompt``); the localisation report needs a kit's
     spans. With ``return_verdicts`` the result has a third entry, :func:`reward_verdicts` of the record (what token
     credit would do with each reward, per-reward strength read with ``reward_strength_floor``). ``model``: a hub id,
-    a folder or ``"embedded"``; ``adapter``: a LoRA adapter folder to apply.
+    a folder, ``"embedded"`` or ``"embedded-agent"``; ``adapter``: a LoRA adapter folder to apply.
 
     ``chat_template`` replaces the tokenizer's: named as a recipe's ``chat_template_path`` names it (a template TRL
-    ships, e.g. ``"qwen3"``, a Jinja file, or a folder with a tokenizer), or Jinja text; ``environment_factory`` (TRL's) gives a multi-turn tool
-    task its tools (a kit's own environment is used when ``task`` names it). ``recipe_args`` (a recipe's config),
+    ships, e.g. ``"qwen3"``, a Jinja file, or a folder with a tokenizer), or Jinja text. ``environment_factory``
+    (TRL's) gives a multi-turn tool task its tools (a kit's own environment is used when ``task`` names it). ``recipe_args`` (a recipe's config),
     ``trainer_class`` and ``process_rewards`` score as that recipe trains: its credit settings (every field
     MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and temperature;
     ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
