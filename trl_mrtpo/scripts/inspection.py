@@ -261,7 +261,8 @@ def inspect_credit(
 
     ``chat_template`` replaces the tokenizer's: named as a recipe's ``chat_template_path`` names it (a template TRL
     ships, e.g. ``"qwen3"``, a Jinja file, or a folder with a tokenizer), or Jinja text. ``environment_factory``
-    (TRL's) gives a multi-turn tool task its tools (a kit's own environment is used when ``task`` names it). ``recipe_args`` (a recipe's config),
+    (TRL's) gives a multi-turn tool task its tools (a kit's own environment is used when ``task`` names it).
+    ``recipe_args`` (a recipe's config),
     ``trainer_class`` and ``process_rewards`` score as that recipe trains: its credit settings (every field
     MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and temperature;
     ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
