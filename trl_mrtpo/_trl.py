@@ -20,8 +20,8 @@ from transformers.utils import logging
 # TRL's own detection of ZeRO-3 / FSDP and its context for generating with a ZeRO-3 model gathered whole (TRL 1.16).
 from trl.distributed import DistributedBackend
 
-# Sampled-token log-probabilities from hidden states and the lm_head weight, vocabulary-tiled (TRL 1.16; private and
-# renamed in TRL's development branch).
+# Sampled-token log-probabilities from hidden states and the lm_head weight, vocabulary-tiled: public in trl.kernels
+# since TRL 1.16 (before it, the private _ChunkedLogProbFunction of trl.trainer.utils, with 7 arguments).
 from trl.kernels import ChunkedLogProbFunction
 from trl.models.utils import unwrap_model_for_generation
 
