@@ -178,3 +178,14 @@ def test_a_reward_looking_method_without_get_reward_is_warned_about(tokenizer, t
     with pytest.warns(UserWarning, match=r"Scorer has a method 'reward' but no get_reward"):
         scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
                          reward_funcs=[answered], info_blocks=None, environment_factory=Scorer)  # fmt: skip
+
+
+def test_the_model_card_names_the_environment_tools_and_template(tokenizer, tmp_path):
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
+                               reward_funcs=[answered], info_blocks=[BLOCKS[0]], environment_factory=Ledger)  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(tmp_path / "saved"))
+    card = (tmp_path / "saved" / "README.md").read_text()
+    assert "environment (TRL's `environment_factory`): `Ledger`" in card
+    assert "tools: `lookup`" in card
+    assert "chat template: TRL's `qwen3` (`chat_template_path: qwen3`)" in card

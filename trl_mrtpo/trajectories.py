@@ -180,3 +180,35 @@ def tool_views(output: dict, completions: Sequence[Any]) -> list[Trajectory | No
     lengths = output["completion_mask"].sum(-1).tolist()
     masks = output["tool_mask"].tolist()
     return [trajectory(c, m[:n]) for c, m, n in zip(completions, masks, lengths)]
+
+
+def agent_card_lines(trainer) -> list[str]:
+    """What a tool-calling run's card names: its environments, the tools the model was offered, and the chat template
+    (by the name TRL ships it under, when it is one of TRL's)."""
+    factories = getattr(trainer, "environment_factories", None) or {}
+    tools = getattr(trainer, "tools", None) or []
+    if not factories and not tools:
+        return []
+    lines = []
+    if factories:
+        names = sorted({getattr(factory, "__name__", type(factory).__name__) for factory in factories.values()})
+        lines.append(f"environment (TRL's `environment_factory`): {', '.join(f'`{n}`' for n in names)}")
+    lines.append("tools: " + ", ".join(f"`{getattr(tool, '__name__', tool)}`" for tool in tools))
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    named = shipped_template_name(getattr(tokenizer, "chat_template", None))
+    lines.append(f"chat template: {named or 'the tokenizer’s own, saved with the model'}")
+    return lines
+
+
+def shipped_template_name(template: str | None) -> str | None:
+    """``trl/chat_templates/<name>.jinja``'s name when ``template`` is that file's text, else None."""
+    from pathlib import Path
+
+    import trl
+
+    if not template:
+        return None
+    for path in sorted((Path(trl.__file__).parent / "chat_templates").glob("*.jinja")):
+        if path.read_text() == template:
+            return f"TRL's `{path.stem}` (`chat_template_path: {path.stem}`)"
+    return None
