@@ -181,8 +181,9 @@ def test_a_reward_looking_method_without_get_reward_is_warned_about(tokenizer, t
 
 
 def test_the_model_card_names_the_environment_tools_and_template(tokenizer, tmp_path):
-    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
-                               reward_funcs=[answered], info_blocks=[BLOCKS[0]], environment_factory=Ledger)  # fmt: skip
+    dataset = Dataset.from_list([{"prompt": QUESTION}] * 8)
+    trainer = scripted_trainer(tokenizer, tmp_path, dataset, reward_funcs=[answered], info_blocks=[BLOCKS[0]],
+                               environment_factory=Ledger)  # fmt: skip
     trainer.train()
     trainer.save_model(str(tmp_path / "saved"))
     card = (tmp_path / "saved" / "README.md").read_text()
