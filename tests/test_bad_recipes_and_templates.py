@@ -117,7 +117,7 @@ def test_inspect_config_uses_the_recipes_chat_template_environment_and_tools(tmp
 
     model_dir = family_model_dir("Qwen/Qwen3-4B-Instruct-2507", "float32", tmp_path / "model")
     recipe = tmp_path / "agent.yaml"
-    text = open("recipes/cpu/agent-smollm2.yaml").read().replace("model_name_or_path: embedded", "")
+    text = open("recipes/cpu/agent-smollm2.yaml").read().replace("model_name_or_path: embedded-agent\n", "")
     recipe.write_text(f"model_name_or_path: {model_dir}\n{text}")
     seen = []
     import trl_mrtpo.scripts.inspection as inspection
