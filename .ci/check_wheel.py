@@ -28,7 +28,11 @@ sentences = json.dumps([{"id": "length_constraints:number_sentences", "text": "x
 slot = get_kit("if").rewards[0]
 assert slot(["One sentence here. And a second one.", "Only one."], constraints=[sentences] * 2) == [1.0, 0.0]
 package = resources.files("trl_mrtpo")
-for data in ["kits/nltk_data/corpora/stopwords/english", "templates/mrtpo_model_card.md"]:
+for data in [
+    "kits/nltk_data/corpora/stopwords/english",
+    "templates/mrtpo_model_card.md",
+    "adapters/agent-smollm2/adapter_model.safetensors",  # the agent kit's warm start (embedded-agent)
+]:
     assert package.joinpath(data).is_file(), data
 import trl_mrtpo.scripts.cli  # noqa: E402  the trl-mrtpo command's module is in the wheel
 
