@@ -313,3 +313,23 @@ def test_gpu_check_decides_auto_by_its_stated_rule(tmp_path):
     assert decision([*fast[:3], row(3, "triton", 2.0)]) == "torch"
     assert decision(fast[:3]) == "torch"
     assert json.loads((tmp_path / "auto.json").read_text())["auto"] == "torch"
+
+
+@pytest.mark.slow
+@pytest.mark.benchmarks
+def test_the_agent_ab_kit_dry_run_trains_both_arms_and_reports_the_endpoint(tmp_path):
+    """The GPU A/B kit as a user with a GPU runs it, cut to 2 steps of a tiny Qwen3 on the CPU: both arms train from
+    the recipe, their trainer_state.json is read, and the pre-registered endpoint's table is written."""
+    import csv
+    import os
+
+    result = subprocess.run(
+        [sys.executable, "benchmarks/agent_ab.py", "run", "--dry-run", "--output", str(tmp_path)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    endpoint = (tmp_path / "endpoint.md").read_text()
+    assert "| seed | mrtpo | gdpo | mrtpo - gdpo |" in endpoint and "\n| 0 | " in endpoint
+    rows = list(csv.DictReader((tmp_path / "curves.csv").open()))
+    assert {row["arm"] for row in rows} == {"mrtpo", "gdpo"}
+    assert (tmp_path / "mrtpo-seed0" / "adapter_config.json").is_file()

@@ -420,6 +420,7 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
     trainer = build_trainer(script_args, training_args, model_args, dataset_args, recipe)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json: the run's logged metrics, beside the model (benchmarks/agent_ab.py)
     trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
     dataset_name = script_args.dataset_name
     if trainer.accelerator.is_main_process:
