@@ -156,7 +156,9 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
         # a reward whose q peaks on its deciding word in nearly every trajectory is never told its credit will not
         # move: the verdict says where it moves (with or without evidence that its block is what moves it)
         if hits / total >= 0.9:
-            assert re.match(r"(token|q is under twice .*: token) credit will (still )?move", verdict.verdict), (
+            assert re.match(
+                r"(token credit will move|q is under twice .*: its credit still moves)", verdict.verdict
+            ), (
                 verdict,
                 peaks,
             )

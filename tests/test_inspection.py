@@ -9,6 +9,7 @@ from trl_mrtpo.kits import get_kit
 from trl_mrtpo.observability.viz import credit_heatmap_html
 from trl_mrtpo.scripts.inspection import (
     CONTROL_NAME,
+    format_verdicts,
     inspect_credit,
     localisation_report,
     token_mask,
@@ -177,11 +178,11 @@ def test_verdicts_by_hand():
     assert noise.verdict.startswith("q is under twice the control's") and all(
         repr(t) in noise.verdict for t in noise.tokens
     )
-    # both causes it cannot tell apart, and the move that tells them apart: hand-written passing and failing responses
-    assert "the model does not read the block at this size, or the block lacks what decides the reward" in (
-        noise.verdict
-    )
-    assert "responses that pass and a few that fail and replay them with --completions" in noise.verdict
+    # one line per reward: the move that tells the causes apart (hand-written passing and failing responses); the
+    # causes themselves once, under the table
+    assert "replay a few responses that pass and a few that fail with --completions" in noise.verdict
+    table = format_verdicts(list(verdicts.values()))
+    assert table.count("the model does not read the block at this size, or the block lacks what decides") == 1
     assert verdicts["flat"].varying == 0.5 and verdicts["flat"].verdict.startswith("q is under twice the control's")
     # every profile's argmax is its first token where it ties (the flat control): located peaks on 'c', apart always
     assert verdicts["located"].peaks_apart == 1.0 and verdicts["noise"].peaks_apart == 0.0

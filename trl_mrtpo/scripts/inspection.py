@@ -429,6 +429,8 @@ def reward_verdicts(
     task = [k for k in range(len(reward_names)) if k != control]
     specificity = relevance_specificity(record.relevance[:, task], record.replayed[:, task])
     strengths = torch.ones(len(task)) if strength_floor is None else reward_strength(specificity, strength_floor)
+    # tool results inside a response (model positions with a gap): recorded trajectories, not hand-written text
+    tool_rollouts = any(len(where) and where[-1] - where[0] + 1 > len(where) for where in positions)
     verdicts = []
     for k, name in enumerate(reward_names):
         if k == control:
@@ -475,19 +477,26 @@ def reward_verdicts(
             text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}."
         else:
             text = (
-                f"q is under twice the control's: token credit will still move this reward's credit to where its q "
-                f"peaks ({', '.join(map(repr, tokens))}), but an irrelevant sentence moves the policy as much. Two "
-                "causes this batch cannot tell apart: the model does not read the block at this size, or the block "
-                "lacks what decides the reward. Write a few responses that pass and a few that fail and replay them "
-                "with --completions (JSONL: prompt, completion, the row's fields): if q lands on what decides the "
-                "reward there, the block is sound; if not, make it carry what the verifier decides with, or give "
-                "the reward no block (uniform credit)."
+                f"q is under twice the control's: its credit still moves to where its q peaks "
+                f"({', '.join(map(repr, tokens))}); {UNDER_TWICE_ACTION[tool_rollouts]} (note below)."
             )
         peaks_apart = sum(apart) / len(apart) if apart else math.nan
         verdicts.append(Verdict(name, varying, ratio, concentration, tokens, strength, text, peaks_apart))
     return verdicts
 
 
+# What to do about a reward whose q is under twice the control's, by the kind of rollout (one line per reward), and
+# why, said once under the table.
+UNDER_TWICE_ACTION = {
+    False: "replay a few responses that pass and a few that fail with --completions",
+    True: "compare its q on trajectories whose calls pass and fail; check that its block carries the tools' feedback",
+}
+UNDER_TWICE_NOTE = (
+    "Note: q under twice the control's (an irrelevant sentence appended) has two causes this batch cannot tell "
+    "apart: the model does not read the block at this size, or the block lacks what decides the reward. If q lands on "
+    "what decides the reward in responses that pass and fail, the block is sound; if not, make it carry what the "
+    "verifier decides with, or give the reward no block (uniform credit)."
+)
 VERDICT_COLUMNS = (
     "varies: share of prompt groups in which the reward varies (training replays only those pairs)",
     "q/control: the reward's summed q over the control's (the irrelevant sentence appended), on the same responses",
@@ -506,7 +515,8 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
             f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}{v.peaks_apart:>12.0%}"
             f"{v.strength:>10.2f}   {v.verdict}"
         )
-    return "\n".join([*lines, "", *VERDICT_COLUMNS])
+    note = [UNDER_TWICE_NOTE, ""] if any(v.verdict.startswith("q is under twice") for v in verdicts) else []
+    return "\n".join([*lines, "", *note, *VERDICT_COLUMNS])
 
 
 def recipe_credit_settings(args: MRTPOConfig) -> dict:
