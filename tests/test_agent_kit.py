@@ -369,3 +369,55 @@ def test_calls_read_defensively_from_messages():
     assert message_calls(message) == [{"name": "checkout", "arguments": {}}, {"name": "x", "arguments": {}}]
     view = trajectory([message, {"role": "tool", "name": "checkout", "content": "ok"}], [1, 1, 0])
     assert [c.name for c in view.calls] == ["checkout", "x"] and view.calls[1].result is None
+
+
+def test_the_warm_start_demonstrations_score_as_their_faults_say():
+    """A clean demonstration scores 1 on the kit's three rewards; each fault costs the reward it is meant to vary:
+    a malformed call the format, a wrong item the calls, a wrong total the answer."""
+    import random
+
+    from trl_mrtpo.kits.tool_agent import (
+        agent_answer_reward,
+        agent_call_reward,
+        agent_format_reward,
+        make_agent_dataset,
+    )
+    from trl_mrtpo.scripts.agent_warm_start import FAULT_RATES, demonstration
+
+    rows = make_agent_dataset(64, 5).to_list()
+    rng = random.Random(5)
+    seen = set()
+    for row in rows:
+        messages, faults = demonstration(row, rng)
+        completion = messages[len(row["prompt"]) :]
+        # TRL's parsed completion: tool calls as {"name", "arguments"} in the assistant message
+        parsed = [
+            {**m, "tool_calls": [c["function"] for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in completion
+        ]
+        scores = [
+            agent_format_reward([parsed])[0],
+            agent_call_reward([parsed], [row["reference_calls"]])[0],
+            agent_answer_reward([parsed], [row["answer"]])[0],
+        ]
+        seen.update(faults)
+        if not faults:
+            assert scores == [1.0, 1.0, 1.0], (messages, scores)
+        if "malformed_call" in faults:
+            assert scores[0] == 0.0
+        elif "wrong_total" in faults:
+            assert scores[2] == 0.0
+        if "wrong_item" in faults:
+            assert scores[1] < 1.0
+    assert seen == set(FAULT_RATES)  # every fault is drawn in 64 rows
+
+
+def test_the_shipped_warm_start_is_what_its_provenance_says():
+    """The demonstrations regenerate byte for byte (their hash is the shipped adapter's), and the adapter is small."""
+    import json
+
+    from trl_mrtpo.scripts.agent_warm_start import ADAPTER_DIR, data_hash, demonstrations
+
+    provenance = json.loads((ADAPTER_DIR / "provenance.json").read_text())
+    assert data_hash(demonstrations(provenance["demonstrations"], provenance["seed"])) == provenance["data_sha256"]
+    assert (ADAPTER_DIR / "adapter_model.safetensors").stat().st_size < 8 << 20
