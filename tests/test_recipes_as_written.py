@@ -10,7 +10,9 @@
    reward and replayed tool rollouts.
 2. **data**: Spider, HIR-16K and RLLA (not on PyPI) become small local copies in their real layouts.
 3. **vLLM**: TRL's engine becomes the stand-in of ``test_vllm_stand_in.py`` (sampled ids and off-policy log-probs).
-4. **steps**: ``max_steps`` is cut to 1 (one optimizer step: a whole generation batch, every accumulation step).
+4. **steps**: ``max_steps`` is cut to 1 (one optimizer step: a whole generation batch, every accumulation step); 2
+   for the agent recipe, whose replayed tool rollouts are checked: its first step is warm-up step 0 (beta 0), which
+   replays nothing.
 5. **device**: ``use_cpu: true`` (transformers refuses ``bf16`` on a machine without a GPU unless it is set).
 6. **4-bit**: the QLoRA recipes run with ``load_in_4bit: false``. Checked first: bitsandbytes 0.50.2's CPU path loads a
    4-bit model and generates, but its training forward fails inside bitsandbytes (``matmul_4bit`` adds the bias in
@@ -101,8 +103,9 @@ def test_recipe_trains_as_written(recipe, local_data, tmp_path, monkeypatch):
     from trl_mrtpo.scripts.train import build_trainer, make_parser
 
     config = yaml.safe_load(recipe.read_text())
-    overrides = ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--use_cpu", "true"]
     family = config["model_name_or_path"]
+    steps = "2" if family == "embedded-agent" else "1"
+    overrides = ["--output_dir", str(tmp_path / "out"), "--max_steps", steps, "--use_cpu", "true"]
     if family not in ("embedded", "embedded-agent"):
         dtype = config.get("dtype", "float32")
         overrides += ["--model_name_or_path", family_model_dir(family, dtype, tmp_path / "model")]
