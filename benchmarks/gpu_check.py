@@ -213,7 +213,7 @@ def decide_auto(table: Path, decision: Path, tokens: int = 0, hidden: int = 0, d
                 ours = by.get(("ours", k))
                 if ours is not None:
                     vocab, removed = int(ours["vocab"]), int(k)
-                    chunk = min(workspace_chunk(workspace, vocab, removed), tokens)
+                    chunk = min(workspace_chunk(workspace, vocab, 3 * removed + 1), tokens)
                     model = tokens * (removed + 1) * hidden * 2 + (3 * removed + 1) * chunk * vocab * 4
                     result["torch_peak_over_model"][k] = float(ours["peak_extra_mb"]) * 2**20 / model
     decision.write_text(json.dumps(result, indent=1))

@@ -105,7 +105,7 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
         from trl_mrtpo.ops.divergence import workspace_chunk
 
         tokens = replay.responses * replay.completion
-        chunk = min(workspace_chunk(replay.workspace, shape.vocab, replay.removed), tokens)
+        chunk = min(workspace_chunk(replay.workspace, shape.vocab, 3 * replay.removed + 1), tokens)
         stacked = tokens * contexts * shape.hidden * b
         divergence = stacked + (3 * replay.removed + 1) * chunk * shape.vocab * 4
         return {
