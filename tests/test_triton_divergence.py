@@ -14,7 +14,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -184,15 +183,12 @@ def _torch_rule(hidden_all, hidden_removed, weight, bias, temperature, softcap=N
 
 def test_the_start_up_check_refuses_a_kernel_that_rounds_logits_to_bf16():
     """It passes the torch rule itself and refuses the planted kernel on near contexts, naming the regime and the
-    error; at V 8,192 and H 256 on one CPU core the check takes about a second."""
+    error (at V 8,192 and H 256 the check took 1.0 s on one CPU core here: docs/kernels.md)."""
     torch.set_num_threads(1)
     weight = torch.randn(8_192, 256, generator=torch.Generator().manual_seed(1)) / 16
-    started = time.perf_counter()
     figures = triton_divergence.check_kernel(weight, None, 1.0, kernel=_torch_rule)
-    seconds = time.perf_counter() - started
     assert 1e-4 <= figures["near_8192"]["median_q"] <= 1e-3, figures  # the near regime is where MRTPO's q lives
     assert figures["far_8192"]["median_q"] > 0.5
-    assert seconds < 10, seconds
     with pytest.raises(ValueError, match=r"disagrees with the torch rule on near contexts \(max \|diff\|"):
         triton_divergence.check_kernel(weight, None, 1.0, kernel=_rounds_logits_to_bf16)
 
