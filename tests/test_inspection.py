@@ -391,7 +391,7 @@ def test_inspect_config_replays_with_the_recipes_separator(tmp_path, tiny_tokeni
 
     monkeypatch.setattr(MRTPOTrainer, "_replay_record", recording)
     main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "4",
-          "--threads", "1"])  # fmt: skip
+          "--output", str(tmp_path / "credit.html"), "--threads", "1"])  # fmt: skip
     assert contexts and all(" || " in context for context in contexts), contexts[:1]
 
 
