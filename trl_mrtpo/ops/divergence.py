@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -221,15 +221,29 @@ def workspace_chunk(workspace: int, vocab: int, rows_per_token: int) -> int:
     return max(1, workspace // (4 * vocab * rows_per_token))
 
 
-def stacked_contexts(hidden_all: torch.Tensor, hidden_removed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, M + 1, H]``: each token's ``P_all`` state, then its ``M`` removed contexts' states, in ``dtype``."""
-    return torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1).to(dtype)
+def chunk_logits(
+    hidden_all: torch.Tensor,
+    hidden_removed: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    scale: float,
+    chunk: int,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first token, [n (M + 1), V] fp32 logits)`` per chunk of ``chunk`` tokens, each token's ``M + 1`` rows
+    consecutive (``P_all``'s, then the removed contexts'): the GEMM of the device rule and of the Triton kernel.
 
-
-def operand_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    """The dtype the hidden states enter the GEMM in: the weight's when they share it, else fp32 (hidden states are
-    never rounded down to a lower-precision head)."""
-    return weight.dtype if hidden.dtype == weight.dtype else torch.float32
+    The contexts are stacked once as ``[N, M + 1, H]`` in the weight's dtype (fp32 when the hidden states are in
+    another: they are never rounded down to a lower-precision head); the weight is upcast once per call where
+    :func:`fp32_output_gemm_applies` does not. The generator keeps no chunk alive between yields."""
+    hidden_size = lm_head_weight.shape[1]
+    dtype = lm_head_weight.dtype if hidden_all.dtype == lm_head_weight.dtype else torch.float32
+    stacked = torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1).to(dtype)
+    weight_t = lm_head_weight.t()
+    fp32_weight_t = None if fp32_output_gemm_applies(stacked, weight_t) else weight_t.float()
+    bias = fp32_bias(lm_head_bias, stacked.device)
+    for start in range(0, stacked.shape[0], chunk):
+        yield start, fp32_logits(stacked[start : start + chunk].reshape(-1, hidden_size), weight_t, bias, scale,
+                                 fp32_weight_t)  # fmt: skip
 
 
 def workspace_divergence(
@@ -245,25 +259,18 @@ def workspace_divergence(
     """The device rule of the torch path (step 4; docs/kernels.md): ``[M, N]`` q in token chunks of
     :func:`workspace_chunk` tokens (``chunk_size`` when given), the whole vocabulary at once, one pass.
 
-    The ``M + 1`` contexts are stacked once as ``[N, M + 1, H]`` in the weight's dtype; each chunk is one
-    :func:`fp32_logits` GEMM (the temperature in its epilogue unless a softcap comes first), one ``log_softmax``
-    and the JS of :func:`_js_terms` in place: about 23 aten operators and one GEMM per chunk, ``ceil(N / chunk)``
-    chunks, whatever the vocabulary.
+    Each chunk is one GEMM of :func:`chunk_logits` (the temperature in its epilogue unless a softcap comes first),
+    one ``log_softmax`` and the JS of :func:`_js_terms` in place: about 24 aten operators and one GEMM per chunk,
+    ``ceil(N / chunk)`` chunks, whatever the vocabulary.
     """
-    num_removed, num_tokens, hidden_size = hidden_removed.shape
+    num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     if num_tokens == 0:
         return torch.zeros(num_removed, 0, dtype=torch.float32, device=hidden_all.device)
     chunk = chunk_size or workspace_chunk(workspace, vocab, 3 * num_removed + 1)
-    stacked = stacked_contexts(hidden_all, hidden_removed, operand_dtype(hidden_all, lm_head_weight))
-    weight_t = lm_head_weight.t()
-    fp32_weight_t = None if fp32_output_gemm_applies(stacked, weight_t) else weight_t.float()  # once per call
     scale = 1.0 if softcap is not None else 1.0 / temperature
-    bias = fp32_bias(lm_head_bias, stacked.device)
     sums = []
-    for start in range(0, num_tokens, chunk):
-        rows = stacked[start : start + chunk].view(-1, hidden_size)
-        logits = fp32_logits(rows, weight_t, bias, scale, fp32_weight_t)
+    for _, logits in chunk_logits(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, scale, chunk):
         if softcap is not None:
             softcapped_(logits, softcap, temperature)
         logprobs = torch.log_softmax(logits.view(-1, num_removed + 1, vocab), dim=-1)

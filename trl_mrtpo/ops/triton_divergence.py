@@ -28,17 +28,7 @@ import time
 import torch
 
 from ..constants import LN2, MAX_LOG_RATIO
-from .divergence import (
-    DivergenceBackend,
-    device_workspace,
-    fp32_bias,
-    fp32_logits,
-    fp32_output_gemm_applies,
-    operand_dtype,
-    stacked_contexts,
-    workspace_chunk,
-    workspace_divergence,
-)
+from .divergence import DivergenceBackend, chunk_logits, device_workspace, workspace_chunk, workspace_divergence
 
 try:
     import triton
@@ -171,26 +161,21 @@ def fused_replay_divergence(
         raise RuntimeError("The triton backend needs Triton: pip install 'trl-mrtpo[kernels]'.")
     if not (hidden_all.is_cuda or interpreting()):
         raise ValueError("The triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU).")
-    num_removed, num_tokens, hidden_size = hidden_removed.shape
+    num_removed, num_tokens = hidden_removed.shape[:2]
     vocab = lm_head_weight.shape[0]
     out = torch.empty(num_removed, num_tokens, dtype=torch.float32, device=hidden_all.device)
     if num_tokens == 0:
         return out
     chunk = chunk_size or workspace_chunk(device_workspace(hidden_all.device), vocab, num_removed + 1)
-    stacked = stacked_contexts(hidden_all, hidden_removed, operand_dtype(hidden_all, lm_head_weight))
-    weight_t = lm_head_weight.t()
-    fp32_weight_t = None if fp32_output_gemm_applies(stacked, weight_t) else weight_t.float()  # once per call
     meta = {
         "HAS_SOFTCAP": softcap is not None,
         "CONTEXTS": triton.next_power_of_2(num_removed + 1),
         "BLOCK_V": block_v(vocab),
         "num_warps": NUM_WARPS,
     }
-    bias = fp32_bias(lm_head_bias, stacked.device)
-    for start in range(0, num_tokens, chunk):
-        rows = stacked[start : start + chunk].reshape(-1, hidden_size)
-        logits = fp32_logits(rows, weight_t, bias, 1.0, fp32_weight_t)  # z + b; f(z) in the kernel
-        tokens = rows.shape[0] // (num_removed + 1)
+    # z + b from the GEMM; f(z) in the kernel
+    for start, logits in chunk_logits(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, 1.0, chunk):
+        tokens = logits.shape[0] // (num_removed + 1)
         _js_rows_kernel[(tokens,)](
             logits, logits.stride(0), out[:, start:], num_tokens, num_removed, vocab,
             float(softcap or 1.0), 1.0 / temperature, **meta,
