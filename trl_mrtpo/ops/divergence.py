@@ -171,30 +171,23 @@ def fp32_output_gemm_applies(rows: torch.Tensor, weight: torch.Tensor) -> bool:
     return rows.is_cuda and torch.cuda.get_device_capability(rows.device) >= (8, 0)
 
 
-def fp32_bias(lm_head_bias: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The bias :func:`fp32_logits` takes, made once per call: fp32, or a 0-d zero when the head has none."""
-    return torch.zeros((), device=device) if lm_head_bias is None else lm_head_bias.float()
-
-
 def fp32_logits(
-    rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, scale: float, fp32_weight_t=None
+    rows: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, scale: float, fp32_weight_t: torch.Tensor | None
 ) -> torch.Tensor:
     """``scale * (rows @ weight_t + bias)`` in fp32, never rounded to the operands' dtype (step 4's logits); ``bias``
-    from :func:`fp32_bias`.
+    fp32, or 0-d when the head has none.
 
     Where :func:`fp32_output_gemm_applies`, one cuBLAS GEMM of the operands as they are (fp32 accumulation and output)
     as ``torch.mm(..., out_dtype=torch.float32)``, the form TRL and Liger call (torch 2.11's ``addmm`` refuses
     ``out_dtype`` beside ``beta`` and ``alpha``), then the bias and the scale in place; elsewhere an fp32 GEMM of the
-    rows upcast and ``fp32_weight_t`` (the weight upcast once per call by the caller; ``weight_t`` itself when it is
-    fp32), the bias and the scale in its epilogue."""
-    beta = scale if bias.dim() else 0.0
+    rows upcast and ``fp32_weight_t`` (the weight upcast once per call by the caller), with the bias and the scale in
+    its epilogue."""
     if fp32_output_gemm_applies(rows, weight_t):
         logits = torch.mm(rows, weight_t, out_dtype=torch.float32)
         if bias.dim():
             logits.add_(bias)
         return logits.mul_(scale) if scale != 1.0 else logits
-    weight_t = weight_t if fp32_weight_t is None else fp32_weight_t
-    return torch.addmm(bias, rows.float(), weight_t.float(), beta=beta, alpha=scale)
+    return torch.addmm(bias, rows.float(), fp32_weight_t, beta=scale if bias.dim() else 0.0, alpha=scale)
 
 
 def softcapped_(logits: torch.Tensor, softcap: float | None, temperature: float) -> torch.Tensor:
@@ -229,18 +222,15 @@ def chunk_logits(
     scale: float,
     chunk: int,
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(first token, [n (M + 1), V] fp32 logits)`` per chunk of ``chunk`` tokens, each token's ``M + 1`` rows
-    consecutive (``P_all``'s, then the removed contexts'): the GEMM of the device rule and of the Triton kernel.
-
-    The contexts are stacked once as ``[N, M + 1, H]`` in the weight's dtype (fp32 when the hidden states are in
-    another: they are never rounded down to a lower-precision head); the weight is upcast once per call where
-    :func:`fp32_output_gemm_applies` does not. The generator keeps no chunk alive between yields."""
+    """``(first token, [n (M + 1), V] fp32 logits)`` per chunk, each token's ``P_all`` row then its removed contexts':
+    the GEMM of the device rule and of the Triton kernel. Hidden states are never rounded down to a lower-precision
+    head; the weight is upcast once per call where needed; no chunk stays alive between yields."""
     hidden_size = lm_head_weight.shape[1]
     dtype = lm_head_weight.dtype if hidden_all.dtype == lm_head_weight.dtype else torch.float32
     stacked = torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1).to(dtype)
     weight_t = lm_head_weight.t()
-    fp32_weight_t = None if fp32_output_gemm_applies(stacked, weight_t) else weight_t.float()
-    bias = fp32_bias(lm_head_bias, stacked.device)
+    fp32_weight_t = None if fp32_output_gemm_applies(stacked, weight_t) else weight_t.float()  # a copy if not fp32
+    bias = torch.zeros((), device=stacked.device) if lm_head_bias is None else lm_head_bias.float()
     for start in range(0, stacked.shape[0], chunk):
         yield start, fp32_logits(stacked[start : start + chunk].reshape(-1, hidden_size), weight_t, bias, scale,
                                  fp32_weight_t)  # fmt: skip
