@@ -217,6 +217,7 @@ class CheckpointedState:
                         "loader (torch.load(weights_only=True)) cannot read back: keep tensors, numbers, strings, "
                         "None, and lists or dicts of them."
                     )
+            raise ValueError(f"the safe loader cannot read back MRTPO's state identity {self.identity!r:.200}.")
         return payload
 
     def read(self, checkpoint: str, process_index: int) -> None:

@@ -79,8 +79,11 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
             trainer.reward_func_names, trainer.reward_weights.tolist(), trainer.info_block_builders
         )
     ]
+    agent = []
     if getattr(trainer, "tools", None):  # a tool-calling run: its environments, tools and template
         from .trajectories import agent_card_lines
+
+        agent = agent_card_lines(trainer)
     return ModelCard.from_template(
         card_data,
         template_path=str(resources.files("trl_mrtpo").joinpath("templates/mrtpo_model_card.md")),
@@ -97,7 +100,7 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         trainer_citation=trainer._paper["citation"],
         credit_assignment=trainer.args.credit_assignment,
         settings=settings_lines(trainer.args),
-        agent=agent_card_lines(trainer) if getattr(trainer, "tools", None) else [],
+        agent=agent,
         rewards=rewards,
         recipe=trainer.recipe,
         wandb_url=_wandb_url(),

@@ -186,9 +186,7 @@ def agent_card_lines(trainer) -> list[str]:
     """What a tool-calling run's card names: its environments, the tools the model was offered, and the chat template
     (by the name TRL ships it under, when it is one of TRL's)."""
     factories = getattr(trainer, "environment_factories", None) or {}
-    tools = getattr(trainer, "tools", None) or []
-    if not factories and not tools:
-        return []
+    tools = trainer.tools
     lines = []
     if factories:
         names = sorted({getattr(factory, "__name__", type(factory).__name__) for factory in factories.values()})

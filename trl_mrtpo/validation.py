@@ -441,7 +441,7 @@ def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: An
             continue
         try:
             parameters = inspect.signature(func).parameters.values()
-        except (TypeError, ValueError):  # a model, a hub id, or a callable without a signature to read
+        except (TypeError, ValueError):  # a callable without a signature to read
             continue
         keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         required = [p.name for p in parameters if p.kind in keyword and p.default is inspect.Parameter.empty]
@@ -485,10 +485,10 @@ def check_environment_arguments(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _reset_refusal(environment: Any, observation: Any, multimodal: bool) -> str:
+def _reset_refusal(environment: str, returned: str, multimodal: bool) -> str:
+    """The refusal of what ``environment``'s ``reset()`` returned (``returned``: its type, and its value if known)."""
     return (
-        f"{type(environment).__name__}.reset() returned {type(observation).__name__} {observation!r:.60}; it "
-        "returns None or the text appended to the prompt's last message"
+        f"{environment}.reset() returned {returned}; it returns None or the text appended to the prompt's last message"
         + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
     )
 
@@ -500,7 +500,8 @@ def check_observations(rows: Sequence[dict], prompts: Sequence[Any], environment
         own = row.get("prompt")
         given_parts = isinstance(own, list) and bool(own) and isinstance(own[-1].get("content"), list)
         if isinstance(prompt, list) and prompt and isinstance(prompt[-1].get("content"), list) and not given_parts:
-            raise TypeError(_reset_refusal(environment, prompt[-1]["content"][1:], multimodal=False))
+            parts = prompt[-1]["content"][1:]
+            raise TypeError(_reset_refusal(type(environment).__name__, f"list {parts!r:.60}", multimodal=False))
 
 
 def reset_refusal(error: TypeError, environments: Sequence[Any], multimodal: bool) -> str | None:
@@ -513,8 +514,4 @@ def reset_refusal(error: TypeError, environments: Sequence[Any], multimodal: boo
     if appended is None:
         return None
     classes = sorted({type(environment).__name__ for environment in environments or ()}) or ["the environment"]
-    return (
-        f"{' or '.join(classes)}.reset() returned {appended[1]}; it returns None or the text appended to the prompt's "
-        "last message"
-        + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
-    )
+    return _reset_refusal(" or ".join(classes), appended[1], multimodal)

@@ -104,13 +104,14 @@ def train_adapter(output: Path, num: int = 64, epochs: float = 2.0, seed: int = 
     from trl import SFTConfig, SFTTrainer
 
     from .embedded import embedded_model_path
+    from .train import chat_template
 
     torch.manual_seed(seed)
     rows = demonstrations(num, seed)
     base = embedded_model_path()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    template = Path(trl.__file__).parent / "chat_templates" / "qwen3_training.jinja"
-    tokenizer.chat_template = template.read_text()  # generation markers: the loss on the assistant's tokens only
+    # TRL's, with generation markers: the loss on the assistant's tokens only
+    tokenizer.chat_template = chat_template("qwen3_training")
     args = SFTConfig(
         output_dir=str(output / "run"),
         num_train_epochs=epochs,

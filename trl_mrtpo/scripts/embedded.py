@@ -87,15 +87,16 @@ def embedded_agent_path() -> str:
         if (target / "adapter.sha256").read_text() == stamp:
             return str(target)
     import torch
-    import trl
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .train import chat_template
 
     base = embedded_model_path()
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, str(AGENT_ADAPTER)).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(base)
-    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    tokenizer.chat_template = chat_template("qwen3")  # TRL's, as a recipe's chat_template_path names it
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
