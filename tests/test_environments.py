@@ -155,18 +155,7 @@ def test_get_reward_that_is_none_for_every_rollout_is_warned_about_once(tokenize
 
 
 def test_a_reward_looking_method_without_get_reward_is_warned_about(tokenizer, tmp_path):
-    class Scorer:
-        def reset(self, **kwargs):
-            return None
-
-        def lookup(self, city: str) -> str:
-            """Look up the code of a city.
-
-            Args:
-                city: the city's name.
-            """
-            return f"The code of {city} is 42."
-
+    class Scorer(Atlas):
         def reward(self) -> float:
             """The reward of this rollout (meant as get_reward).
 

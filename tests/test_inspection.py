@@ -210,26 +210,35 @@ def test_verdicts_by_hand():
     )
 
 
-def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, capsys):
-    """`trl-mrtpo inspect --config` reads the recipe `train` reads: its model, its own rewards and info blocks by
-    dotted path, its data (a mixture); prints one verdict per reward and writes the heatmap."""
+def tiny_recipe(tmp_path, tokenizer, num_prompts: int, rewards: str):
+    """A recipe of a tiny model saved in ``tmp_path``, ``rewards`` (its YAML lines) and a JSONL of colour prompts."""
     import json
 
     from tests.conftest import build_tiny_model
-    from trl_mrtpo.scripts.cli import main
 
     model_dir = tmp_path / "tiny"
-    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
-    tiny_tokenizer.save_pretrained(model_dir)
+    build_tiny_model(tokenizer).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
     data = tmp_path / "data.jsonl"
-    rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(3)]
+    rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(num_prompts)]
     data.write_text("\n".join(map(json.dumps, rows)))
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        f"model_name_or_path: {model_dir}\n"
+    datasets = f"datasets:\n  - path: json\n    data_files: {data}\n    split: train\n"
+    recipe.write_text(f"model_name_or_path: {model_dir}\n{rewards}{datasets}")
+    return recipe
+
+
+def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, capsys):
+    """`trl-mrtpo inspect --config` reads the recipe `train` reads: its model, its own rewards and info blocks by
+    dotted path, its data (a mixture); prints one verdict per reward and writes the heatmap."""
+    from trl_mrtpo.scripts.cli import main
+
+    recipe = tiny_recipe(
+        tmp_path,
+        tiny_tokenizer,
+        3,
         "reward_funcs: [tests.test_inspection.says_red, trl_mrtpo.kits.basic.lowercase_reward]\n"
-        "info_blocks: [tests.test_inspection.red_block, none]\n"
-        f"datasets:\n  - path: json\n    data_files: {data}\n    split: train\n"
+        "info_blocks: [tests.test_inspection.red_block, none]\n",
     )
     main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "6",
           "--output", str(tmp_path / "credit.html"), "--threads", "1"])  # fmt: skip
@@ -360,25 +369,16 @@ def test_inspect_gives_the_q_training_gives_on_the_same_responses(tmp_path, tiny
 def test_inspect_config_replays_with_the_recipes_separator(tmp_path, tiny_tokenizer, monkeypatch):
     """The contexts inspect --config replays are the training run's for the recipe: its info_block_separator joins
     the appended blocks (they were joined with the default blank line)."""
-    import json
-
-    from tests.conftest import build_tiny_model
     from trl_mrtpo import MRTPOTrainer
     from trl_mrtpo.scripts.cli import main
 
-    model_dir = tmp_path / "tiny"
-    build_tiny_model(tiny_tokenizer).save_pretrained(model_dir)
-    tiny_tokenizer.save_pretrained(model_dir)
-    data = tmp_path / "data.jsonl"
-    rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(2)]
-    data.write_text("\n".join(map(json.dumps, rows)))
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(
-        f"model_name_or_path: {model_dir}\n"
+    recipe = tiny_recipe(
+        tmp_path,
+        tiny_tokenizer,
+        2,
         "reward_funcs: [tests.test_inspection.says_red, tests.test_inspection.says_red]\n"
         "info_blocks: [tests.test_inspection.red_block, tests.test_inspection.red_block]\n"
-        "info_block_separator: ' || '\n"
-        f"datasets:\n  - path: json\n    data_files: {data}\n    split: train\n"
+        "info_block_separator: ' || '\n",
     )
     contexts = []
     replay_record = MRTPOTrainer._replay_record
