@@ -205,7 +205,7 @@ def decide_auto(table: Path, decision: Path, tokens: int = 0, hidden: int = 0, d
         if device == "cuda":
             import torch
 
-            from trl_mrtpo.ops.divergence import device_workspace, workspace_chunk
+            from trl_mrtpo.ops.device_rule import device_workspace, workspace_chunk
 
             workspace = device_workspace(torch.device("cuda"))
             result["torch_peak_over_model"] = {}

@@ -2,7 +2,7 @@
 the recipes' scales.
 
 The replay runs after generation, without gradients, between TRL's generation and its loss; its peak beyond the
-model's weights is (docs/method.md step 4; ``trl_mrtpo.replay``, ``trl_mrtpo.ops.divergence``):
+model's weights is (docs/method.md step 4; ``trl_mrtpo.replay``, ``trl_mrtpo.ops``):
 
 - **kept states**: the last hidden states of every replayed sequence's completion tokens, held until the JS
   (``sequences x completion x H`` in the model's dtype), plus the larger of
@@ -102,7 +102,7 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
     )
     contexts = replay.removed + 1
     if replay.workspace is not None:  # the device rule (CUDA): stacked hidden states, then one chunk's rows
-        from trl_mrtpo.ops.divergence import workspace_chunk
+        from trl_mrtpo.ops.device_rule import workspace_chunk
 
         tokens = replay.responses * replay.completion
         chunk = min(workspace_chunk(replay.workspace, shape.vocab, 3 * replay.removed + 1), tokens)
@@ -183,10 +183,10 @@ def _child(spec: str) -> None:
         contexts.append([prompt + blocks[0]] + [prompt + block for block in blocks[1:]])
         completions.append(ids(replay.completion))
     if replay.workspace is not None:  # the device rule, forced on CPU (fp32 weights: no CPU-only casts)
-        from trl_mrtpo.ops import divergence
+        from trl_mrtpo.ops import device_rule, divergence
 
         divergence._DEVICE_RULE_ON_CPU = True
-        divergence.device_workspace = lambda device: replay.workspace
+        device_rule.device_workspace = lambda device: replay.workspace
     # one tiny replay first: lazy imports and first-call allocations are not the replay's peak
     replay_relevance(model, [[prompt[:4] + ids(2), prompt[:4] + ids(2)]], [ids(2)], 1.0, batch_size=replay.batch)
     before = _resident("VmRSS")

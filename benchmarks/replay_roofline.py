@@ -2,7 +2,7 @@
 
 For a 64 x 1,024-token batch with K = 3 removed contexts and 1/16 of the device's memory as workspace:
 
-- the torch device rule (``ops.divergence.workspace_divergence``): run on ``meta`` tensors; every aten operator's
+- the torch device rule (``ops.device_rule.workspace_divergence``): run on ``meta`` tensors; every aten operator's
   bytes are counted as the sizes of its tensor inputs read plus its outputs written, and each GEMM's FLOPs;
 - the Triton kernel (``ops.triton_divergence``): its byte formula ``modelled_bytes`` (the GEMM's operands and fp32
   logits, the row kernel's two reads of them; tests hold the formula against the interpreter's loads);
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_mrtpo.ops.divergence import workspace_chunk, workspace_divergence
+from trl_mrtpo.ops.device_rule import workspace_chunk, workspace_divergence
 from trl_mrtpo.ops.triton_divergence import modelled_bytes
 
 HEADS = {"Qwen2.5-7B": (152_064, 3_584), "Qwen2.5-3B": (151_936, 2_048), "Llama-3.1-8B": (128_256, 4_096)}

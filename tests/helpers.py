@@ -253,15 +253,14 @@ class DistinctProfiles:
         return Relevance(relevance, replayed, bool(replayed.any()))
 
 
-class RecordingTerm:
-    """A run's step term, observed: ``record(batch, *args)`` is called in its place (it calls the term and keeps
-    what it returned); every other attribute is the term's."""
+def observe_term(term, observe) -> None:
+    """``observe(batch, contribution)`` after each call of a run's ``term``: this instance's class becomes a subclass
+    whose ``__call__`` calls the term's, then ``observe`` (the trainer's guard adapter holds the instance itself)."""
+    cls = type(term)
 
-    def __init__(self, term, record):
-        self.term, self.record = term, record
+    def call(self, batch, *args):
+        contribution = cls.__call__(self, batch, *args)
+        observe(batch, contribution)
+        return contribution
 
-    def __call__(self, batch, *args):
-        return self.record(batch, *args)
-
-    def __getattr__(self, name):
-        return getattr(self.term, name)
+    term.__class__ = type(f"Observed{cls.__name__}", (cls,), {"__call__": call})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from tests.helpers import RecordingTerm, RecordingTrainer, make_args
+from tests.helpers import RecordingTrainer, make_args, observe_term
 from tests.reference import reference_process_advantages, reference_step_credit_advantages
 from trl_mrtpo.steps.process_rewards import token_positions
 from trl_mrtpo.utils import completion_text
@@ -228,10 +228,9 @@ def recording_step_rules(trainer, tokenizer) -> list[dict]:
     """Wrap the run's step term: per generation, what it computed (``process``, ``failure_suffix``) and the
     reference's view of the batch, each row's ``(score, last token)`` steps of :func:`turn_scores` and the token of
     :func:`first_turn`'s boundary, placed by hand (a turn ends on its last token)."""
-    records, step_credit = [], trainer.credit_terms["steps"]
+    records = []
 
-    def recording(batch, *args):
-        credit, means = step_credit(batch, *args)
+    def recording(batch, credit):
         steps, boundaries = [], []
         for view, ids, text, scored in zip(
             batch.views, batch.completion_ids, batch.completions, turn_scores(batch.completions, batch.views)
@@ -243,10 +242,17 @@ def recording_step_rules(trainer, tokenizer) -> list[dict]:
             else:
                 steps.append([(score, turn.tokens[1] - 1) for turn, score in scored])
                 boundaries.append(view.turns[0].tokens[1] - 1)
-        records.append({**credit, "steps": steps, "boundaries": boundaries, "views": batch.views})
-        return credit, means
+        records.append(
+            {
+                "process": credit.process,
+                "failure_suffix": credit.failure_suffix,
+                "steps": steps,
+                "boundaries": boundaries,
+                "views": batch.views,
+            }
+        )
 
-    trainer.credit_terms["steps"] = RecordingTerm(step_credit, recording)
+    observe_term(trainer.credit_terms["steps"], recording)
     return records
 
 

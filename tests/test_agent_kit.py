@@ -9,7 +9,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from tests.helpers import RecordingTerm
+from tests.helpers import observe_term
 from tests.test_agent_credit import tool_tokenizer
 from trl_mrtpo import _trl
 from trl_mrtpo.kits import get_kit
@@ -220,14 +220,10 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
         train_dataset=Dataset.from_list([row] * 4),
         processing_class=tokenizer,
     )
-    step_credit = trainer.credit_terms["steps"]
-
-    def recording(batch, *args):
-        credit, means = step_credit(batch, *args)
-        recorded.append((batch, credit["failure_suffix"], credit["process"]))
-        return credit, means
-
-    trainer.credit_terms["steps"] = RecordingTerm(step_credit, recording)
+    observe_term(
+        trainer.credit_terms["steps"],
+        lambda batch, credit: recorded.append((batch, credit.failure_suffix, credit.process)),
+    )
     trainer.train()
     ((batch, suffix, process),) = recorded
     views = [trajectory(c, m) for c, m in zip(batch.completions, batch.output["tool_mask"].tolist())]
@@ -291,7 +287,7 @@ def test_a_character_offset_in_a_tool_rollout_is_refused_by_name():
     ],
 )
 def test_a_rollout_funcs_env_mask_that_does_not_fit_its_ids_is_refused_by_name(env_mask, message):
-    from trl_mrtpo.validation import checked_rollout
+    from trl_mrtpo.trajectories import checked_rollout
 
     def my_rollout(prompts, trainer):
         return {

@@ -13,7 +13,7 @@ from trl_mrtpo.finite_credit import NonFiniteCredit
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.relevance import Relevance, ReplayRelevance
-from trl_mrtpo.rules import CreditRule, CreditTerm, register_credit_rule, unregister_credit_rule
+from trl_mrtpo.rules import Contribution, CreditRule, CreditTerm, register_credit_rule, unregister_credit_rule
 
 
 class SpoiltQ:
@@ -102,8 +102,7 @@ class NanLogitsReplay(ReplayRelevance):
 
 
 def test_nan_logits_in_the_replay_are_refused_naming_the_replay(tiny_model, tiny_tokenizer, tmp_path):
-    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path)
-    trainer.relevance_provider = NanLogitsReplay()
+    trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, relevance_provider=NanLogitsReplay())
     message = refused(trainer, r"non-finite q \(NaN or inf\) from the replay, for reward")
     assert "logits are not finite" in message
 
@@ -127,7 +126,7 @@ class NanTerm(CreditTerm):
         if self.where == "add":
             process = torch.zeros(batch.mask.shape)
             process[2, 0] = float("nan")
-        return {"process": process, "failure_suffix": None}, []
+        return Contribution(process=process)
 
 
 @pytest.mark.parametrize(
@@ -312,10 +311,10 @@ class BadTerm(CreditTerm):
         if self.where == "container":
             return {"process": None, "failure_suffix": None}
         if self.where == "process":
-            return {"process": torch.zeros(B, C + 1), "failure_suffix": None}, []
+            return Contribution(process=torch.zeros(B, C + 1))
         if self.where == "suffix":
-            return {"process": None, "failure_suffix": torch.zeros(B, K, C)}, []
-        return {"process": None, "failure_suffix": None}, []
+            return Contribution(failure_suffix=torch.zeros(B, K, C))
+        return Contribution()
 
     def weigh(self, rewards, advantages, reward_weights, num_generations, training):
         if self.where == "weigh":
@@ -331,7 +330,7 @@ class BadTerm(CreditTerm):
     [
         (
             "container",
-            r"returned a dict; it returns \(\{'process': \.\.\., 'failure_suffix': \.\.\.\}, \[\(name, value",
+            r"returned a dict; it returns a Contribution \(trl_mrtpo.rules\)",
         ),
         ("process", r"process of shape \(8, 11\), expected \(8, 10\)"),
         ("suffix", r"failure_suffix of dtype torch.float32, expected bool"),

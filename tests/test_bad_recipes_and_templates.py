@@ -168,7 +168,6 @@ def test_inspect_config_uses_the_recipes_chat_template_environment_and_tools(tmp
         ("reward_weights", [1.0, NAN], r"reward_weights\[1\] must be a finite number"),
         ("reward_weights", [INF, 1.0], r"reward_weights\[0\] must be a finite number"),
         ("reward_weights", [1e39], r"reward_weights\[0\]=1e\+39 is beyond float32's range"),
-        ("credit_assignment", "token", "credit_assignment='token' is unknown"),
         ("reward_weighting", "mean", "reward_weighting='mean' is unknown"),
         ("concur_ceiling_mode", "soft", "concur_ceiling_mode must be one of"),
         ("replay_batch_size", 0, "replay_batch_size must be >= 1"),
@@ -192,15 +191,32 @@ def test_config_refuses(tmp_path, field, value, message):
         (dict(credit_assignment="mrtpo", cort_eta=0.5), "cort_eta=0.5 has no effect unless credit_assignment='cort'"),
         (dict(concur_ceiling=0.5), "concur_ceiling=0.5 has no effect unless reward_weighting='concur'"),
         (dict(taco_threshold=2.0), "taco_threshold=2.0 has no effect unless taco_strength > 0"),
+    ],
+)
+def test_an_option_that_would_do_nothing_is_refused(tmp_path, fields, message):
+    with pytest.raises(ValueError, match=message):
+        make_args(tmp_path, **fields)
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(credit_assignment="token"), "credit_assignment='token' is unknown"),
         (
             dict(credit_assignment="joint", reward_strength_floor=0.3),
             "reward_strength_floor=0.3 has no effect unless credit_assignment is one of mrtpo, shuffled",
         ),
     ],
 )
-def test_an_option_that_would_do_nothing_is_refused(tmp_path, fields, message):
+def test_what_a_configuration_asks_of_its_rule_is_refused_where_the_rule_is_resolved(tmp_path, fields, message):
+    """The configuration checks ranges and types only; the rule's name and what depends on the rule are checked
+    where the trainer (or the command) resolves it, before the model loads."""
+    from trl_mrtpo.rules import resolve_credit_rule
+    from trl_mrtpo.validation import check_credit_settings
+
+    args = make_args(tmp_path, **fields)
     with pytest.raises(ValueError, match=message):
-        make_args(tmp_path, **fields)
+        check_credit_settings(args, resolve_credit_rule(args))
 
 
 # ---------------------------------------------------------------- config field types: Python, command line, YAML
@@ -255,11 +271,13 @@ def test_an_integer_too_large_for_any_float_is_named(tmp_path, field, value, mes
 
 def test_the_train_command_refuses_a_bad_value_with_its_message_not_a_traceback(capsys):
     """``trl-mrtpo train`` with a value a configuration refuses (an unknown credit rule, a beta out of range): the
-    message, after the usage line, exit status 2, as argparse refuses a flag; not a traceback."""
+    message, after the usage line, exit status 2, as argparse refuses a flag, before the model loads; not a
+    traceback. A rule's import path that does not import is refused alike."""
     from trl_mrtpo.scripts.cli import main
 
     for flag, value, message in [
         ("--credit_assignment", "mrtop", "credit_assignment='mrtop' is unknown; choose one of mrtpo, gdpo, grpo"),
+        ("--credit_assignment", "no_such_pkg.Rule", "cannot import credit rule 'no_such_pkg.Rule'"),
         ("--credit_beta", "2", "credit_beta must be in [0, 1], got 2.0."),
     ]:
         with pytest.raises(SystemExit) as stopped:

@@ -9,11 +9,13 @@ import torch
 
 from tests.helpers import make_args, train
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, STATE_VERSION, read_credit_state
+from trl_mrtpo.credit_state import STATE_VERSION, read_credit_state
+from trl_mrtpo.diagnostics import collapse_streaks_problem
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.research.trainer import RESEARCH_STATE_ENTRIES
+from trl_mrtpo.research.rules import RESEARCH_STATE_ENTRIES
 from trl_mrtpo.scripts.inspection import sample_credit
+from trl_mrtpo.strength import specificity_problem
 
 # ---------------------------------------------------------------- checkpoint state
 IDENTITY = {
@@ -23,20 +25,39 @@ IDENTITY = {
     "concur_primary": 0,
 }
 
-STATE_ENTRIES = {**CORE_STATE_ENTRIES, **RESEARCH_STATE_ENTRIES}  # a research run's checkpoint: every entry
+# a research run's checkpoint: every part that keeps state, by the name the file and the errors give it
+STATE_ENTRIES = {
+    "the collapse monitor": {"collapse_streaks": collapse_streaks_problem},
+    "per-reward strength": {"reward_specificity": specificity_problem},
+    "the credit rule 'shuffled'": {"shuffle_generator": RESEARCH_STATE_ENTRIES["shuffle_generator"]},
+    "the term 'reward_weighting'": {"concur_trust": RESEARCH_STATE_ENTRIES["concur_trust"]},
+}
 
 
-def _state(**changes):
-    state = {
-        "version": STATE_VERSION,
-        **IDENTITY,
+def _entries(**changes) -> dict:
+    return {
         "concur_trust": {},
         "shuffle_generator": torch.Generator().get_state(),
         "collapse_streaks": {},
         "reward_specificity": torch.zeros(2, dtype=torch.float64),
+        **changes,
     }
-    state.update(changes)
-    return state
+
+
+def _state(**changes):
+    """The research run's state file, with ``changes`` to its version, its identity or its entries (an entry no part
+    declares goes under per-reward strength)."""
+    top = {key: changes.pop(key) for key in ("version", "release", "generation_buffer") if key in changes}
+    run = {key: changes.pop(key, value) for key, value in IDENTITY.items()}
+    entries = _entries(**changes)
+    parts = {part: {entry: entries.pop(entry) for entry in checks} for part, checks in STATE_ENTRIES.items()}
+    parts["per-reward strength"].update(entries)
+    return {"version": STATE_VERSION, **top, "run": run, "parts": parts}
+
+
+def _flat_state(version: int, **changes):
+    """A version 4 or 5 file: the identity and every part's entries in one dict."""
+    return {"version": version, **IDENTITY, **_entries(), **changes}
 
 
 class Foreign:
@@ -69,7 +90,7 @@ def test_bad_checkpoint_state_names_the_file(tmp_path, content, message):
 def test_good_checkpoint_state_loads(tmp_path):
     path = tmp_path / "mrtpo_state_0.pt"
     torch.save(_state(), path)
-    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_names"] == ["a", "b"]
+    assert set(read_credit_state(str(path), IDENTITY, STATE_ENTRIES)) == set(STATE_ENTRIES)
 
 
 def test_resuming_with_other_rewards_is_refused(tiny_model, tiny_tokenizer, tmp_path):
@@ -151,7 +172,8 @@ def test_a_checkpointed_strength_outside_its_range_is_refused_naming_the_file(va
     with pytest.raises(ValueError, match=rf"{path}: entry reward_specificity is .* \(each in \[0, 1\], or NaN"):
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
     torch.save(_state(reward_specificity=torch.tensor([0.2, float("nan")], dtype=torch.float64)), path)
-    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["reward_specificity"][0] == 0.2
+    read = read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    assert read["per-reward strength"]["reward_specificity"][0] == 0.2
 
 
 def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_model, tiny_tokenizer, tmp_path):
@@ -174,22 +196,32 @@ def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_
     assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()
 
 
-def test_a_version_4_state_is_read_without_its_generation_buffer(tmp_path, caplog):
-    """Version 4 held TRL's generation buffer, which the trainer leaves to TRL since version 5 (a resume inside a
-    buffer samples anew): its buffer is ignored with one logged line, the rest is read."""
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_version_4_or_5_state_is_read_into_its_parts(tmp_path, caplog, version):
+    """Versions 4 and 5 held every entry in one flat dict: each is read into the part that declares it (version 4's
+    generation buffer, which the trainer leaves to TRL since version 5, is ignored with one logged line)."""
     import logging
 
     from transformers.utils import logging as transformers_logging
 
     path = tmp_path / "mrtpo_state_0.pt"
-    torch.save(_state(version=4, generation_buffer={"step": 3, "processes": 1, "inputs": []}), path)
+    buffer = {"generation_buffer": {"step": 3, "processes": 1, "inputs": []}} if version == 4 else {}
+    trust = {"1": {"count": 3, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}
+    torch.save(_flat_state(version, concur_trust=trust, **buffer), path)
     transformers_logging.get_logger("trl_mrtpo").setLevel(logging.INFO)
     with caplog.at_level(logging.INFO):
         state = read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
-    assert "generation_buffer" not in state and state["version"] == STATE_VERSION == 5
-    assert [r.getMessage() for r in caplog.records if "generation buffer is ignored" in r.getMessage()]
-    torch.save(_state(version=3), path)
-    with pytest.raises(ValueError, match="has MRTPO state version 3, this release reads version 5"):
+    assert state["the term 'reward_weighting'"]["concur_trust"] == trust
+    assert state["the collapse monitor"] == {"collapse_streaks": {}}
+    ignored = [r.getMessage() for r in caplog.records if "generation buffer is ignored" in r.getMessage()]
+    assert len(ignored) == (version == 4)
+    torch.save(_flat_state(5, stray=1), path)
+    with pytest.raises(ValueError, match="holds the entry stray"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    torch.save(_flat_state(3), path)
+    with pytest.raises(
+        ValueError, match=f"has MRTPO state version 3, this release reads versions 5 and {STATE_VERSION}"
+    ):
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
 
 
@@ -207,7 +239,9 @@ def test_good_input_of_every_checked_family_passes(tmp_path):
     path = tmp_path / "mrtpo_state_0.pt"
     trust = {"1": {"count": 3, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}
     torch.save(_state(concur_trust=trust, collapse_streaks={"a": 2}), path)
-    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["concur_trust"] == trust
+    assert (
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["the term 'reward_weighting'"]["concur_trust"] == trust
+    )
     assert math.isfinite(checked_steps([(0, 1, 3e38)], "p", 0, "ab")[0].score)
     Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}]}])
 
@@ -261,18 +295,20 @@ def test_an_entry_declared_but_never_written_is_refused_when_written(tmp_path):
         state.write(str(tmp_path), 0)
 
 
-@pytest.mark.parametrize("taken", ["reward_specificity", "memo", "version", "reward_names"])
-def test_entry_names_are_owned(taken):
-    """Two parts writing one entry overwrote each other (checkpointed (1, 200), restored (201, 300))."""
+def test_two_parts_may_name_an_entry_alike():
+    """Each part's entries are its own (the file is namespaced by part): two parts that both keep a ``count``, or an
+    entry named like the file's own keys, round-trip apart (in one flat dict they overwrote each other)."""
+    import io
+
     from trl_mrtpo.credit_state import CheckpointedState
 
-    parts = {  # the core's parts first, as the trainer orders them
-        "per-reward strength": Part({"reward_specificity": accept}, {}),
-        "the term 'memo'": Part({"memo": accept}, {"memo": 1}),
-        "the term 'other'": Part({taken: accept}, {}),
-    }
-    with pytest.raises(ValueError, match=rf"the state entry '{taken}' of the term 'other' is also"):
-        CheckpointedState(RUN, parts)
+    first, second = (
+        Part({"count": accept, "version": accept}, {"count": 1, "version": "a"}),
+        Part({"count": accept}, {"count": 2}),
+    )
+    payload = CheckpointedState(RUN, {"the term 'first'": first, "the term 'second'": second}).serialised()
+    parts = torch.load(io.BytesIO(payload), weights_only=True)["parts"]
+    assert parts == {"the term 'first'": {"count": 1, "version": "a"}, "the term 'second'": {"count": 2}}
 
 
 def test_a_state_written_by_a_newer_release_says_to_upgrade(tmp_path):
@@ -310,8 +346,7 @@ class Unsaveable(MRTPOTrainer):
     """A run whose MRTPO state holds a value the safe loader cannot read back (a rule's numpy array, say)."""
 
     def _stateful(self):
-        parts = super()._stateful()
-        return {**parts, "the term 'memo'": Part({"memo": accept}, {"memo": np.zeros(2)})}
+        return {**super()._stateful(), "the term 'memo'": Part({"memo": accept}, {"memo": np.zeros(2)})}
 
 
 def test_a_checkpoint_is_not_written_without_mrtpo_state(tiny_model, tiny_tokenizer, tmp_path):

@@ -13,16 +13,18 @@ import torch
 
 from tests.helpers import RecordingTrainer, make_args
 from tests.reference import reference_step_credit_advantages, reference_token_advantages
-from trl_mrtpo import MRTPOConfig
+from trl_mrtpo import MRTPOConfig, MRTPOTrainer
 from trl_mrtpo.credit import replayed_token_weights
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.relevance import Relevance
 from trl_mrtpo.rules import (
+    Contribution,
     CreditRule,
     CreditTerm,
     credit_rule_names,
     register_credit_rule,
+    resolve_credit_rule,
     unregister_credit_rule,
 )
 from trl_mrtpo.scripts.inspection import sample_credit
@@ -60,7 +62,7 @@ class LaterTokens(CreditTerm):
 
     def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
         positions = torch.arange(batch.mask.shape[1], dtype=torch.float32, device=batch.mask.device)
-        return {"process": 0.05 * positions * batch.mask, "failure_suffix": None}, [("later_tokens", 1.0)]
+        return Contribution(process=0.05 * positions * batch.mask, logged=[("later_tokens", 1.0)])
 
 
 @pytest.fixture
@@ -142,7 +144,7 @@ def test_a_rules_state_is_checkpointed_and_restored(tiny_tokenizer, tmp_path, sq
         save_steps=1,
     )
     state = torch.load(tmp_path / "checkpoint-1" / "mrtpo_state_0.pt", weights_only=True)
-    assert state["squared_batches"] == 1
+    assert state["parts"]["the credit rule 'squared'"]["squared_batches"] == 1
     resumed = run(
         build_tiny_model(tiny_tokenizer),
         tiny_tokenizer,
@@ -153,9 +155,14 @@ def test_a_rules_state_is_checkpointed_and_restored(tiny_tokenizer, tmp_path, sq
     assert resumed.credit_rule.batches == 2  # one restored, one weighed after the resume
 
 
-def test_an_unknown_rule_is_refused_by_name(tmp_path):
+def test_an_unknown_rule_is_refused_by_name_before_the_model_loads(tmp_path):
+    """The configuration is plain (any name); the trainer resolves the name first, before it loads the model (a
+    model id that does not exist would fail to load after)."""
+    args = make_args(tmp_path, credit_assignment="sqaured")
     with pytest.raises(ValueError, match="credit_assignment='sqaured' is unknown; choose one of mrtpo, gdpo, grpo"):
-        make_args(tmp_path, credit_assignment="sqaured")
+        resolve_credit_rule(args)
+    with pytest.raises(ValueError, match="credit_assignment='sqaured' is unknown"):
+        MRTPOTrainer(model="no-such-org/no-such-model", reward_funcs=[lambda completions, **kw: [0.0]], args=args)
     with pytest.raises(TypeError, match="must be a CreditRule subclass"):
         register_credit_rule("bad", object)
     with pytest.raises(ValueError, match="'blind' reads relevance but replays nothing"):
@@ -257,9 +264,11 @@ def test_a_checkpoint_entry_this_runs_rule_and_terms_do_not_write_is_refused(tin
     research_run()
     path = tmp_path / "checkpoint-1" / "mrtpo_state_0.pt"
     state = torch.load(path, weights_only=True)
-    assert "shuffle_generator" not in state
+    strength = state["parts"]["per-reward strength"]
+    assert "shuffle_generator" not in strength
     for entry, value in (("shuffle_generator", torch.Generator().get_state()), ("stray", 1)):
-        torch.save({**state, entry: value}, path)
+        parts = {**state["parts"], "per-reward strength": {**strength, entry: value}}
+        torch.save({**state, "parts": parts}, path)
         with pytest.raises(ValueError, match=f"holds the entry {entry} "):
             research_run(resume=str(tmp_path / "checkpoint-1"))
 
@@ -328,17 +337,18 @@ def test_two_terms_that_replace_steps_6_to_8_are_refused(tiny_model, tiny_tokeni
 
 def test_a_registered_rule_is_chosen_from_the_command_line(tmp_path, squared_rule):
     """A script that registers a rule and parses its flags as TRL's scripts do (``TrlParser``) can choose it: the
-    parser does not fix the choices when the configuration class is made; ``__post_init__`` checks the name."""
+    parser does not fix the choices when the configuration class is made; the name is resolved as the trainer does."""
     from trl import TrlParser
 
     (config,) = TrlParser((MRTPOConfig,)).parse_args_into_dataclasses(
         ["--output_dir", str(tmp_path), "--credit_assignment", squared_rule, "--use_cpu", "true"]
     )
-    assert config.credit_assignment == "squared"
+    assert resolve_credit_rule(config) is SquaredRelevance
+    (config,) = TrlParser((MRTPOConfig,)).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--credit_assignment", "sqaured", "--use_cpu", "true"]
+    )
     with pytest.raises(ValueError, match="'sqaured' is unknown; choose one of mrtpo, gdpo, grpo, squared"):
-        TrlParser((MRTPOConfig,)).parse_args_into_dataclasses(
-            ["--output_dir", str(tmp_path), "--credit_assignment", "sqaured", "--use_cpu", "true"]
-        )
+        resolve_credit_rule(config)
 
 
 RULE_MODULE = """
@@ -356,46 +366,35 @@ class Sharpened(CreditRule):
 """
 
 
-def test_a_recipes_rule_by_import_path_is_resolved_by_the_command(tmp_path, monkeypatch):
-    """As TRL's script resolves ``reward_funcs``, ``trl-mrtpo train`` and ``inspect --config`` resolve a recipe's
-    ``credit_assignment`` import path, from the working directory too, and register it under that path; the path
-    resolved again after its module changed holds the new class. ``MRTPOConfig`` takes registered names only: a
-    dotted path given in Python is refused, naming ``register_credit_rule``."""
+def test_a_rule_by_import_path_is_resolved_each_time(tmp_path, monkeypatch):
+    """As TRL's script resolves ``reward_funcs``, a ``credit_assignment`` import path is imported (from the working
+    directory too) where the trainer or the command resolves it, and registers nothing: the path resolved again
+    after its module changed holds the new class."""
     import importlib
     import sys
 
-    from trl_mrtpo.rules import registered_rules
     from trl_mrtpo.scripts.train import parse_recipe
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rules.py").write_text(RULE_MODULE.format(power=2))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("task: basic\ncredit_assignment: my_rules.Sharpened\nuse_cpu: true\n")
-    with pytest.raises(ValueError, match=r"'my_rules.Sharpened' is an import path.*register_credit_rule"):
-        make_args(tmp_path, credit_assignment="my_rules.Sharpened")
     try:
         parsed = parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
         assert parsed[1].credit_assignment == "my_rules.Sharpened"
-        assert registered_rules()["my_rules.Sharpened"].rule.power == 2
-        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])  # once more: the same class
-        # the module edited (in a notebook: edit, reload), the command resolves the path to the new class
+        assert resolve_credit_rule(parsed[1]).power == 2
+        # the module edited (in a notebook: edit, reload), the path resolves to the new class
         (tmp_path / "my_rules.py").write_text(RULE_MODULE.format(power=3))
         sys.modules.pop("my_rules", None)
         importlib.invalidate_caches()
-        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out"), "--credit_assignment",
-                      "my_rules.Sharpened"])  # fmt: skip
-        assert registered_rules()["my_rules.Sharpened"].rule.power == 3
-        assert make_args(tmp_path, credit_assignment="my_rules.Sharpened").credit_assignment == "my_rules.Sharpened"
+        assert resolve_credit_rule(make_args(tmp_path, credit_assignment="my_rules.Sharpened")).power == 3
     finally:
-        unregister_credit_rule("my_rules.Sharpened")
         sys.modules.pop("my_rules", None)
-    recipe.write_text("task: basic\ncredit_assignment: tests.no_such_module.Rule\n")
+    assert "my_rules.Sharpened" not in credit_rule_names()
     with pytest.raises(ValueError, match=r"cannot import credit rule 'tests.no_such_module.Rule'"):
-        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
-    recipe.write_text("task: basic\ncredit_assignment: tests.helpers.make_args\n")
+        resolve_credit_rule(make_args(tmp_path, credit_assignment="tests.no_such_module.Rule"))
     with pytest.raises(TypeError, match="credit rule 'tests.helpers.make_args' must be a CreditRule subclass"):
-        parse_recipe(["--config", str(recipe), "--output_dir", str(tmp_path / "out")])
-    assert "tests.helpers.make_args" not in credit_rule_names()
+        resolve_credit_rule(make_args(tmp_path, credit_assignment="tests.helpers.make_args"))
 
 
 class SubtractedMean(CreditTerm):

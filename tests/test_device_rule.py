@@ -11,8 +11,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.reference import js_float64
+from trl_mrtpo.ops import device_rule as rule_module
 from trl_mrtpo.ops import divergence
-from trl_mrtpo.ops.divergence import workspace_chunk, workspace_divergence
+from trl_mrtpo.ops.device_rule import workspace_chunk, workspace_divergence
 
 
 @pytest.fixture
@@ -97,9 +98,9 @@ def test_the_device_rule_returns_k_by_zero_on_empty_input(device_rule):
 
 
 def test_the_out_dtype_gemm_exists_from_torch_2_8():
-    assert not divergence.out_dtype_gemm_exists("2.7.1+cu126") and not divergence.out_dtype_gemm_exists("2.6.0")
-    assert divergence.out_dtype_gemm_exists("2.8.0") and divergence.out_dtype_gemm_exists("2.11.0+cu130")
-    assert divergence.out_dtype_gemm_exists("2.9.0.dev20250701")
+    assert not rule_module.out_dtype_gemm_exists("2.7.1+cu126") and not rule_module.out_dtype_gemm_exists("2.6.0")
+    assert rule_module.out_dtype_gemm_exists("2.8.0") and rule_module.out_dtype_gemm_exists("2.11.0+cu130")
+    assert rule_module.out_dtype_gemm_exists("2.9.0.dev20250701")
 
 
 class RecordingGemms(TorchDispatchMode):
@@ -119,7 +120,7 @@ class RecordingGemms(TorchDispatchMode):
 def test_torch_before_2_8_never_reaches_out_dtype(monkeypatch, torch_version):
     """On a device that would take it (``meta`` stands for CUDA with capability >= 8), bf16 operands go to the
     fp32-output GEMM only where torch has it; before 2.8 the fallback (an fp32 GEMM of upcast operands) runs."""
-    monkeypatch.setattr(divergence, "_OUT_DTYPE_GEMM", divergence.out_dtype_gemm_exists(torch_version))
+    monkeypatch.setattr(rule_module, "_OUT_DTYPE_GEMM", rule_module.out_dtype_gemm_exists(torch_version))
     hidden_all = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
     hidden_removed = torch.empty(3, 64, 32, device="meta", dtype=torch.bfloat16)
     weight = torch.empty(1000, 32, device="meta", dtype=torch.bfloat16)

@@ -8,8 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mrtpo"
 ROOMS = ("steps", "observability", "baselines", "research", "gym", "kits", "scripts", "ops")
 CORE = {
-    "__init__", "_trl", "batch", "config", "constants", "credit", "credit_state", "diagnostics", "extension_outputs",
-    "finite_credit",
+    "__init__", "_trl", "batch", "config", "constants", "credit", "credit_state", "diagnostics", "finite_credit",
+    "guards",
     "hub_ids", "info_blocks", "model_card", "relevance", "replay", "rules", "strength", "trainer", "trajectories",
     "utils", "validation",
 }  # fmt: skip

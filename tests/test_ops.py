@@ -86,7 +86,7 @@ def test_the_kernel_backend_is_checked_at_start_up_and_runs_the_replay(
 ):
     """``divergence_backend="triton"`` (here a stand-in wrapping the torch path for the kernel's backend): its
     start-up check sees the real lm_head once, every replay runs it, and the advantages are the torch path's (bit
-    for bit); a backend that cannot run here is refused by the configuration with its own words; no other name is
+    for bit); a backend that cannot run here is refused at construction with its own words; no other name is
     taken (the backend is a choice, not a registry)."""
     import trl_mrtpo.ops.triton_divergence as triton_module
     from tests.helpers import RecordingTrainer, make_args
@@ -126,6 +126,6 @@ def test_the_kernel_backend_is_checked_at_start_up_and_runs_the_replay(
     assert torch.equal(advantages, train("torch"))
     monkeypatch.setattr(triton_module, "BACKEND", DivergenceBackend(compute, missing=lambda: "needs the absent extra"))
     with pytest.raises(ValueError, match="divergence_backend='triton' needs the absent extra"):
-        make_args(tmp_path, divergence_backend="triton")
+        train("triton")  # refused where the trainer resolves its settings, before the model is touched
     with pytest.raises(ValueError, match="divergence_backend must be one of auto, torch, triton, got 'wrapped'"):
         make_args(tmp_path, divergence_backend="wrapped")

@@ -41,8 +41,10 @@ def test_mrtpo_trainer_refuses_research_options(tiny_model, tiny_tokenizer, tmp_
 
 
 def test_the_core_configuration_names_the_research_room_for_its_modes(tmp_path):
+    from trl_mrtpo.rules import resolve_credit_rule
+
     with pytest.raises(ValueError, match="credit_assignment='cort' is unknown; .*trl_mrtpo.research.ResearchConfig"):
-        MRTPOConfig(str(tmp_path), credit_assignment="cort", use_cpu=True, bf16=False)
+        resolve_credit_rule(MRTPOConfig(str(tmp_path), credit_assignment="cort", use_cpu=True, bf16=False))
     with pytest.raises(TypeError, match="__init__\\(\\) got an unexpected keyword argument 'taco_strength'"):
         MRTPOConfig(str(tmp_path), taco_strength=0.5, use_cpu=True, bf16=False)
 

@@ -72,7 +72,9 @@ def test_the_default_lora_run_resumes_exactly_in_a_fresh_process(tmp_path, model
     checkpoint = tmp_path / "out" / "checkpoint-2"
     (report,) = train(tmp_path / "resumed", model_dir, tmp_path / "again", "--save_steps", "2",
                       "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
-    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["reward_specificity"]
+    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["parts"]["per-reward strength"][
+        "reward_specificity"
+    ]
     assert not saved.isnan().all()
     (restored,) = report["restored_specificity"]
     torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True)
@@ -101,7 +103,9 @@ def test_a_checkpoint_inside_a_generation_buffer_resumes_with_a_new_sample(tmp_p
     checkpoint = tmp_path / "out" / "checkpoint-3"
     (inside,) = train(tmp_path / "inside", model_dir, tmp_path / "inside-out", *extra,
                       "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
-    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["reward_specificity"]
+    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["parts"]["per-reward strength"][
+        "reward_specificity"
+    ]
     (restored,) = inside["restored_specificity"]
     torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True, rtol=0, atol=0)
     assert inside["global_step"] == 6 and len(generations(tmp_path / "inside")) == 2  # steps 4 and 6 sample
@@ -115,7 +119,9 @@ def test_a_resume_with_other_batch_settings_trains(tmp_path, model_dir, changed)
     checkpoint = tmp_path / "out" / "checkpoint-2"
     (report,) = train(tmp_path / "resumed", model_dir, tmp_path / "again", "--save_steps", "2", *changed,
                       "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
-    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["reward_specificity"]
+    saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["parts"]["per-reward strength"][
+        "reward_specificity"
+    ]
     (restored,) = report["restored_specificity"]
     torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True, rtol=0, atol=0)
     assert report["global_step"] == 4 and generations(tmp_path / "resumed")
@@ -129,7 +135,12 @@ def test_a_two_process_run_resumes_on_another_number_of_processes(tmp_path, mode
 
     train(tmp_path / "full", model_dir, tmp_path / "out", "--save_steps", "2", processes=2)
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    saved = [torch.load(checkpoint / f"mrtpo_state_{r}.pt", weights_only=True)["reward_specificity"] for r in (0, 1)]
+    saved = [
+        torch.load(checkpoint / f"mrtpo_state_{r}.pt", weights_only=True)["parts"]["per-reward strength"][
+            "reward_specificity"
+        ]
+        for r in (0, 1)
+    ]
     torch.testing.assert_close(saved[0], saved[1], equal_nan=True, rtol=0, atol=0)
     assert not saved[0].isnan().all()
     reports = train(tmp_path / "resumed", model_dir, tmp_path / "again", "--save_steps", "2",

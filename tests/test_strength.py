@@ -173,7 +173,8 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
     for replay in trainer.replays[1:]:
         assert not replay["replayed"][:, read].any()
     state = torch.load(tmp_path / "checkpoint-3" / "mrtpo_state_0.pt", weights_only=True)  # plain data only
-    torch.testing.assert_close(state["reward_specificity"], specificity, equal_nan=True)
+    saved = state["parts"]["per-reward strength"]["reward_specificity"]
+    torch.testing.assert_close(saved, specificity, equal_nan=True)
 
 
 def test_published_rule_with_floor_none(tiny_model, tiny_tokenizer, tmp_path):
@@ -193,27 +194,36 @@ def test_floor_range(tmp_path, floor):
 
 @pytest.mark.parametrize("mode", ["gdpo", "grpo"])
 def test_a_floor_that_would_do_nothing_is_refused(tmp_path, mode):
+    """Where the trainer resolves the rule, before the model loads (the configuration does not know the rules)."""
+    from trl_mrtpo.rules import resolve_credit_rule
+    from trl_mrtpo.validation import check_credit_settings
+
+    def check(**fields):
+        args = make_args(tmp_path, credit_assignment=mode, **fields)
+        check_credit_settings(args, resolve_credit_rule(args))
+        return args
+
     with pytest.raises(ValueError, match="reward_strength_floor=0.3 has no effect unless credit_assignment"):
-        make_args(tmp_path, credit_assignment=mode, reward_strength_floor=0.3)
+        check(reward_strength_floor=0.3)
     # the default (on) and None are accepted everywhere: the default must not refuse gdpo
     assert MRTPOConfig.__dataclass_fields__["reward_strength_floor"].default == 0.25
-    assert make_args(tmp_path, credit_assignment=mode, reward_strength_floor=0.25).reward_strength_floor == 0.25
-    assert make_args(tmp_path, credit_assignment=mode, reward_strength_floor=None).reward_strength_floor is None
+    assert check(reward_strength_floor=0.25).reward_strength_floor == 0.25
+    assert check(reward_strength_floor=None).reward_strength_floor is None
 
 
 def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, caplog):
     """The core state is global: a resume on more processes (or from a checkpoint only the main process uploaded)
     gives a new rank the lowest rank's state, not a fresh strength beside ranks that rest rewards."""
-    from trl_mrtpo.credit_state import CORE_STATE_ENTRIES, load_credit_state, serialised_state, write_credit_state
+    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.strength import RewardStrength
 
     identity = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}
     for rank, value in ((1, 0.3), (3, 0.7)):
-        state = {
-            "collapse_streaks": {},
-            "reward_specificity": torch.tensor([value, math.nan], dtype=torch.float64),
-        }
-        write_credit_state(str(tmp_path), rank, serialised_state(identity, state))
+        strength = RewardStrength(0.25, 2)
+        strength.specificity = torch.tensor([value, math.nan], dtype=torch.float64)
+        CheckpointedState(identity, {"per-reward strength": strength}).write(str(tmp_path), rank)
     for rank, expected in ((0, 0.3), (1, 0.3), (2, 0.3), (3, 0.7), (5, 0.3)):
-        loaded = load_credit_state(str(tmp_path), rank, identity, CORE_STATE_ENTRIES)
-        assert loaded["reward_specificity"][0].item() == expected, rank
+        strength = RewardStrength(0.25, 2)
+        CheckpointedState(identity, {"per-reward strength": strength}).read(str(tmp_path), rank)
+        assert strength.specificity[0].item() == expected, rank
     assert not caplog.records  # nothing was missing

@@ -286,7 +286,6 @@ def test_info_blocks_of_wrong_length(tiny_model, tiny_tokenizer, tmp_path):
 @pytest.mark.parametrize(
     "field, value, message",
     [
-        ("credit_assignment", "token", "credit_assignment='token' is unknown"),
         ("credit_beta", 1.5, "credit_beta must be in"),
         ("credit_warmup_steps", -1, "credit_warmup_steps"),
         ("max_second_moment_ratio", 0.5, "max_second_moment_ratio"),

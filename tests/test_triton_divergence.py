@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.reference import js_float64
-from trl_mrtpo.ops import divergence, replay_divergence, triton_divergence
+from trl_mrtpo.ops import device_rule, divergence, replay_divergence, triton_divergence
 
 pytestmark = pytest.mark.skipif(not triton_divergence.is_available(), reason="Triton is not installed")
 RUNS_KERNELS = triton_divergence.interpreting() or torch.cuda.is_available()
@@ -162,7 +162,7 @@ def test_the_modelled_bytes_are_within_1_3x_of_the_floor():
     """At the 7B head (V 152,064, H 3,584), 64 x 1,024 tokens, K = 3 and 1/16 of an H200 as workspace: the GEMM's
     operands (the weight once per chunk), the logits written once and read twice, against the floor."""
     tokens, removed, vocab, hidden = 64 * 1024, 3, 152_064, 3_584
-    chunk = divergence.workspace_chunk(int(141e9 / 16), vocab, removed + 1)
+    chunk = device_rule.workspace_chunk(int(141e9 / 16), vocab, removed + 1)
     figures = triton_divergence.modelled_bytes(tokens, removed, vocab, hidden, chunk)
     assert figures["total"] <= 1.3 * figures["floor"], figures
     assert 0.45e12 < figures["floor"] < 0.55e12

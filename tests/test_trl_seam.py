@@ -138,7 +138,7 @@ def test_sharding_refuses_only_what_it_cannot_run(tiny_model, tiny_tokenizer, tm
         )
 
     for engine in ("DeepSpeed ZeRO-3", "FSDP2", "FSDP1"):
-        monkeypatch.setattr("trl_mrtpo.trainer.sharding_engine", lambda trainer, engine=engine: engine)
+        monkeypatch.setattr("trl_mrtpo._trl.sharding_engine", lambda trainer, engine=engine: engine)
         with pytest.raises(ValueError, match=f"'self_certainty' run the policy .* {engine} does not support"):
             build("gdpo", [*BASIC.rewards, SelfCertaintyReward()], [*BASIC.info_blocks, None])
         if engine == "FSDP1":

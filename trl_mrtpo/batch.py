@@ -39,6 +39,31 @@ class ScoredBatch:
     mask: torch.Tensor  # [B, C] completion (and tool) mask
     output: dict
 
+    @classmethod
+    def local(
+        cls,
+        scored: Scored,
+        rows: slice,
+        group_advantages: torch.Tensor,
+        varying: torch.Tensor,
+        reward_weights: torch.Tensor,
+        output: dict,
+    ) -> ScoredBatch:
+        """This process's ``rows`` of a scored batch, with the gathered batch's ``[N, K]`` group advantages and
+        ``varying``, and TRL's generation output (its credit mask)."""
+        return cls(
+            inputs=scored.inputs,
+            prompts=scored.prompts,
+            completions=scored.completions,
+            completion_ids=scored.completion_ids,
+            rewards=scored.rewards[rows],
+            group_advantages=group_advantages[rows],
+            varying=varying[rows],
+            reward_weights=reward_weights,
+            mask=credit_mask(output),
+            output=output,
+        )
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """``(B, K, C)``: responses, rewards, completion positions (the shape of q and the token weights)."""

@@ -8,10 +8,8 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .constants import REPLAY_BATCH_SIZE
-from .ops.divergence import divergence_backend, divergence_backends
-from .rules import credit_rule_names, registered_rules
-from .validation import check_credit_rule, check_field_types, check_finite_fields
+from .constants import DIVERGENCE_BACKENDS, REPLAY_BATCH_SIZE
+from .validation import check_field_types, check_finite_fields
 
 # whether the installed transformers reads activation_checkpointing (5.17 and older: only gradient_checkpointing)
 RENAMED_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
@@ -34,8 +32,8 @@ class MRTPOConfig(GRPOConfig):
             over tokens (the same pipeline with `credit_beta=0`). `"grpo"`: plain `GRPOTrainer` behaviour
             (`multi_objective_aggregation` as set). Any other credit rule registered for this configuration class
             ([`trl_mrtpo.rules.register_credit_rule`]; the sibling methods and ablations are registered for
-            [`trl_mrtpo.research.ResearchConfig`]). A recipe may name a `CreditRule` subclass by dotted import path
-            (`my_package.rules.MyRule`): `trl-mrtpo train` and `inspect --config` import and register it.
+            [`trl_mrtpo.research.ResearchConfig`]), or a `CreditRule` subclass by dotted import path
+            (`my_package.rules.MyRule`). The trainer resolves the name at construction, before the model loads.
         credit_beta (`float`, *optional*, defaults to `0.5`):
             Redistribution strength in [0, 1]: every token keeps at least `1 - credit_beta` of the uniform credit.
         credit_warmup_steps (`float`, *optional*, defaults to `10`):
@@ -94,7 +92,7 @@ class MRTPOConfig(GRPOConfig):
         metadata={
             # no argparse choices: a rule registered after this class is made is chosen by name too
             "help": "Where each reward's credit lands: 'mrtpo', 'gdpo' (uniform per-reward normalisation), 'grpo' "
-            "(plain GRPOTrainer) or another registered credit rule."
+            "(plain GRPOTrainer), another registered credit rule, or a rule's dotted import path."
         },
     )
     credit_beta: float = field(
@@ -174,7 +172,8 @@ class MRTPOConfig(GRPOConfig):
             raise ValueError(
                 f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {iterations!r}."
             )
-        check_credit_rule(self)
+        if not isinstance(self.credit_assignment, str) or not self.credit_assignment:
+            raise ValueError(f"credit_assignment must name a rule, got {self.credit_assignment!r}.")
         if not 0.0 <= self.credit_beta <= 1.0:
             raise ValueError(f"credit_beta must be in [0, 1], got {self.credit_beta}.")
         if self.credit_warmup_steps < 0:
@@ -203,25 +202,13 @@ class MRTPOConfig(GRPOConfig):
         floor = self.reward_strength_floor
         if floor is not None and not 0.0 < floor <= 0.5:
             raise ValueError(f"reward_strength_floor must be in (0, 0.5] or None, got {floor}.")
-        default_floor = type(self).__dataclass_fields__["reward_strength_floor"].default
-        # the rules that replay each reward's block on its own: each reward has its own q to read
-        modes = [name for name in credit_rule_names(self) if registered_rules()[name].rule.removal == "each"]
-        if floor not in (None, default_floor) and self.credit_assignment not in modes:
-            raise ValueError(
-                f"reward_strength_floor={floor!r} has no effect unless credit_assignment is one of "
-                f"{', '.join(modes)} (it reads each reward's own q profile); got "
-                f"credit_assignment={self.credit_assignment!r}. Remove it."
-            )
         if self.replay_batch_size < 1:
             raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
         if self.collapse_warning_steps < 0:
             raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
-        backend = self.divergence_backend
-        if backend not in divergence_backends():
-            raise ValueError(f"divergence_backend must be one of {', '.join(divergence_backends())}, got {backend!r}.")
-        registered = divergence_backend(backend)
-        missing = registered.missing() if registered is not None else None
-        if missing:
-            raise ValueError(f"divergence_backend={backend!r} {missing}.")
+        if self.divergence_backend not in DIVERGENCE_BACKENDS:
+            raise ValueError(
+                f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {self.divergence_backend!r}."
+            )
         if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
             raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")

@@ -23,6 +23,8 @@ VOCAB_TILE = 4096
 REPLAY_BATCH_SIZE = 8
 MIN_SHARED_PREFIX = 16  # a shorter shared prefix is not worth its own forward
 
+# what divergence_backend may name: "triton" is ops/triton_divergence.py, imported only by a run that names it
+DIVERGENCE_BACKENDS = ("auto", "torch", "triton")
 CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo")
 
 # Per-reward strength (MRTPOConfig.reward_strength): momentum of the running specificity, and how often a reward
@@ -33,3 +35,6 @@ STRENGTH_PROBE_INTERVAL = 10
 # A local model folder that is a copy of a Hub model names its id in this file (the embedded model's conversion writes
 # it): adapters and model cards then name the Hub id, which whoever downloads them can load.
 HUB_ID_FILE = "hub_id.txt"
+# In the embedded models' folders: the name trl_mrtpo.scripts.embedded.local_model loads the folder by (a model card
+# of a run on one loads its base that way, offline).
+LOCAL_MODEL_FILE = "local_model.txt"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .batch import ScoredBatch
 from .credit import TokenCredit
-from .credit_state import collapse_streaks_problem
 from .utils import completion_text
 
 
@@ -53,6 +53,34 @@ def model_positions(mask: torch.Tensor) -> list[torch.Tensor]:
     return list(columns.split(mask.bool().sum(-1).tolist()))
 
 
+def credit_metrics(
+    credit: TokenCredit,
+    relevance: torch.Tensor,
+    replayed: torch.Tensor,
+    with_q: torch.Tensor,
+    mask: torch.Tensor,
+    names: list[str],
+    beta: float,
+    betas: dict[str, float],
+    seconds: tuple[float, float],
+) -> dict[str, float]:
+    """One generation batch's ``mrtpo/*`` metrics on this process (before the mean over processes): beta and each
+    reward's (``betas``), the replayed share, the cap factor, the replay's time and its share of the step's
+    (``seconds``: replay, total), and :func:`q_statistics` per reward."""
+    q_means, concentration = q_statistics(relevance, with_q, mask, names)
+    replay_seconds, total_seconds = seconds
+    return {
+        "mrtpo/beta": beta,
+        **betas,
+        "mrtpo/replayed_fraction": replayed.float().mean().item(),
+        "mrtpo/cap_factor": credit.cap_factor,
+        "mrtpo/replay_seconds": replay_seconds,
+        "mrtpo/replay_share": replay_seconds / total_seconds if total_seconds > 0 else 0.0,
+        **{f"mrtpo/q_mean/{name}": value for name, value in q_means.items()},
+        **{f"mrtpo/q_mass80_token_share/{name}": value for name, value in concentration.items()},
+    }
+
+
 def q_statistics(
     relevance: torch.Tensor, with_q: torch.Tensor, mask: torch.Tensor, names: list[str]
 ) -> tuple[dict[str, float], dict[str, float]]:
@@ -73,6 +101,15 @@ def q_statistics(
     means_out = {name: means[k] for k, name in enumerate(names) if counts[k] > 0}
     concentration = {name: share_means[k] for k, name in enumerate(names) if shared[k] > 0}
     return means_out, concentration
+
+
+def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
+    """The collapse monitor's streaks: reward name -> a count of steps."""
+    if isinstance(streaks, dict) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
+    ):
+        return None
+    return str(streaks)
 
 
 class CollapseMonitor:
@@ -110,8 +147,11 @@ class CollapseMonitor:
                 alarms.append(name)
         return alarms
 
-    def warnings(self, mean_relevance: dict[str, float]) -> list[str]:
-        """:meth:`update`, with what to tell the user about each reward that has just collapsed."""
+    def warnings(self, metrics: dict[str, float]) -> list[str]:
+        """:meth:`update` with the ``mrtpo/q_mean/<reward>`` of a batch's logged ``metrics``, with what to tell the
+        user about each reward that has just collapsed."""
+        prefix = "mrtpo/q_mean/"
+        mean_relevance = {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
         return [
             f"Reward '{name}': its replayed q has stayed below {self.threshold:g} for {self.patience} steps. Its info "
             "block no longer changes the policy's predictions, so its credit is uniform (plain GDPO). Check that the "

@@ -348,6 +348,12 @@ def check_builders_on_first_row(
             )
 
 
+def special_tokens(processing_class) -> list[str]:
+    """The tokenizer's special tokens (an info block holding one is refused)."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    return [token for token in getattr(tokenizer, "all_special_tokens", []) if token]
+
+
 def assistant_header(processing_class) -> str | None:
     """What the chat template adds for ``add_generation_prompt`` (e.g. ``<|im_start|>assistant``), or None."""
     if not getattr(processing_class, "chat_template", None):
@@ -429,13 +435,7 @@ def check_context_length(
 def replay_contexts(
     builders: Sequence[Callable[..., Any] | None],
     names: Sequence[str],
-    prompts: Sequence[Prompt],
-    completions: Sequence[str],
-    rows: Sequence[dict[str, Any]],
-    rewards: Any,
-    varying: Any,
-    views: Sequence[Any],
-    in_loss: Sequence[bool],
+    batch: Any,
     *,
     joint: bool,
     only_varying: bool,
@@ -444,16 +444,21 @@ def replay_contexts(
     header: str | None,
     special_tokens: Sequence[str],
 ) -> tuple[list[list[int]], list[list[InfoBlock | None]], list[list[Prompt]]]:
-    """Step 2 for a batch: each sample's info blocks, the rewards whose pair is replayed and the contexts.
+    """Step 2 for a batch (:class:`~trl_mrtpo.batch.ScoredBatch`): each sample's info blocks, the rewards whose pair
+    is replayed and the contexts.
 
-    ``rewards`` and ``varying`` are ``[B, K]`` tensors (NaN: the reward does not apply). A pair is replayed when its
-    reward has a block, applies to the sample, varies within its group (or ``only_varying`` is off) and is not
-    ``resting``, and the sample has tokens in the loss (``in_loss``: a truncated completion masked by
-    ``mask_truncated_completions`` has none, so its q could weigh nothing). Returns ``(wanted, blocks, contexts)``:
-    per sample the replayed rewards, the blocks, and the contexts ``[P_all, P_removed...]`` (one removal per wanted
-    reward, or one of every block when ``joint``; empty when nothing is replayed).
+    A pair is replayed when its reward has a block, applies to the sample (a NaN reward does not), varies within its
+    group (or ``only_varying`` is off) and is not ``resting``, and the sample has tokens in the loss (a truncated
+    completion masked by ``mask_truncated_completions`` has none, so its q could weigh nothing). Returns ``(wanted,
+    blocks, contexts)``: per sample the replayed rewards, the blocks, and the contexts ``[P_all, P_removed...]`` (one
+    removal per wanted reward, or one of every block when ``joint``; empty when nothing is replayed).
     """
-    scores, varies = rewards.tolist(), varying.tolist()  # two host syncs for the batch, not one per pair
+    from .utils import completion_text
+
+    prompts, rows, views = batch.prompts, batch.inputs, batch.views
+    completions = [completion_text(c) for c in batch.completions]
+    scores, varies = batch.rewards.tolist(), batch.varying.tolist()  # host syncs for the batch, not one per pair
+    in_loss = batch.mask.any(-1).tolist()
     blocks = [
         [
             build_block(builder, name, i, prompts[i], completions[i], rows[i], scores[i][k], views[i])

@@ -3,12 +3,14 @@
 A **credit rule** turns one generation batch into token advantages (steps 5-8): it declares which contexts the
 relevance provider replays for it (``removal``) and which per-token quantities it reads (``reads``: ``"relevance"``
 is q from :mod:`trl_mrtpo.relevance`; the research room's trainer computes its own two). ``credit_assignment``
-names the rule, from the one registry here: ``mrtpo``, ``gdpo`` and ``grpo`` are registered by the core, and a name
-is registered once (a second registration is refused).
+names the rule, from the one registry here (``mrtpo``, ``gdpo`` and ``grpo`` are registered by the core, and a name
+is registered once) or by a dotted import path; the trainer resolves it once, at construction, before the model
+loads (:func:`resolve_credit_rule`).
 
 A **credit term** adds to whatever rule runs (response weighting, q adjusted, token advantages added or penalties
-dropped, steps 6-8 replaced, the result rescaled). Terms are passed in (``MRTPOTrainer(..., credit_terms=[...])``);
-``process_rewards`` and ``failure_boundaries`` build the step term; the research room's trainer adds its own.
+dropped, steps 6-8 replaced, the result rescaled). Every term reaches the rule one way, ``credit_terms=[...]``:
+``process_rewards`` and ``failure_boundaries`` build the step term and the research room's trainer passes its own
+there. What a term adds to a batch is a :class:`Contribution`.
 
 A rule's or a term's state (running readings a resumed run needs) is its own object, written and read by the
 trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state``, ``restore`` and
@@ -24,8 +26,10 @@ from typing import Any, ClassVar
 import torch
 
 from .credit import ReduceSum, TokenCredit, replayed_token_weights, weighted_token_advantages
-from .credit_state import StateCheck
+from .utils import import_path, public_name
 
+# An entry's check (trl_mrtpo.credit_state): None when the value is what the part writes, else what was found instead.
+StateCheck = Callable[[Any, int], "str | None"]
 Combine = Callable[..., TokenCredit]  # steps 6-8: (advantages, weights, mask, reward_weights, rho, reduce_sum, ...)
 
 
@@ -54,6 +58,32 @@ class CreditSetup:
     args: Any
     reward_names: list[str]
     options: dict[str, Any] = field(default_factory=dict)
+    rule: type[CreditRule] | None = None  # the rule credit_assignment resolved to
+
+
+@dataclass
+class Contribution:
+    """What a term adds to one local batch: token advantages added after the cap (``process``, ``[B, C]``), where a
+    reward's negative credit is dropped (``failure_suffix``, ``[B, K, C]`` bool), and ``(name, value)`` pairs logged
+    as ``mrtpo/<name>``."""
+
+    process: torch.Tensor | None = None
+    failure_suffix: torch.Tensor | None = None
+    logged: Sequence[tuple[str, float]] = ()
+
+    def joined(self, other: Contribution) -> Contribution:
+        """Two terms' additions: process advantages add up, failure suffixes unite."""
+
+        def join(a, b):
+            if a is None or b is None:
+                return b if a is None else a
+            return a | b if a.dtype == torch.bool else a + b
+
+        return Contribution(
+            join(self.process, other.process),
+            join(self.failure_suffix, other.failure_suffix),
+            [*self.logged, *other.logged],
+        )
 
 
 @dataclass
@@ -71,13 +101,10 @@ class CreditInputs:
     process: torch.Tensor | None = None  # [B, C] added token advantages (terms)
     failure_suffix: torch.Tensor | None = None  # [B, K, C] bool: negative credit dropped here (terms)
     combine: Combine | None = None  # a term's replacement for steps 6-8 (None: weighted_token_advantages)
-    check_weights: Callable[[torch.Tensor], None] | None = None  # the trainer's finiteness check of the weights
 
     def combined(self, weights: torch.Tensor, max_second_moment_ratio: float | None) -> TokenCredit:
         """Steps 6-8 with ``weights`` ``[B, K, C]``, with the terms' additions."""
         batch = self.batch
-        if self.check_weights is not None:
-            self.check_weights(weights)
         return (self.combine or weighted_token_advantages)(
             batch.group_advantages,
             weights,
@@ -155,6 +182,12 @@ class CreditTerm(Stateful):
     functions: Sequence[Callable] = ()
     combine: Combine | None = None
 
+    @classmethod
+    def build(cls, setup: CreditSetup) -> CreditTerm | None:
+        """The term for a run, when its class is given in ``credit_terms`` (None: the configuration does not select
+        it)."""
+        return cls()
+
     def weigh(
         self,
         rewards: torch.Tensor,
@@ -172,19 +205,19 @@ class CreditTerm(Stateful):
 
     def __call__(
         self, batch: Any, tokenizer: Any, num_generations: int, rank: int, trainer_state: Any = None
-    ) -> tuple[dict[str, torch.Tensor | None], list[tuple[str, float]]]:
-        """What it adds to the local batch: ``{"process": [B, C] | None, "failure_suffix": [B, K, C] | None}``,
-        and ``(name, value)`` pairs logged as ``mrtpo/<name>``."""
-        return {"process": None, "failure_suffix": None}, []
+    ) -> Contribution:
+        """What it adds to the local batch."""
+        return Contribution()
 
     def finish(self, credit: TokenCredit, inputs: CreditInputs) -> TokenCredit:
         """The final token advantages (after step 8)."""
         return credit
 
 
-def given_terms(credit_terms: Any) -> list[CreditTerm]:
+def given_terms(credit_terms: Any) -> list[CreditTerm | type[CreditTerm]]:
     """``MRTPOTrainer(credit_terms=...)`` as a list: None is none; one term alone, or anything but a list or tuple,
-    is refused (each entry is checked by :func:`terms_by_name`)."""
+    is refused. An entry is a term, or a term class the trainer builds with ``build(setup)`` (None: not configured);
+    each built term is checked by :func:`terms_by_name`."""
     if credit_terms is None:
         return []
     if not isinstance(credit_terms, (list, tuple)):
@@ -193,6 +226,14 @@ def given_terms(credit_terms: Any) -> list[CreditTerm]:
             f"[{type(credit_terms).__name__}(...)]."
         )
     return list(credit_terms)
+
+
+def built_terms(credit_terms: Any, setup: CreditSetup) -> dict[str, CreditTerm]:
+    """A run's terms by name (:func:`terms_by_name`), every entry the same way: an instance as given, a
+    :class:`CreditTerm` class built with ``build(setup)`` (None: the configuration does not select it)."""
+    classes = [isinstance(term, type) and issubclass(term, CreditTerm) for term in given_terms(credit_terms)]
+    built = [term.build(setup) if is_class else term for term, is_class in zip(given_terms(credit_terms), classes)]
+    return terms_by_name([term for term in built if term is not None])
 
 
 def terms_by_name(terms: Sequence[CreditTerm]) -> dict[str, CreditTerm]:
@@ -212,6 +253,15 @@ def terms_by_name(terms: Sequence[CreditTerm]) -> dict[str, CreditTerm]:
     return named
 
 
+def steps_6_to_8(terms: dict[str, CreditTerm]) -> Combine | None:
+    """The one term's replacement for steps 6-8 (None: the rule's own); two terms that each replace them are
+    refused."""
+    replacing = [name for name, term in terms.items() if term.combine is not None]
+    if len(replacing) > 1:
+        raise ValueError(f"The credit terms {', '.join(replacing)} each replace steps 6-8; at most one may.")
+    return terms[replacing[0]].combine if replacing else None
+
+
 @dataclass(frozen=True)
 class RegisteredRule:
     rule: type[CreditRule]
@@ -221,15 +271,20 @@ class RegisteredRule:
 _RULES: dict[str, RegisteredRule] = {}
 
 
-def register_credit_rule(name: str, rule: type[CreditRule], config_class: type | None = None) -> None:
-    """Makes ``credit_assignment=name`` select ``rule`` in a configuration of ``config_class`` (or a subclass;
-    None: any). A name is registered once: registering it again is refused (:func:`unregister_credit_rule` first)."""
+def _checked_rule(name: str, rule: Any) -> type[CreditRule]:
     if not (isinstance(rule, type) and issubclass(rule, CreditRule)):
         raise TypeError(f"credit rule {name!r} must be a CreditRule subclass, got {rule!r}.")
     if rule.removal not in (None, "each", "all"):
         raise ValueError(f"credit rule {name!r}: removal must be 'each', 'all' or None, got {rule.removal!r}.")
     if rule.removal is None and rule.reads:
         raise ValueError(f"credit rule {name!r} reads {', '.join(rule.reads)} but replays nothing (removal=None).")
+    return rule
+
+
+def register_credit_rule(name: str, rule: type[CreditRule], config_class: type | None = None) -> None:
+    """Makes ``credit_assignment=name`` select ``rule`` in a configuration of ``config_class`` (or a subclass;
+    None: any). A name is registered once: registering it again is refused (:func:`unregister_credit_rule` first)."""
+    _checked_rule(name, rule)
     if name in _RULES:
         taken = _RULES[name].rule
         raise ValueError(
@@ -255,6 +310,23 @@ def credit_rule_names(config: Any = None) -> list[str]:
 
 def registered_rules() -> dict[str, RegisteredRule]:
     return dict(_RULES)
+
+
+def resolve_credit_rule(config: Any) -> type[CreditRule]:
+    """The rule ``config.credit_assignment`` names: a name registered for this configuration's class, or a dotted
+    import path (``my_pkg.rules.Sharpened``, the working directory searched too, as TRL's script resolves its reward
+    functions), imported each time it is resolved. Anything else is refused, listing the names."""
+    name = config.credit_assignment
+    names = credit_rule_names(config)
+    if name in names:
+        return _RULES[name].rule
+    if "." in name:
+        return _checked_rule(name, import_path(name, "credit rule"))
+    entry = _RULES.get(name)
+    where = f" (it needs a {public_name(entry.config_class)})" if entry is not None else ""
+    raise ValueError(
+        f"credit_assignment={name!r} is unknown; choose one of {', '.join(names)}{where}, or a dotted import path."
+    )
 
 
 register_credit_rule("mrtpo", MRTPO)

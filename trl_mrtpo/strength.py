@@ -4,12 +4,29 @@ and resting rewards it gives. The maths is :func:`~trl_mrtpo.credit.relevance_sp
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from .credit import ReduceSum, relevance_specificity, reward_strength
-from .credit_state import specificity_problem
 from .rules import Stateful
+
+
+def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
+    """The per-reward strength's running specificity: one float per reward in [0, 1] (a mean of ``1 - cos`` of
+    non-negative profiles), NaN for no reading yet. Anything else would hold a reward at full beta or at rest for
+    good."""
+    if not (
+        isinstance(specificity, torch.Tensor)
+        and specificity.is_floating_point()
+        and tuple(specificity.shape) == (num_rewards,)
+    ):
+        return f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})"
+    read = specificity[~torch.isnan(specificity)]
+    if ((read < 0) | (read > 1)).any():  # inf and -inf included
+        return f"{specificity.tolist()} (each in [0, 1], or NaN before a first reading)"
+    return None
 
 
 class RewardStrength(Stateful):

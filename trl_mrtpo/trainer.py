@@ -14,61 +14,40 @@ from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from ._trl import (
-    get_config_model_id,
-    log_completion_column,
-    log_metric,
-    replace_logged_advantages,
-    sharding_engine,
-    tokenize_prompts,
-    whole_policy,
-)
-from .batch import Scored, ScoredBatch, credit_mask, local_slice
+from . import _trl, validation
+from ._trl import CreditCheckpoints
+from .batch import Scored, ScoredBatch, local_slice
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, short_run_warning, warmup_beta, warmup_steps
-from .credit_state import CheckpointedState, write_credit_state
-from .diagnostics import (
-    CollapseMonitor,
-    CreditRecord,
-    credit_summaries,
-    process_means,
-    q_statistics,
-)
-from .extension_outputs import check_tensor, checked_contribution, checked_credit, checked_relevance, checked_weighting
-from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
+from .diagnostics import CollapseMonitor, CreditRecord, credit_metrics, credit_summaries, process_means
+from .guards import guarded
 from .hub_ids import local_copies, write_hub_ids
 from .info_blocks import (
     InfoBlock,
     assistant_header,
     check_builders,
-    check_builders_on_first_row,
     check_context_length,
     for_environment_rewards,
     replay_contexts,
+    special_tokens,
 )
 from .relevance import RelevanceProvider, ReplayRecord, ReplayRelevance
 from .replay import causal_lm_parts, replay_settings
-from .rules import CreditInputs, CreditSetup, CreditTerm, given_terms, terms_by_name
+from .rules import (
+    Contribution,
+    CreditInputs,
+    CreditSetup,
+    CreditTerm,
+    built_terms,
+    given_terms,
+    resolve_credit_rule,
+    steps_6_to_8,
+)
 from .strength import RewardStrength, generation_batch_index
 from .utils import completion_text, function_name
-from .validation import (
-    check_config_class,
-    check_credit_rule,
-    check_dataset,
-    check_environment_arguments,
-    check_finite_rewards,
-    check_loss_keeps_token_credit,
-    check_observations,
-    check_reward_columns,
-    check_sharded_replay,
-    checked_reward,
-    checked_rollout,
-    reset_refusal,
-)
 
 logger = logging.get_logger(__name__)
 
@@ -76,19 +55,16 @@ logger = logging.get_logger(__name__)
 PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level Credit Assignment for Multi-Reward RL"
 
 
-class MRTPOTrainer(GRPOTrainer):
+class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
     """Trainer for MRTPO: each reward's advantage lands on the tokens that reward is about.
 
-    Takes every argument of [`trl.GRPOTrainer`] plus `info_blocks`: one builder (or None) per reward function, see
-    [`trl_mrtpo.info_blocks`]. `args.credit_assignment` names the credit rule ([`trl_mrtpo.rules`]); with `"grpo"` it
-    behaves exactly like `GRPOTrainer`.
-
-    Two credit terms stack with every rule (see [`trl_mrtpo.steps.process_rewards`]): `process_rewards`, functions that
-    score steps of each completion (character spans), turned into token advantages by GRPO's process-supervision
-    rule; and `failure_boundaries`, one builder (or None) per reward that returns where a failing response's
-    unrecovered error ends, after which that reward's negative credit is dropped. `relevance_provider` replaces the
-    replay that computes q ([`trl_mrtpo.relevance`]). `recipe` (the recipe file a run came from) and `data_source`
-    (the data in words, when it is not a Hub dataset) go to the model card.
+    Takes every argument of [`trl.GRPOTrainer`] plus `info_blocks`, one builder (or None) per reward function
+    ([`trl_mrtpo.info_blocks`]). `args.credit_assignment` names the credit rule ([`trl_mrtpo.rules`]); `"grpo"` is
+    `GRPOTrainer` itself. `process_rewards` (steps of each completion scored) and `failure_boundaries` (where a failing
+    response's unrecovered error ends, one builder or None per reward) build the step term
+    ([`trl_mrtpo.steps.process_rewards`]); `credit_terms` adds terms of one's own; `relevance_provider` replaces the
+    replay that computes q ([`trl_mrtpo.relevance`]). `recipe` and `data_source` (the data in words, when it is not a
+    Hub dataset) go to the model card.
 
     Example:
 
@@ -133,38 +109,14 @@ class MRTPOTrainer(GRPOTrainer):
         data_source: str | None = None,
         **kwargs,
     ):
-        if model == "embedded":  # the command's name for it; the trainer takes a Hub id or a folder, as TRL's
-            raise ValueError(
-                "model='embedded' is the trl-mrtpo command's name for the embedded SmolLM2-135M-Instruct; in Python "
-                "pass its folder: from trl_mrtpo.scripts.embedded import embedded_model_path; "
-                "MRTPOTrainer(model=embedded_model_path(), ...)."
-            )
-        config = self.config_class
+        validation.check_model_argument(model)
         if args is None:
-            model_name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = config(f"{model_name.split('/')[-1]}-{self._name}")
-        check_config_class(args, config, type(self).__name__)
-        # an environment may own the data (its reset() gives the prompt) and the reward (get_reward), as in TRL
-        environments = kwargs.get("environment_factory") is not None
-        check_dataset(train_dataset, "train", environments)
-        check_dataset(eval_dataset, "eval", environments)
-        check_environment_arguments(kwargs)
-        # a copy: TRL appends environments' rewards to the list it is given, which would be the user's
-        funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
-        names = [f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs]
-        check_reward_columns(funcs, names, train_dataset)
-        # a builder's mistake is refused before the model loads, not at the first step (the builders of environments'
-        # rewards, which TRL adds while loading, at the first step)
-        builders = info_blocks if environments else check_builders(info_blocks, names)
-        tools = bool(kwargs.get("tools")) or environments
-        check_builders_on_first_row(builders, names, train_dataset, tools, environments)
-        # what the user's functions return is checked where it returns, naming them: wrapped once, before TRL has them
-        checked = [
-            func if isinstance(func, (str, torch.nn.Module)) else checked_reward(func, name)
-            for func, name in zip(funcs, names)
-        ]
-        if kwargs.get("rollout_func") is not None:
-            kwargs["rollout_func"] = checked_rollout(kwargs["rollout_func"])
+            model_name = model if isinstance(model, str) else _trl.get_config_model_id(model.config)
+            args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")
+        validation.check_config_class(args, self.config_class, type(self).__name__)
+        rule = resolve_credit_rule(args)  # a name or a dotted path, resolved once, before the model loads
+        validation.check_credit_settings(args, rule)
+        funcs, checked = validation.checked_inputs(reward_funcs, info_blocks, train_dataset, eval_dataset, kwargs)
         super().__init__(
             model,
             None if reward_funcs is None else checked,
@@ -176,85 +128,64 @@ class MRTPOTrainer(GRPOTrainer):
         )
         rewards = (len(funcs), len(self.reward_funcs))  # TRL adds environments' get_reward after the functions
         for k in range(len(funcs), len(self.reward_funcs)):  # checked where they return, as the user's functions are
-            self.reward_funcs[k] = checked_reward(self.reward_funcs[k], f"{self.reward_func_names[k]}.get_reward")
-        given = for_environment_rewards(info_blocks, *rewards)
-        self.info_block_builders = check_builders(given, self.reward_func_names)
-        setup = CreditSetup(
-            args,
-            list(self.reward_func_names),
-            {
-                "process_rewards": process_rewards,
-                "failure_boundaries": for_environment_rewards(failure_boundaries, *rewards),
-            },
-        )
-        self.credit_rule = check_credit_rule(args).rule(setup)
-        steps = []
+            name = f"{self.reward_func_names[k]}.get_reward"
+            self.reward_funcs[k] = validation.checked_reward(self.reward_funcs[k], name)
+        builders = for_environment_rewards(info_blocks, *rewards)
+        self.info_block_builders = check_builders(builders, self.reward_func_names)
+        boundaries = for_environment_rewards(failure_boundaries, *rewards)
+        options = {"process_rewards": process_rewards, "failure_boundaries": boundaries}
+        setup = CreditSetup(args, list(self.reward_func_names), options, rule)
+        self.credit_rule = rule(setup)
         if process_rewards is not None or failure_boundaries is not None:
             from .steps.process_rewards import StepCredit  # loaded only for the runs that ask for it
 
-            steps.append(StepCredit.build(setup))
-        terms = [*self._configured_terms(setup), *steps, *given_terms(credit_terms)]
-        self.credit_terms: dict[str, CreditTerm] = terms_by_name(terms)
-        replacing = [name for name, term in self.credit_terms.items() if term.combine is not None]
-        if len(replacing) > 1:
-            raise ValueError(f"The credit terms {', '.join(replacing)} each replace steps 6-8; at most one may.")
-        self._combine = self.credit_terms[replacing[0]].combine if replacing else None  # None: the rule's own
+            credit_terms = [*given_terms(credit_terms), StepCredit]
+        self.credit_terms: dict[str, CreditTerm] = built_terms(credit_terms, setup)
+        self._combine = steps_6_to_8(self.credit_terms)  # None: the rule's own
         term_functions = [func for term in self.credit_terms.values() for func in term.functions]
         own = [func for func in funcs if not isinstance(func, (str, torch.nn.Module))]  # as the user gave them
         for func in [*term_functions, *own]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
-        named = [*zip(names, funcs), *((type(f).__name__, f) for f in term_functions)]
-        runs_policy = [f"'{name}'" for name, f in named if getattr(f, "runs_policy_forwards", False)]
-        removal = self.credit_rule.removal
-        provider = (
-            f"the relevance provider {function_name(relevance_provider)!r}" if relevance_provider else "the replay"
-        )
-        if relevance_provider is not None and "relevance" not in self.credit_rule.reads:
-            raise ValueError(
-                f"{provider} was given, but credit_assignment={args.credit_assignment!r} reads no q: it would never "
-                "be called. Choose a rule that reads q (mrtpo), or drop the provider."
-            )
-        # a provider of one's own may know the relevant tokens without any info block: it is called all the same
         blocks = any(b is not None for b in self.info_block_builders)
-        self._replays = removal is not None and (blocks or relevance_provider is not None)
+        named = [*zip((function_name(f) for f in own), own), *((type(f).__name__, f) for f in term_functions)]
+        self._replays, self._policy_forwards = validation.check_credit_use(
+            args, rule, self.credit_terms, named, relevance_provider, blocks, _trl.sharding_engine(self)
+        )
         if self._replays and relevance_provider is None:
             if self._is_vlm:
                 raise ValueError("MRTPO replay does not support vision-language models yet.")
             causal_lm_parts(self.accelerator.unwrap_model(self.model))  # fail now, not inside a training step
-        # what gives tokens different advantages, and what runs extra forwards of the policy, named for the errors
-        replay = [f"credit_assignment='{args.credit_assignment}'"] if self._replays else []
-        extra = [label for term in self.credit_terms.values() for label in term.policy_forwards]
-        token_credit = [label for term in self.credit_terms.values() for label in term.token_credit]
-        check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *token_credit])
-        check_sharded_replay(sharding_engine(self), [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
         # Replays apply the lm_head themselves: a model that scales its logits in forward is replayed at T / m; the
         # divergence backend ("auto" included) is settled here, once, on every process.
         self._replay_temperature, self._replay_backend = self.temperature, args.divergence_backend
-        if self._replays or extra or runs_policy:
+        if self._replays or self._policy_forwards:
             policy = self.accelerator.unwrap_model(self.model)
             self._replay_temperature, self._replay_backend = replay_settings(
                 policy, self.temperature, args.divergence_backend
             )
-        self.relevance_provider = relevance_provider or ReplayRelevance(args.replay_batch_size)
-        self._provider = provider  # how errors name it, and the rule
-        self._rule = f"the credit rule '{args.credit_assignment}'"
-        self._credit_parts = credit_parts(provider, args.credit_assignment, list(self.credit_terms))
-        self._guard: CreditGuard | None = None  # this generation batch's finiteness check
+        self.relevance_provider = relevance_provider or self._replay_relevance(args)
+        # the one guard layer: what the rule, the terms and the provider return is checked where it enters
+        self._guard, self._checked_rule, self._checked_terms, self._checked_provider = guarded(
+            self.credit_rule,
+            args.credit_assignment,
+            self.credit_terms,
+            self.relevance_provider,
+            self.reward_func_names,
+        )
         self._scored: Scored | None = None
-        self._replay_seconds = 0.0
         self._announced = False  # the first training step has been announced
         self._warned_warmup = False
         self.last_credit: CreditRecord | None = None
         self._collapse_monitor = CollapseMonitor(args.collapse_warning_steps)
-        floor = args.reward_strength_floor if self._replays and removal == "each" else None  # each reward's own q
+        floor = args.reward_strength_floor if self._replays and rule.removal == "each" else None  # each reward's q
         self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
         self.recipe = recipe  # the recipe file a run came from, for the model card
         self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
 
-    def _configured_terms(self, setup: CreditSetup) -> list[CreditTerm]:
-        """The terms the configuration selects (none here: the research room's trainer has some)."""
-        return []
+    def _replay_relevance(self, args: MRTPOConfig) -> RelevanceProvider:
+        """The built-in provider of q: the replay (the research room's replays with its prefix option)."""
+        return ReplayRelevance(args.replay_batch_size)
 
     def _quantity(self, name: str, batch: ScoredBatch):
         """A per-token quantity a rule or term reads besides q (none here: the research room's trainer has two)."""
@@ -265,7 +196,7 @@ class MRTPOTrainer(GRPOTrainer):
         return {
             "the collapse monitor": self._collapse_monitor,
             "per-reward strength": self.reward_strength,
-            self._rule: self.credit_rule,
+            self._checked_rule.label: self.credit_rule,
             **{f"the term '{name}'": term for name, term in self.credit_terms.items()},
         }
 
@@ -278,45 +209,15 @@ class MRTPOTrainer(GRPOTrainer):
         write_hub_ids(local_copies(self.accelerator.unwrap_model(self.model)), folder)
         self._write_model_card(folder)
 
-    def _checkpointed(self) -> CheckpointedState:
-        """MRTPO's state in a checkpoint, for the run it was written by (a resume under another setup is refused)."""
-        run = {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
-        return CheckpointedState(run, self._stateful())
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """Checkpoints MRTPO's own state beside TRL's, where TRL checkpoints its own extra state (with
-        ``push_to_hub``, :meth:`_push_from_checkpoint` has written it already, before the upload). It is checked and
-        serialised first: a state that cannot be saved stops before transformers writes the checkpoint."""
-        self._state_payload = None if self.args.save_only_model else self._checkpointed().serialised()
-        super()._save_checkpoint(model, trial)
-        if not self.args.push_to_hub:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            self._write_credit_state(folder)
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Every process writes MRTPO's state here, inside ``_save_checkpoint`` and before transformers uploads the
-        checkpoint (``hub_strategy`` ``"checkpoint"`` or ``"all_checkpoints"``), so that a resume from the Hub
-        continues it."""
-        self._write_credit_state(checkpoint_folder)
-        super()._push_from_checkpoint(checkpoint_folder)
-
-    def _write_credit_state(self, folder: str) -> None:
-        if self._state_payload is not None:  # None with save_only_model: no optimizer either, never resumed from
-            write_credit_state(folder, self.accelerator.process_index, self._state_payload)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self._checkpointed().read(checkpoint, self.accelerator.process_index)
-
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        if self.environments and not self._is_vlm:
-            check_observations(inputs, prompts, self.environments)
+        if self.tools or self.environments:  # what tools and environments brought, refused before a reward reads it
+            from .trajectories import check_observations, check_tool_results
+
+            check_tool_results(completions, multimodal=self._is_vlm)
+            if self.environments and not self._is_vlm:
+                check_observations(inputs, prompts, self.environments)
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        check_finite_rewards(rewards, self.reward_func_names)
+        validation.check_finite_rewards(rewards, self.reward_func_names)
         # TRL does not expose per-reward advantages: keep what they are computed from.
         self._scored = Scored(inputs, prompts, completions, [list(ids) for ids in completion_ids_list], rewards)
         self.record_rewards(inputs, rewards)
@@ -333,6 +234,8 @@ class MRTPOTrainer(GRPOTrainer):
         try:
             output = super()._generate_and_score_completions(inputs)
         except TypeError as error:  # an environment's reset() returned what TRL cannot append to the prompt
+            from .trajectories import reset_refusal
+
             refusal = reset_refusal(error, self.environments, self._is_vlm) if self.environment_factories else None
             if refusal is None:
                 raise
@@ -341,30 +244,15 @@ class MRTPOTrainer(GRPOTrainer):
             return output
         scored, self._scored = self._scored, None
         mode = "train" if self.model.training else "eval"
-        reduce_sum = self._reduce_sum()
-        rank, processes = self.accelerator.process_index, self.accelerator.num_processes
-        self._guard = CreditGuard(self._credit_parts, self.reward_func_names, rank, processes, reduce_sum)
-        batch = self._weighted_batch(scored, output, mode)
-        if "tool_mask" in output:  # every tool batch, whether or not a view of it is built
-            from .trajectories import check_tool_results
-
-            check_tool_results(batch.completions, multimodal=self._is_vlm)
-        beta = self._beta()
+        processes = self.accelerator.num_processes  # steps 7-8 sum over them
+        reduce_sum = None if processes == 1 else (lambda tensor: self.accelerator.reduce(tensor, reduction="sum"))
+        self._guard.start(self.accelerator.process_index, processes, reduce_sum)
+        batch = self._weighted_batch(scored, output, mode)  # steps 1-2
+        beta = self._beta()  # step 9
         self._replay_seconds = 0.0
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        added = {"process": None, "failure_suffix": None}
-        for name, term in self.credit_terms.items():
-            returned = term(batch, tokenizer, num_generations, rank, self.state)
-            contribution, logged = checked_contribution(f"the term '{name}'", returned, batch.shape, batch.mask.device)
-            if contribution["process"] is not None:
-                self._guard.note_non_finite(f"added:{name}", contribution["process"], batch.mask, per_reward=False)
-            added = {key: _joined(added[key], contribution[key]) for key in added}
-            for metric, value in logged:
-                log_metric(self, mode, f"mrtpo/{metric}", value)
-        credit, relevance, replayed = self._token_credit(batch, beta, added)
-        self._guard.note_non_finite("final", credit.advantages, batch.mask, per_reward=False)
-        self._guard.raise_if_bad()  # every process raises alike: the flags rode in steps 7-8's sums
+        added = self._contributions(batch, mode)  # what the terms add: process advantages, failure suffixes
+        credit, relevance, replayed = self._token_credit(batch, beta, added)  # steps 3-8
+        self._guard.final(credit, batch.mask)
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
         self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta, self.reward_strength.betas(beta))
@@ -398,52 +286,44 @@ class MRTPOTrainer(GRPOTrainer):
         return warmup_beta(target, self.state.global_step, steps)
 
     def _weighted_batch(self, scored: Scored, output: dict, mode: str) -> ScoredBatch:
-        """Steps 1-2 and the response-level weighting on the whole gathered batch, so that every process decides
-        alike; then this process's slice."""
+        """Steps 1-2 and the terms' response-level weighting on the whole gathered batch, so that every process
+        decides alike; then this process's slice."""
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rewards = scored.rewards
         group_adv, varying = group_advantages(rewards, num_generations)
         reward_weights = self.reward_weights.to(group_adv)  # step 2's c_k, reweighed by any term
-        training = mode == "train"
         local = local_slice(scored, self.accelerator.process_index)
-        self._note_weighting("weighting", group_adv[local], reward_weights)
-        for name, term in self.credit_terms.items():
-            weighed = term.weigh(rewards, group_adv, reward_weights, num_generations, training)
-            group_adv, reward_weights = checked_weighting(f"the term '{name}'", weighed, group_adv, reward_weights)
-            self._note_weighting(f"weighting:{name}", group_adv[local], reward_weights)
-        return ScoredBatch(
-            inputs=scored.inputs,
-            prompts=scored.prompts,
-            completions=scored.completions,
-            completion_ids=scored.completion_ids,
-            rewards=rewards[local],
-            group_advantages=group_adv[local],
-            varying=varying[local],
-            reward_weights=reward_weights,
-            mask=credit_mask(output),
-            output=output,
-        )
+        self._guard.weighting("weighting", group_adv[local], reward_weights)
+        for term in self._checked_terms:
+            group_adv, reward_weights = term.weigh(
+                rewards, group_adv, reward_weights, num_generations, mode == "train", local
+            )
+        return ScoredBatch.local(scored, local, group_adv, varying, reward_weights, output)
 
-    def _note_weighting(self, part: str, advantages: torch.Tensor, reward_weights: torch.Tensor) -> None:
-        """The local ``[B, K]`` per-reward advantages and the ``[K]`` reward weights, for the finiteness check."""
-        values = advantages * reward_weights.to(advantages)  # NaN or inf in either gives NaN or inf here
-        self._guard.note(part, ~torch.isfinite(values), per_reward=True)
+    def _contributions(self, batch: ScoredBatch, mode: str) -> Contribution:
+        """What the terms add to the local batch, joined; their figures logged as ``mrtpo/<name>``."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        added = Contribution()
+        for term in self._checked_terms:
+            added = added.joined(term(batch, tokenizer, num_generations, self.accelerator.process_index, self.state))
+        for metric, value in added.logged:
+            _trl.log_metric(self, mode, f"mrtpo/{metric}", value)
+        return added
 
     def _token_credit(
-        self, batch: ScoredBatch, beta: float, added: dict
+        self, batch: ScoredBatch, beta: float, added: Contribution
     ) -> tuple[TokenCredit, torch.Tensor, torch.Tensor]:
         """Steps 3-8: the quantities the rule reads (none at beta 0: uniform weights whatever q is), then its token
-        advantages with each reward's beta and the terms' additions (``added``: process advantages, failure
-        suffixes), then each term's finish."""
-        rule, terms = self.credit_rule, self.credit_terms.values()
+        advantages with each reward's beta and the terms' additions, then each term's finish."""
+        rule, terms = self._checked_rule, self._checked_terms
         relevance = batch.mask.new_zeros(batch.shape, dtype=torch.float32)
         replayed = torch.zeros_like(batch.varying)
-        reads = [*(rule.reads if self._replays and beta > 0 else ()), *(name for term in terms for name in term.reads)]
-        reads = list(dict.fromkeys(reads))  # each quantity computed once, however many read it
+        reads = [*(rule.part.reads if self._replays and beta > 0 else ()), *(n for t in terms for n in t.part.reads)]
         quantities = {}
         if reads:  # the policy's time for credit: logged as replay seconds
             started = time.perf_counter()
-            for name in reads:
+            for name in dict.fromkeys(reads):  # each quantity computed once, however many read it
                 if name == "relevance":
                     relevance, replayed = self._replay(batch)
                 else:
@@ -457,26 +337,15 @@ class MRTPOTrainer(GRPOTrainer):
             beta,
             self.reward_strength.betas(beta),
             self.args.max_second_moment_ratio,
-            self._guard.sum_over_processes,
-            **added,
+            self._guard.current.sum_over_processes,
+            added.process,
+            added.failure_suffix,
             combine=self._combine,
-            check_weights=lambda weights: self._check_weights(weights, batch),
         )
-        credit = checked_credit(self._rule, rule.advantages(inputs), batch, "advantages()")
-        for name, term in self.credit_terms.items():
-            credit = checked_credit(f"the term '{name}'", term.finish(credit, inputs), batch, "finish()")
-        return credit, relevance, rule.replayed(inputs)
-
-    def _check_weights(self, weights: torch.Tensor, batch: ScoredBatch) -> None:
-        """The rule's step-5 weights where they enter steps 6-8: ``[B, K, C]`` float on the batch's device, finite."""
-        check_tensor(self._rule, "token weights", weights, batch.shape, "float", batch.mask.device)
-        self._guard.note_non_finite("rule", weights, batch.mask[:, None, :], per_reward=True)
-
-    def _reduce_sum(self):
-        """Sum over data-parallel processes for steps 7 and 8 (None on one process)."""
-        if self.accelerator.num_processes == 1:
-            return None
-        return lambda tensor: self.accelerator.reduce(tensor, reduction="sum")
+        credit = rule.advantages(inputs)
+        for term in terms:
+            credit = term.finish(credit, inputs)
+        return credit, relevance, rule.part.replayed(inputs)
 
     def _replay_inputs(self, batch: ScoredBatch, joint: bool) -> tuple[list[list[int]], list, list[list[int]]]:
         """Step 2 on the local batch, tokenised as TRL tokenises prompts. Returns ``(wanted, context_ids,
@@ -489,24 +358,15 @@ class MRTPOTrainer(GRPOTrainer):
         wanted, blocks, contexts = replay_contexts(
             self.info_block_builders,
             self.reward_func_names,
-            batch.prompts,
-            [completion_text(c) for c in batch.completions],
-            batch.inputs,
-            batch.rewards,
-            batch.varying,
-            batch.views,
-            batch.mask.any(-1).tolist(),
+            batch,
             joint=joint,
             only_varying=args.replay_only_varying,
             resting=strength.resting(self.state.global_step, args.credit_warmup_steps, batch_index),
             separator=args.info_block_separator,
-            header=self._assistant_header,
-            special_tokens=self._special_tokens,
+            header=self._context_format[0],
+            special_tokens=self._context_format[1],
         )
-        flat = [context for sample in contexts for context in sample]
-        owners = [i for i, sample in enumerate(contexts) for _ in sample]
-        flat_ids = iter(tokenize_prompts(self, flat, owners) if flat else [])
-        context_ids = [[next(flat_ids) for _ in sample] for sample in contexts]
+        context_ids = _trl.tokenize_contexts(self, contexts)
         completion_ids = batch.completion_ids
         prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
         limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
@@ -533,76 +393,49 @@ class MRTPOTrainer(GRPOTrainer):
         )
 
     @cached_property
-    def _assistant_header(self) -> str | None:
-        return assistant_header(self.processing_class)
-
-    @cached_property
-    def _special_tokens(self) -> list[str]:
-        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        return [token for token in getattr(tokenizer, "all_special_tokens", []) if token]
+    def _context_format(self) -> tuple[str | None, list[str]]:
+        """The chat template's assistant header and the special tokens, which step 2's contexts are checked for."""
+        return assistant_header(self.processing_class), special_tokens(self.processing_class)
 
     def _replay(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 3-4 from the relevance provider; on a train batch, step 5's strength reading of the placed q; then
         q as the terms and the rule read it."""
         record = self._replay_record(batch)
         # every process enters (collectives under sharding and in the reading), even one with nothing to replay
-        with whole_policy(self) as policy:
-            result = self.relevance_provider(policy, record)
-        relevance, replayed, any_replayed = checked_relevance(self._provider, result, batch.shape, batch.mask.device)
-        read = replayed[..., None] & batch.mask[:, None, :].bool()  # q is read on replayed pairs' tokens only
-        self._guard.note_non_finite("q", relevance, read, per_reward=True)
-        self._guard.note("q_negative", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
-        # nothing off the credit mask (padding, tool results) reaches the weights or the strength reading
-        relevance = relevance.masked_fill(~read, 0.0).clamp(min=0.0)  # [-1e-6, 0) is rounding
+        with _trl.whole_policy(self) as policy:
+            relevance, replayed, any_replayed = self._checked_provider(policy, record, batch)
         if self.model.training:
-            self.reward_strength.read(relevance, replayed, self._guard.sum_over_processes)
-        if any_replayed:
-            parts = [
-                *((f"the term '{name}'", term) for name, term in self.credit_terms.items()),
-                (self._rule, self.credit_rule),
-            ]
-            for name, part in parts:
-                relevance = part.relevance(relevance, replayed, batch)
-                check_tensor(name, "relevance()", relevance, batch.shape, "float", batch.mask.device)
-                self._guard.note(f"q_negative:{name}", (relevance < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
-            self._guard.note_non_finite("q_adjusted", relevance, read, per_reward=True)
+            self.reward_strength.read(relevance, replayed, self._guard.current.sum_over_processes)
+        for part in [*self._checked_terms, self._checked_rule] if any_replayed else ():
+            relevance = part.relevance(relevance, replayed, batch)
         return relevance, replayed
 
     def _log_credit(self, mode, credit, relevance, replayed, mask, beta, replay_seconds, total_seconds):
         # a rule that replays without reading q (a log-likelihood contrast, say) has no q statistics
         with_q = replayed if "relevance" in self.credit_rule.reads else torch.zeros_like(replayed)
-        q_means, concentration = q_statistics(relevance, with_q, mask, self.reward_func_names)
-        local = {
-            "mrtpo/beta": beta,
-            **self.reward_strength.logged_betas(beta, self.reward_func_names),
-            "mrtpo/replayed_fraction": replayed.float().mean().item(),
-            "mrtpo/cap_factor": credit.cap_factor,
-            "mrtpo/replay_seconds": replay_seconds,
-            "mrtpo/replay_share": replay_seconds / total_seconds if total_seconds > 0 else 0.0,
-            **{f"mrtpo/q_mean/{name}": value for name, value in q_means.items()},
-            **{f"mrtpo/q_mass80_token_share/{name}": value for name, value in concentration.items()},
-        }
+        names, betas = self.reward_func_names, self.reward_strength.logged_betas(beta, self.reward_func_names)
+        seconds = (replay_seconds, total_seconds)
+        local = credit_metrics(credit, relevance, replayed, with_q, mask, names, beta, betas, seconds)
         # one collective per generation batch, entered by every process: each logs the processes' mean
         metrics = process_means(gather_object([local]))
         for key, value in metrics.items():
-            log_metric(self, mode, key, value)
+            _trl.log_metric(self, mode, key, value)
 
-        if mode == "train":  # every process reads the same q means
-            prefix = "mrtpo/q_mean/"
-            means = {key[len(prefix) :]: value for key, value in metrics.items() if key.startswith(prefix)}
-            for warning in self._collapse_monitor.warnings(means):
-                logger.warning(warning)
+        for warning in (
+            self._collapse_monitor.warnings(metrics) if mode == "train" else ()
+        ):  # the same on every process
+            logger.warning(warning)
 
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
         # Decoding every token costs time each step, so only when that table is logged.
         if self.log_completions:
             ids, names = self.last_credit.completion_ids, self.reward_func_names
             summaries = credit_summaries(self.processing_class, ids, mask, credit.advantages, relevance, with_q, names)
-            log_completion_column(self, "mrtpo_credit", gather_object(summaries))
+            _trl.log_completion_column(self, "mrtpo_credit", gather_object(summaries))
 
         # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
         per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-        replace_logged_advantages(self, self.accelerator.gather(per_response).tolist())
+        _trl.replace_logged_advantages(self, self.accelerator.gather(per_response).tolist())
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """The model card (``README.md`` in ``output_dir``): TRL's, with the real base model, the data, and the
@@ -615,10 +448,3 @@ class MRTPOTrainer(GRPOTrainer):
         from .model_card import build_model_card
 
         build_model_card(self, **details).save(os.path.join(folder, "README.md"))
-
-
-def _joined(total: torch.Tensor | None, part: torch.Tensor | None) -> torch.Tensor | None:
-    """Two terms' additions: process advantages add up, failure suffixes (bool) unite."""
-    if total is None or part is None:
-        return part if total is None else total
-    return total | part if total.dtype == torch.bool else total + part

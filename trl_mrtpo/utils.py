@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
+import sys
 from typing import Any
 
 from .constants import HUB_ID_FILE
@@ -44,3 +46,29 @@ def function_name(func: Any) -> str:
     """What a reward (or process reward) is called in logs and errors: its ``__name__``, else its class name (as TRL
     names reward functions)."""
     return getattr(func, "__name__", None) or type(func).__name__
+
+
+def import_path(name: str, kind: str) -> Any:
+    """``module.attribute`` imported, the working directory searched for this import only (as TRL's scripts
+    resolve a recipe's functions); an error names ``kind`` and ``name``."""
+    module_path, attribute = name.rsplit(".", 1)
+    added = os.getcwd() not in sys.path
+    if added:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_path), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
+    finally:
+        if added:
+            sys.path.remove(os.getcwd())
+
+
+def public_name(cls: type) -> str:
+    """``cls`` by the shortest module path that exports it (``trl_mrtpo.research.ResearchConfig``)."""
+    parts = cls.__module__.split(".")
+    for end in range(1, len(parts) + 1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if getattr(module, cls.__name__, None) is cls:
+            return f"{module.__name__}.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__name__}"

@@ -10,7 +10,6 @@ import functools
 import inspect
 import math
 import numbers
-import sys
 import types
 import typing
 import warnings
@@ -19,7 +18,9 @@ from typing import Any
 
 import torch
 
-from .rules import RegisteredRule, credit_rule_names, registered_rules
+from .info_blocks import check_builders, check_builders_on_first_row
+from .rules import credit_rule_names, registered_rules
+from .utils import function_name
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -108,35 +109,6 @@ def check_loss_keeps_token_credit(loss_type: str, importance_sampling_level: str
     )
 
 
-def public_name(cls: type) -> str:
-    """``cls`` by the shortest module path that exports it (``trl_mrtpo.research.ResearchConfig``)."""
-    parts = cls.__module__.split(".")
-    for end in range(1, len(parts) + 1):
-        module = sys.modules.get(".".join(parts[:end]))
-        if getattr(module, cls.__name__, None) is cls:
-            return f"{module.__name__}.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__name__}"
-
-
-def check_credit_rule(config: Any) -> RegisteredRule:
-    """The credit rule ``credit_assignment`` names, refused unless it is registered for this configuration's class.
-    A dotted import path is resolved by ``trl-mrtpo train`` and ``inspect --config`` (as TRL's script resolves its
-    reward functions), not here."""
-    name = config.credit_assignment
-    if name not in registered_rules() and "." in name:
-        raise ValueError(
-            f"credit_assignment={name!r} is an import path, not a registered rule: in Python, register the class with "
-            f"trl_mrtpo.rules.register_credit_rule('my_rule', Rule) and pass credit_assignment='my_rule' (a recipe's "
-            "import path is resolved by `trl-mrtpo train` and `trl-mrtpo inspect --config`)."
-        )
-    names = credit_rule_names(config)
-    if name in names:
-        return registered_rules()[name]
-    entry = registered_rules().get(name)
-    where = f" (it needs a {public_name(entry.config_class)})" if entry is not None else ""
-    raise ValueError(f"credit_assignment={name!r} is unknown; choose one of {', '.join(names)}{where}.")
-
-
 def options_beyond(config: Any, config_class: type) -> list[str]:
     """What ``config`` asks for that ``config_class`` does not have: a credit rule registered for a subclass, and
     every field of its own set away from its default."""
@@ -145,7 +117,8 @@ def options_beyond(config: Any, config_class: type) -> list[str]:
         for item in dataclasses.fields(config)
         if item.name not in config_class.__dataclass_fields__ and getattr(config, item.name) != item.default
     ]
-    if config.credit_assignment not in credit_rule_names(config_class):
+    name = config.credit_assignment
+    if name in registered_rules() and name not in credit_rule_names(config_class):
         settings.insert(0, f"credit_assignment={config.credit_assignment!r}")
     return settings
 
@@ -367,65 +340,6 @@ def check_finite_rewards(rewards: torch.Tensor, names: Sequence[str]) -> None:
         )
 
 
-def _rows(value: Any) -> list | None:
-    """A list, tuple, array or tensor as a Python list along its first axis (TRL reads each of them); None for
-    anything else."""
-    if hasattr(value, "tolist") and getattr(value, "ndim", 0) >= 1:
-        return value.tolist()
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        return list(value)
-    return None
-
-
-def checked_rollout(rollout_func: Callable) -> Callable:
-    """``rollout_func`` whose output is checked where it returns: a dict (TRL's contract) with one completion per
-    prompt it was given, and an ``env_mask`` (when there is one) of one row of 0/1 per completion, as long as its
-    ids. TRL pads the mask with 1 and multiplies it into the loss mask, so a mask of the wrong length would silently
-    shift which tokens count as the model's: the credit would land on what the environment wrote. Completion ids and
-    mask rows may be lists, arrays or tensors, as TRL reads them."""
-    where = f"rollout_func {getattr(rollout_func, '__name__', type(rollout_func).__name__)!r}"
-
-    @functools.wraps(rollout_func)
-    def checked(prompts, trainer):
-        output = rollout_func(prompts, trainer)
-        if not isinstance(output, Mapping):
-            raise TypeError(
-                f"{where} returned {type(output).__name__}; it must return a dict with 'prompt_ids', "
-                "'completion_ids' and 'logprobs' (and optionally 'env_mask' and columns for the rewards)."
-            )
-        completions = _rows(output.get("completion_ids"))
-        if completions is None:
-            return output  # TRL names the missing key
-        if len(completions) != len(prompts):
-            raise ValueError(
-                f"{where} returned {len(completions)} completions for the {len(prompts)} prompts it was given; it "
-                "must return one per prompt (TRL passes each prompt once per generation)."
-            )
-        env_mask = output.get("env_mask")
-        if env_mask is None:
-            return output
-        masks = _rows(env_mask)
-        if masks is None or len(masks) != len(completions):
-            count = len(masks) if masks is not None else type(env_mask).__name__
-            raise ValueError(f"{where} returned env_mask with {count} rows for {len(completions)} completions.")
-        for i, (mask, ids) in enumerate(zip(masks, completions)):
-            values = _rows(mask)
-            if (
-                values is None
-                or len(values) != len(ids)
-                or any(v not in (0, 1) or isinstance(v, float) for v in values)
-            ):
-                found = f"{len(values)} entries" if values is not None else type(mask).__name__
-                raise ValueError(
-                    f"{where} returned an env_mask for completion {i} that is not a list of 0/1 as long as its "
-                    f"{len(ids)} completion ids (found {found}: {str(values)[:60]}); 1 marks the "
-                    "model's tokens, 0 what the environment wrote."
-                )
-        return output
-
-    return checked
-
-
 def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: Any) -> None:
     """Before the model loads: each reward function's required keyword arguments are what TRL passes it, the
     dataset's columns (TRL withholds ``prompt``, ``completion`` and ``completion_ids``) and the arguments TRL
@@ -454,64 +368,88 @@ def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: An
             )
 
 
-def check_environment_arguments(kwargs: dict[str, Any]) -> None:
-    """``environment_factory`` and ``tools`` as TRL uses them, checked before TRL builds anything from them: a factory
-    (or a dict of factories) TRL calls once per rollout, and tools that are functions (their signature and docstring
-    become the schema the model reads)."""
-    factories = kwargs.get("environment_factory")
-    if factories is not None:
-        named = factories.items() if isinstance(factories, Mapping) else [(None, factories)]
-        for name, factory in named:
-            if not callable(factory):
-                where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
-                raise TypeError(
-                    f"{where} is an instance of {type(factory).__name__}; pass the class (or a function returning a "
-                    "new environment): TRL builds one environment per rollout and resets it for each prompt."
-                )
-            looks_like_reward = [m for m in ("reward", "compute_reward", "get_score") if hasattr(factory, m)]
-            if isinstance(factory, type) and looks_like_reward and not hasattr(factory, "get_reward"):
-                warnings.warn(
-                    f"{factory.__name__} has a method {looks_like_reward[0]!r} but no get_reward: TRL reads an "
-                    f"environment's reward from get_reward only, and offers {looks_like_reward[0]!r} to the model as "
-                    "a tool. Rename it get_reward if it is the reward.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-    for index, tool in enumerate(kwargs.get("tools") or ()):
-        if not callable(tool):
-            raise TypeError(
-                f"tools[{index}] is {type(tool).__name__} {tool!r:.40}; a tool is a function (its signature and "
-                "docstring become the schema the model reads), not its name."
-            )
+def check_model_argument(model: Any) -> None:
+    """``model="embedded"`` is the command's name for the embedded model; the trainer takes a Hub id or a folder, as
+    TRL's does."""
+    if model == "embedded":
+        raise ValueError(
+            "model='embedded' is the trl-mrtpo command's name for the embedded SmolLM2-135M-Instruct; in Python "
+            "pass its folder: from trl_mrtpo.scripts.embedded import embedded_model_path; "
+            "MRTPOTrainer(model=embedded_model_path(), ...)."
+        )
 
 
-def _reset_refusal(environment: str, returned: str, multimodal: bool) -> str:
-    """The refusal of what ``environment``'s ``reset()`` returned (``returned``: its type, and its value if known)."""
-    return (
-        f"{environment}.reset() returned {returned}; it returns None or the text appended to the prompt's last message"
-        + (" (or content parts)." if multimodal else " (content parts only for a vision-language model).")
-    )
+def check_credit_settings(args: Any, rule: type) -> None:
+    """Before the model loads, what the configuration asks of the rule ``credit_assignment`` resolved to and of its
+    divergence backend: a reward-strength floor set for a rule that has no per-reward q, a backend that cannot run
+    here (Triton not installed)."""
+    floor = args.reward_strength_floor
+    default_floor = type(args).__dataclass_fields__["reward_strength_floor"].default
+    if floor not in (None, default_floor) and rule.removal != "each":
+        modes = [name for name, entry in registered_rules().items() if entry.rule.removal == "each"]
+        raise ValueError(
+            f"reward_strength_floor={floor!r} has no effect unless credit_assignment is one of "
+            f"{', '.join(name for name in modes if name in credit_rule_names(args))} (it reads each reward's own q "
+            f"profile); got credit_assignment={args.credit_assignment!r}. Remove it."
+        )
+    if args.divergence_backend not in ("auto", "torch"):
+        from .ops.divergence import divergence_backend
+
+        missing = divergence_backend(args.divergence_backend).missing()
+        if missing:
+            raise ValueError(f"divergence_backend={args.divergence_backend!r} {missing}.")
 
 
-def check_observations(rows: Sequence[dict], prompts: Sequence[Any], environments: Sequence[Any]) -> None:
-    """For a text model, what environments' ``reset()`` returned, read from the prompts TRL built: content parts (a
-    list its template renders as nothing, the info blocks after them too) are refused naming the environment."""
-    for row, prompt, environment in zip(rows, prompts, environments):
-        own = row.get("prompt")
-        given_parts = isinstance(own, list) and bool(own) and isinstance(own[-1].get("content"), list)
-        if isinstance(prompt, list) and prompt and isinstance(prompt[-1].get("content"), list) and not given_parts:
-            parts = prompt[-1]["content"][1:]
-            raise TypeError(_reset_refusal(type(environment).__name__, f"list {parts!r:.60}", multimodal=False))
+def checked_inputs(
+    reward_funcs: Any, info_blocks: Any, train_dataset: Any, eval_dataset: Any, kwargs: dict[str, Any]
+) -> tuple[list, list]:
+    """The trainer's inputs checked before the model loads: the datasets (an environment may own the data: its
+    ``reset()`` gives the prompt, as in TRL), the environment arguments, the reward columns and the info-block
+    builders (those of environments' rewards, which TRL adds while loading, at the first step). Returns the reward
+    functions as given (a copy: TRL appends environments' rewards to the list it is given) and as TRL gets them,
+    each wrapped by :func:`checked_reward`; a ``rollout_func`` in ``kwargs`` is wrapped by :func:`checked_rollout`."""
+    environments = kwargs.get("environment_factory") is not None
+    check_dataset(train_dataset, "train", environments)
+    check_dataset(eval_dataset, "eval", environments)
+    if environments or kwargs.get("tools") or kwargs.get("rollout_func") is not None:
+        from .trajectories import check_environment_arguments  # loaded by the runs that have them
+
+        check_environment_arguments(kwargs)
+    funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
+    names = [f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs]
+    check_reward_columns(funcs, names, train_dataset)
+    builders = info_blocks if environments else check_builders(info_blocks, names)
+    tools = bool(kwargs.get("tools")) or environments
+    check_builders_on_first_row(builders, names, train_dataset, tools, environments)
+    checked = [f if isinstance(f, (str, torch.nn.Module)) else checked_reward(f, n) for f, n in zip(funcs, names)]
+    return funcs, checked
 
 
-def reset_refusal(error: TypeError, environments: Sequence[Any], multimodal: bool) -> str | None:
-    """When TRL could not append what an environment's ``reset()`` returned to the prompt's text (``str + dict``):
-    the message naming the environment's class (from TRL's batch of environments) and the returned type (from
-    Python's own error text, :data:`~trl_mrtpo._trl.RESET_APPEND_ERROR`); else None."""
-    from ._trl import RESET_APPEND_ERROR
-
-    appended = RESET_APPEND_ERROR.search(str(error))
-    if appended is None:
-        return None
-    classes = sorted({type(environment).__name__ for environment in environments or ()}) or ["the environment"]
-    return _reset_refusal(" or ".join(classes), appended[1], multimodal)
+def check_credit_use(
+    args: Any,
+    rule: type,
+    terms: Mapping[str, Any],
+    functions: Sequence[tuple[str, Any]],
+    relevance_provider: Any,
+    blocks: bool,
+    engine: str | None,
+) -> tuple[bool, list[str]]:
+    """Start-up checks of what the run's credit needs from the policy: a provider given to a rule that reads no q, a
+    loss that would average token credit away (:func:`check_loss_keeps_token_credit`), sharding that cannot run the
+    replay or the terms' forwards (:func:`check_sharded_replay`; ``functions``: the user's reward functions and the
+    terms', by name). Returns whether the rule replays, and the options that run extra policy forwards."""
+    if relevance_provider is not None and "relevance" not in rule.reads:
+        raise ValueError(
+            f"the relevance provider {function_name(relevance_provider)!r} was given, but "
+            f"credit_assignment={args.credit_assignment!r} reads no q: it would never be called. Choose a rule that "
+            "reads q (mrtpo), or drop the provider."
+        )
+    # a provider of one's own may know the relevant tokens without any info block: it is called all the same
+    replays = rule.removal is not None and (blocks or relevance_provider is not None)
+    replay = [f"credit_assignment='{args.credit_assignment}'"] if replays else []
+    extra = [label for term in terms.values() for label in term.policy_forwards]
+    token_credit = [label for term in terms.values() for label in term.token_credit]
+    check_loss_keeps_token_credit(args.loss_type, args.importance_sampling_level, [*replay, *token_credit])
+    runs_policy = [f"'{name}'" for name, f in functions if getattr(f, "runs_policy_forwards", False)]
+    check_sharded_replay(engine, [*replay, *extra], runs_policy, args.ds3_gather_for_generation)
+    return replays, [*extra, *runs_policy]

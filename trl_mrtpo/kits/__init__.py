@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..utils import import_path
 
 # name -> module under trl_mrtpo.kits; modules are imported on first use (the SQL kit needs sqlglot, ...)
 KIT_MODULES = {
@@ -151,18 +152,8 @@ def resolve(name: str, kind: str) -> Callable | None:
 
 
 def _import_path(name: str, kind: str) -> Callable:
-    """``module.attribute`` imported, the working directory searched for this import only."""
-    module_path, attribute = name.rsplit(".", 1)
-    added = os.getcwd() not in sys.path
-    if added:
-        sys.path.insert(0, os.getcwd())
-    try:
-        value = getattr(importlib.import_module(module_path), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"cannot import {kind} {name!r}: {error}") from error
-    finally:
-        if added:
-            sys.path.remove(os.getcwd())
+    """``module.attribute`` imported (:func:`~trl_mrtpo.utils.import_path`), refused unless callable."""
+    value = import_path(name, kind)
     # TRL would call a number ("'float' object has no attribute '__call__'") and load a string as a Hub reward model
     if not callable(value):
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Kernels of the replay (docs/method.md step 4): the JS divergence, torch and registered backends (the fused Triton
+"""Kernels of the replay (docs/method.md step 4): the JS divergence, torch and the named backends (the fused Triton
 kernel among them) behind one entry point, :func:`replay_divergence`."""
 
 from .divergence import js_divergence, replay_divergence

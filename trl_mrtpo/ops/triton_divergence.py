@@ -2,7 +2,7 @@
 (docs/method.md step 4; docs/kernels.md).
 
 Per chunk of tokens, the ``K + 1`` contexts' logits ``z = h W^T + b`` come from one GEMM with fp32 output
-(:func:`~trl_mrtpo.ops.divergence.fp32_logits`, the torch device rule's GEMM). Then one program per token reads its
+(:func:`~trl_mrtpo.ops.device_rule.fp32_logits`, the torch device rule's GEMM). Then one program per token reads its
 ``K + 1`` rows twice, looping over them inside the program (no power-of-two padding of K):
 
 1. each row's log-normaliser ``log sum_v exp(f(z_v))``, online (a running max and sum of exp), with
@@ -28,7 +28,8 @@ import time
 import torch
 
 from ..constants import LN2, MAX_LOG_RATIO
-from .divergence import DivergenceBackend, chunk_logits, device_workspace, workspace_chunk, workspace_divergence
+from .device_rule import chunk_logits, device_workspace, workspace_chunk, workspace_divergence
+from .divergence import DivergenceBackend
 
 try:
     import triton
@@ -155,7 +156,7 @@ def fused_replay_divergence(
     """``[M, N]`` fp32 ``JS(p_all || p_not_m) / ln 2`` per token; see :func:`trl_mrtpo.ops.replay_divergence`.
 
     Token chunks of ``chunk_size`` (default: the device's workspace over ``(M + 1)`` fp32 vocabulary rows per token,
-    :func:`~trl_mrtpo.ops.divergence.workspace_chunk`); per chunk one fp32-output GEMM, then :func:`_js_rows_kernel`.
+    :func:`~trl_mrtpo.ops.device_rule.workspace_chunk`); per chunk one fp32-output GEMM, then :func:`_js_rows_kernel`.
     """
     if triton is None:
         raise RuntimeError("The triton backend needs Triton: pip install 'trl-mrtpo[kernels]'.")

@@ -1,8 +1,9 @@
-"""The research room's credit rules, registered on import (:mod:`trl_mrtpo.rules`), and its terms.
+"""The research room's credit rules, registered on import (:mod:`trl_mrtpo.rules`), and its terms (passed by
+``ResearchTrainer`` as ``credit_terms`` classes).
 
 Rules (``credit_assignment``, in a :class:`~trl_mrtpo.research.ResearchConfig`): ``joint`` and ``shuffled``
 (ablations), ``cort`` (CoRT). Terms, which :class:`~trl_mrtpo.research.ResearchTrainer` passes as its configuration
-selects them (:func:`configured_terms`): ``reward_weighting`` (SAW, CONCUR), ``taco`` (TACO), ``calibrated_credit``
+selects them (``CONFIGURED_TERMS``): ``reward_weighting`` (SAW, CONCUR), ``taco`` (TACO), ``calibrated_credit``
 (null correction, preserved totals). Quantities: ``logprob_contrast`` (CoRT) and ``surprisal`` (TACO), computed by
 :class:`~trl_mrtpo.research.ResearchTrainer`.
 """
@@ -18,13 +19,13 @@ from typing import Any
 
 import torch
 
-from ..credit_state import StateCheck
 from ..rules import (
     MRTPO,
     CreditInputs,
     CreditRule,
     CreditSetup,
     CreditTerm,
+    StateCheck,
     register_credit_rule,
 )
 from .config import ResearchConfig
@@ -211,7 +212,5 @@ register_credit_rule("shuffled", Shuffled, ResearchConfig)
 register_credit_rule("cort", CoRT, ResearchConfig)
 
 
-def configured_terms(setup: CreditSetup) -> list[CreditTerm]:
-    """The research room's terms a configuration selects, in a fixed order."""
-    built = [RewardWeighting.build(setup), TACO.build(setup), CalibratedCredit.build(setup)]
-    return [term for term in built if term is not None]
+# the research room's terms, in a fixed order: each class builds its term when the configuration selects it
+CONFIGURED_TERMS = (RewardWeighting, TACO, CalibratedCredit)

@@ -18,13 +18,11 @@ from ..batch import ScoredBatch, completion_token_lists
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from ..relevance import ReplayRelevance
 from ..replay import final_logit_softcap, lm_head_parameters, replayed_hidden_states
-from ..rules import CreditSetup, CreditTerm
+from ..rules import CreditTerm, given_terms
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
-from .rules import RESEARCH_STATE_ENTRIES, configured_terms
+from .rules import CONFIGURED_TERMS
 from .token_scores import sampled_logprobs
-
-__all__ = ["RESEARCH_STATE_ENTRIES", "ResearchTrainer"]  # the state entries' checks live in research/rules.py now
 
 
 class ResearchTrainer(MRTPOTrainer):
@@ -38,18 +36,17 @@ class ResearchTrainer(MRTPOTrainer):
     _name = "MRTPO-research"
     config_class = ResearchConfig
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        if "relevance_provider" not in kwargs:
-            self.relevance_provider = ReplayRelevance(**self._replay_options())
+    def __init__(self, *args, credit_terms: Sequence[CreditTerm] | None = None, **kwargs):
+        # the configured terms reach the rule as the user's do: classes built from the run's setup (None: not selected)
+        super().__init__(*args, credit_terms=[*CONFIGURED_TERMS, *given_terms(credit_terms)], **kwargs)
+
+    def _replay_relevance(self, args: ResearchConfig) -> ReplayRelevance:
+        return ReplayRelevance(**self._replay_options(args))
 
     @property
     def _concur_trust(self) -> dict:
         """CONCUR-A's readings so far (the ``reward_weighting`` term's)."""
         return self.credit_terms["reward_weighting"].trust
-
-    def _configured_terms(self, setup: CreditSetup) -> list[CreditTerm]:
-        return configured_terms(setup)
 
     def _quantity(self, name: str, batch: ScoredBatch):
         """CoRT's ``logprob_contrast`` and TACO's ``surprisal`` (methods subclasses may instrument)."""
@@ -59,8 +56,9 @@ class ResearchTrainer(MRTPOTrainer):
             return self._surprisal(batch.output)
         return super()._quantity(name, batch)
 
-    def _replay_options(self) -> dict:
-        return {"batch_size": self.args.replay_batch_size, "min_shared_prefix": self.args.replay_min_shared_prefix}
+    def _replay_options(self, args: ResearchConfig | None = None) -> dict:
+        args = args or self.args
+        return {"batch_size": args.replay_batch_size, "min_shared_prefix": args.replay_min_shared_prefix}
 
     def _cort_contrast(self, batch: ScoredBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """CoRT's ``[B, C]`` contrast ``log pi(y_t | P_all) - log pi(y_t | every block removed)`` and which responses

@@ -178,40 +178,9 @@ def make_parser():
     return TrlParser((MRTPOScriptArguments, ResearchConfig, ModelConfig, DatasetMixtureConfig), prog="trl-mrtpo train")
 
 
-def register_recipe_rule(argv: Sequence[str]) -> None:
-    """A recipe's ``credit_assignment`` given by dotted import path (as its ``reward_funcs`` may be): imported with
-    the working directory on the import path, and registered under that path for this process before the
-    configuration is parsed (``MRTPOConfig`` accepts registered names only). The path resolved again after its
-    module changed replaces the class it held."""
-    from ..rules import register_credit_rule, registered_rules, unregister_credit_rule
-
-    argv = list(argv)
-    name = None
-    if "--config" in argv:
-        import yaml
-
-        with open(argv[argv.index("--config") + 1], encoding="utf-8") as recipe:
-            name = (yaml.safe_load(recipe) or {}).get("credit_assignment")
-    for i, arg in enumerate(argv):  # the command line wins over the recipe, as TrlParser reads them
-        if arg == "--credit_assignment" and i + 1 < len(argv):
-            name = argv[i + 1]
-        elif arg.startswith("--credit_assignment="):
-            name = arg.split("=", 1)[1]
-    if not isinstance(name, str) or "." not in name:
-        return
-    rule = resolve(name, "credit rule")
-    registered = registered_rules().get(name)
-    if registered is not None and registered.rule is rule:
-        return
-    if registered is not None:
-        unregister_credit_rule(name)
-    register_credit_rule(name, rule)
-
-
 def parse_recipe(argv: Sequence[str]) -> tuple:
     """``(script_args, training_args, model_args, dataset_args)`` from a recipe and flags, as ``train`` and
-    ``inspect --config`` read them (a dotted-path rule registered first)."""
-    register_recipe_rule(argv)
+    ``inspect --config`` read them."""
     return make_parser().parse_args_and_config(list(argv))
 
 
@@ -434,9 +403,14 @@ def main(script_args, training_args, model_args, dataset_args=None, recipe: str 
 
 
 def check_recipe(script_args: MRTPOScriptArguments, training_args) -> tuple[type | None, str | None]:
-    """What a recipe can get wrong that is known before the model loads: its trainer against its settings (a
+    """What a recipe can get wrong that is known before the model loads: its credit rule (a name, or a dotted path
+    imported from the working directory too, as the trainer resolves it), its trainer against its settings (a
     research-only option without ``trainer: research``) and its chat template (a file that is missing, empty or
     does not parse). Returns ``(trainer class, chat template text or None)``."""
+    from ..rules import resolve_credit_rule
+    from ..validation import check_credit_settings
+
+    check_credit_settings(training_args, resolve_credit_rule(training_args))
     trainer_class = recipe_trainer_class(script_args, training_args)
     template = chat_template(script_args.chat_template_path) if script_args.chat_template_path else None
     return trainer_class, template

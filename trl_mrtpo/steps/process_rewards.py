@@ -26,10 +26,10 @@ from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
 from ..info_blocks import Prompt, call_builder, check_builders
-from ..rules import CreditSetup, CreditTerm
+from ..rules import Contribution, CreditSetup, CreditTerm, resolve_credit_rule
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name
-from ..validation import check_credit_rule, own_copies, within_float32
+from ..validation import own_copies, within_float32
 from .credit import failure_suffix_mask, process_advantages
 
 NO_BOUNDARY = -1
@@ -403,13 +403,13 @@ class StepCredit(CreditTerm):
         process_rewards = check_process_rewards(setup.options.get("process_rewards"))
         weights = process_reward_weights(setup.args.process_reward_weights, len(process_rewards))
         builders = check_builders(setup.options.get("failure_boundaries"), setup.reward_names, "failure_boundaries")
-        keeps_trl = check_credit_rule(setup.args).rule.keeps_trl_advantages
+        keeps_trl = (setup.rule or resolve_credit_rule(setup.args)).keeps_trl_advantages
         rules = check_step_rules(process_rewards, builders, keeps_trl)
         return cls(process_rewards, weights, builders, setup.reward_names, rules)
 
     def __call__(
         self, batch: ScoredBatch, tokenizer, num_generations: int, rank: int, trainer_state: Any = None
-    ) -> tuple[dict[str, torch.Tensor | None], list[tuple[str, float]]]:
+    ) -> Contribution:
         """The local batch's ``process`` (``[B, C]``, :func:`process_credit`) and ``failure_suffix`` (``[B, K, C]``,
         :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.weighted_token_advantages` (None where a rule is not in
         use), and each process reward's mean step score per scored response, logged as ``mrtpo/process/<name>``."""
@@ -447,4 +447,4 @@ class StepCredit(CreditTerm):
                 batch.mask.shape[1],
                 batch.views,
             ).to(batch.mask.device)
-        return {"process": process, "failure_suffix": suffix}, [(f"process/{name}", mean) for name, mean in means]
+        return Contribution(process, suffix, [(f"process/{name}", mean) for name, mean in means])
