@@ -446,3 +446,45 @@ def test_inspect_credit_takes_a_template_by_the_name_a_recipe_uses(tmp_path, tin
     with pytest.raises(KeyboardInterrupt):
         inspect_credit(model=str(model_dir), chat_template="qwen3", num_prompts=1, num_generations=2)
     assert seen == [(Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()]
+
+
+def test_inspect_replays_recorded_tool_trajectories_through_trls_tool_loop(tmp_path, tiny_tokenizer, monkeypatch):
+    """``--completions`` takes the messages TRL's tool loop produces: each recorded assistant turn is served in turn,
+    TRL parses its calls and runs them in the row's environment, and the record scores and replays them as training
+    does (tool results masked out of the credit). A correct trajectory and one with a wrong total differ in the
+    answer reward only."""
+    import json
+    import random
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import tiny_llama_config
+    from trl_mrtpo.kits.tool_agent import make_agent_dataset
+    from trl_mrtpo.scripts.agent_warm_start import demonstration
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setattr("trl_mrtpo.scripts.agent_warm_start.FAULT_RATES", {})  # every demonstration correct
+    model_dir = tmp_path / "tiny"
+    torch.manual_seed(0)  # the tiny tokenizer spells the tools' schema out in ~1,200 tokens: room for the turns
+    LlamaForCausalLM(tiny_llama_config(tiny_tokenizer, max_position_embeddings=8192)).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    row = make_agent_dataset(1, seed=3).to_list()[0]
+    messages, _ = demonstration(row, random.Random(0))
+    correct = messages[len(row["prompt"]) :]
+    wrong = [*correct[:-1], {"role": "assistant", "content": "Total: 0.01"}]
+    path = tmp_path / "trajectories.jsonl"
+    path.write_text("\n".join(json.dumps({**row, "completion": c}) for c in (correct, wrong)))
+    record, _ = inspect_credit(
+        model=str(model_dir), task="agent", chat_template="qwen3", completions=str(path), beta=0.5
+    )
+    for text in record.completions[:2]:  # the environment's results, run again, in the scored responses
+        assert all(m["content"] in text for m in correct if m["role"] == "tool")
+    names = ["agent_format_reward", "agent_call_reward", "agent_answer_reward"]
+    rewards = dict(zip(names, record.rewards[:2].T.tolist()))
+    # every recorded call parsed by TRL from the served turns and run: the call reward is full for both
+    assert rewards["agent_call_reward"] == [1.0, 1.0] and rewards["agent_answer_reward"] == [1.0, 0.0]
+    assert (record.mask[:2] == 0).any(-1).all()  # tool results are context, not the model's tokens
+    with pytest.raises(ValueError, match="recorded tool trajectories are replayed through TRL's tool loop"):
+        inspect_credit(model=str(model_dir), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                       completions=str(path))  # fmt: skip

@@ -85,8 +85,8 @@ trained = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=Fals
 
 def test_the_offline_load_back_block_runs_with_the_hub_unreachable(tmp_path):
     """README's offline block loads a run on the embedded model back with ``HF_HUB_OFFLINE=1`` and an empty Hugging
-    Face cache (the adapter itself names the Hub id), into the policy that was trained; nothing is written into the
-    cache under a Hub id, by the run or by the load."""
+    Face cache (the adapter itself names the Hub id), into the policy that was trained, and so does the quick start
+    of the run's model card; nothing is written into the cache under a Hub id, by the run or by the loads."""
     import os
     import subprocess
     import sys
@@ -99,6 +99,11 @@ assert json.load(open("qwen-coder-mrtpo/adapter_config.json"))["base_model_name_
 ids = torch.tensor([[1, 2, 3, 4]])
 with torch.no_grad():
     torch.testing.assert_close(policy.eval()(ids).logits, trained(ids).logits)
+# the run's model card: its quick start loads the embedded base by name, offline too
+card = open("qwen-coder-mrtpo/README.md").read()
+quick_start = card.split("```python\\n", 1)[1].split("```", 1)[0]
+assert 'local_model("embedded")' in quick_start, quick_start
+exec(quick_start.replace("max_new_tokens=128", "max_new_tokens=8"))
 """
     hf_home = tmp_path / "hf"
     hf_home.mkdir()

@@ -58,7 +58,12 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
     assert "None" not in card
     assert f"fine-tuned version of [{EMBEDDED_HUB_ID}](https://huggingface.co/{EMBEDDED_HUB_ID})" in card
     assert "trl-mrtpo's built-in `basic` task data" in card and "huggingface.co/datasets" not in card
-    assert 'AutoPeftModelForCausalLM.from_pretrained("me/smol-mrtpo")' in card
+    # the quick start loads the embedded base by name (offline), then the pushed adapter
+    assert (
+        'base = local_model("embedded")' in card
+        and "PeftModel.from_pretrained(" in card
+        and '"me/smol-mrtpo")' in card
+    )
     procedure, citations = card.index("## Training procedure"), card.index("## Citations")
     settings = card.index("### MRTPO settings")
     assert procedure < settings < citations  # the MRTPO section is part of the training procedure
@@ -72,7 +77,7 @@ def test_recipe_run_pushes_a_card_and_an_adapter_that_load_back(tmp_path, monkey
     messages = [{"role": "user", "content": "Write two sentences about rain."}]
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     trained = trainer.accelerator.unwrap_model(trainer.model).eval()
-    # as the card's quick start does: the adapter names its base by Hub id (resolved from the Hub cache, offline)
+    # the adapter names its base by Hub id (resolved from the Hub cache, offline)
     loaded = AutoPeftModelForCausalLM.from_pretrained(pushed).eval()
     with torch.no_grad():
         expected = trained.generate(**inputs, max_new_tokens=12, do_sample=False)

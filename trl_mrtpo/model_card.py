@@ -14,6 +14,7 @@ from trl import GRPOConfig
 
 from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
+from .constants import LOCAL_MODEL_FILE
 from .utils import function_name, local_copy
 
 # Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
@@ -47,6 +48,13 @@ def settings_lines(args: MRTPOConfig) -> list[str]:
         if value != default:
             lines.append(f"{field.name}: {value!r} (default {default!r})")
     return lines
+
+
+def local_model_name(path: str | None) -> str | None:
+    """The name ``trl_mrtpo.scripts.embedded.local_model`` loads the folder ``path`` by (an embedded model), or
+    None."""
+    marker = os.path.join(path, LOCAL_MODEL_FILE) if path and os.path.isdir(path) else None
+    return open(marker, encoding="utf-8").read().strip() if marker and os.path.isfile(marker) else None
 
 
 def build_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> ModelCard:
@@ -92,6 +100,7 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         model_name=model_name,
         model_id=model_id,
         adapter=adapter,
+        local_model=local_model_name(base_path) if adapter else None,
         dataset_name=dataset_name,
         data_source=trainer.data_source,
         mrtpo_version=version("trl-mrtpo"),

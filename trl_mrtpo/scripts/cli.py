@@ -71,6 +71,8 @@ def run_inspect(args: argparse.Namespace):
 
     _pin_threads(args.threads)
     settings = flags_for(inspect_credit, args, "model", "task")
+    if settings.get("max_new_tokens") is None:  # a recipe's max_completion_length, else inspect_credit's 64
+        settings.pop("max_new_tokens", None)
     try:  # a mistake in the flags or the recipe ends in the usage line, before any model loads
         task = recipe_inspection(args.config) if args.config else {"model": args.model, "task": args.task}
         check_policy_folders(task["model"], args.adapter)
@@ -162,11 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--completions",
         default=None,
         help="replay existing responses instead of sampling: JSONL, one line per response with prompt, completion "
-        "and the row fields the task reads (the same number of responses per prompt)",
+        "and the row fields the task reads (the same number of responses per prompt); a completion is a string, or "
+        "a recorded tool trajectory (the messages TRL's tool loop produces), replayed through TRL's tool loop",
     )
     inspect.add_argument("--num-prompts", type=positive, default=4, help="prompts to sample (default 4)")
     inspect.add_argument("--num-generations", type=counting(2), default=4, help="responses per prompt (default 4)")
-    inspect.add_argument("--max-new-tokens", type=positive, default=64, help="tokens per response (default 64)")
+    inspect.add_argument(
+        "--max-new-tokens",
+        type=positive,
+        default=None,
+        help="tokens per response (default: a recipe's max_completion_length, else 64)",
+    )
     inspect.add_argument(
         "--temperature", type=float, default=None, help="sampling temperature (default: the recipe's, else 1.0)"
     )

@@ -11,7 +11,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
-from ..constants import HUB_ID_FILE
+from ..constants import HUB_ID_FILE, LOCAL_MODEL_FILE
 from ..kits import cache_root
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -42,9 +42,9 @@ def embedded_model_path() -> str:
     """
     target = cache_root() / EMBEDDED_MODEL_NAME
     if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
-        marker = target / HUB_ID_FILE
-        if not marker.is_file() or marker.read_text() != HUB_ID_MARKER:  # converted by an earlier release
-            marker.write_text(HUB_ID_MARKER)
+        for marker, text in ((HUB_ID_FILE, HUB_ID_MARKER), (LOCAL_MODEL_FILE, "embedded")):
+            if not (target / marker).is_file() or (target / marker).read_text() != text:  # an earlier release's
+                (target / marker).write_text(text)
         return str(target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,6 +64,7 @@ def embedded_model_path() -> str:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / HUB_ID_FILE).write_text(HUB_ID_MARKER)  # adapters and cards of this folder name the Hub id
+    (partial / LOCAL_MODEL_FILE).write_text("embedded")
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return str(target)
@@ -84,7 +85,7 @@ def embedded_agent_path() -> str:
     stamp = hashlib.sha256(adapter_weights.read_bytes()).hexdigest()
     target = cache_root() / f"{EMBEDDED_MODEL_NAME}-agent"
     if (target / "model.safetensors").is_file() and (target / "adapter.sha256").is_file():
-        if (target / "adapter.sha256").read_text() == stamp:
+        if (target / "adapter.sha256").read_text() == stamp and (target / LOCAL_MODEL_FILE).is_file():
             return str(target)
     import torch
     from peft import PeftModel
@@ -102,6 +103,8 @@ def embedded_agent_path() -> str:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     (partial / "adapter.sha256").write_text(stamp)
+    # no hub_id.txt: an adapter trained on this folder does not fit the Hub model alone
+    (partial / LOCAL_MODEL_FILE).write_text("embedded-agent")
     shutil.rmtree(target, ignore_errors=True)
     partial.replace(target)
     return str(target)

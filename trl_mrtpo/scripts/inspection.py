@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -71,18 +72,27 @@ def model_token_ids(record: CreditRecord) -> list[list[int]]:
     return ids
 
 
-def load_completions(path: str) -> tuple[list[dict], list[str], int]:
+def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int]:
     """Existing completions from a JSONL file: one line per response with ``prompt``, ``completion`` and the row
-    fields the task's rewards read. Returns ``(rows, completions, group_size)``; every prompt needs the same number
-    of responses, and completions come back grouped by prompt in order of first appearance."""
+    fields the task's rewards read. A completion is a string, or a recorded tool trajectory: the list of messages
+    TRL's tool loop produces (assistant turns, with their ``tool_calls``, and ``tool`` results). Returns ``(rows,
+    completions, group_size)``; every prompt needs the same number of responses, and completions come back grouped by
+    prompt in order of first appearance."""
     groups: dict[str, list[dict]] = {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             entry = json.loads(line)
-            if "prompt" not in entry or not isinstance(entry.get("completion"), str):
-                raise ValueError(f"{path} line {number}: needs 'prompt' and a string 'completion'")
+            completion = entry.get("completion")
+            trajectory = isinstance(completion, list) and all(isinstance(m, dict) and "role" in m for m in completion)
+            if "prompt" not in entry or not (isinstance(completion, str) or trajectory):
+                raise ValueError(
+                    f"{path} line {number}: needs 'prompt' and a 'completion': a string, or the list of messages "
+                    "TRL's tool loop produces ({'role': 'assistant', 'tool_calls': [...]}, {'role': 'tool', ...})"
+                )
+            if trajectory and not any(m["role"] == "assistant" for m in completion):
+                raise ValueError(f"{path} line {number}: the trajectory holds no assistant turn")
             groups.setdefault(json.dumps(entry["prompt"], sort_keys=True), []).append(entry)
     sizes = {len(g) for g in groups.values()}
     if len(sizes) != 1:
@@ -90,6 +100,53 @@ def load_completions(path: str) -> tuple[list[dict], list[str], int]:
     rows = [{k: v for k, v in group[0].items() if k != "completion"} for group in groups.values()]
     completions = [entry["completion"] for group in groups.values() for entry in group]
     return rows, completions, sizes.pop()
+
+
+def recorded_turns(tokenizer, trajectories: list[list[dict]]):
+    """A ``_generate_single_turn`` for a trainer class that serves recorded tool trajectories instead of sampling:
+    each call answers every sequence TRL asks about with its trajectory's next assistant turn, rendered by the chat
+    template as the model would have written it (an empty reasoning block the template adds is left out). TRL's
+    tool loop parses the calls, runs them in the row's
+    environment (so the tool results are the environment's) and masks them, as in training. Sequences are matched
+    to their trajectory by the ids served so far; one asking beyond its recorded turns gets the end of turn."""
+    turns = [[m for m in trajectory if m["role"] == "assistant"] for trajectory in trajectories]
+    served: list[list[int] | None] = [None] * len(trajectories)  # each trajectory's ids so far (prompt + turns)
+    taken = [0] * len(trajectories)
+
+    def render(message: dict) -> list[int]:
+        functions = [call.get("function", call) for call in message.get("tool_calls") or []]
+        calls = [{"type": "function", "function": {"name": f["name"], "arguments": f.get("arguments", {})}}
+                 for f in functions]  # fmt: skip
+        turn = {
+            "role": "assistant",
+            "content": message.get("content") or "",
+            **({"tool_calls": calls} if calls else {}),
+        }
+        asked = [{"role": "user", "content": "."}]
+        before = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template([*asked, turn], tokenize=False)
+        written = re.sub(r"^<think>\s*</think>\s*", "", text[len(before) :])  # an empty reasoning block left out
+        return tokenizer(written.rstrip("\n"), add_special_tokens=False)["input_ids"]
+
+    def generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        replies, first = [], all(s is None for s in served)
+        for position, ids in enumerate(prompt_ids):
+            ids = list(ids)
+            if first:  # the first turn: the batch in order
+                j = position
+            else:
+                waiting = (j for j, s in enumerate(served) if s and ids[: len(s)] == s and taken[j] < len(turns[j]))
+                j = next(waiting, None)
+            if j is None or taken[j] >= len(turns[j]):
+                reply = [tokenizer.eos_token_id]
+            else:
+                reply = render(turns[j][taken[j]])
+                taken[j] += 1
+                served[j] = ids + reply
+            replies.append(reply)
+        return replies, None
+
+    return generate_single_turn
 
 
 def fixed_rollout(completions: list[str] | list[list[int]]):
@@ -297,10 +354,23 @@ def inspect_credit(
         info_blocks = info_blocks if info_blocks is not None else [None] * len(reward_funcs)
         if dataset is None and not completions:
             raise ValueError("inspect_credit with your own reward_funcs needs a dataset (rows with a 'prompt').")
-    rollout = None
+    rollout, trainer_class = None, trainer_class or MRTPOTrainer
     if completions:
         rows, texts, num_generations = load_completions(completions)
-        rollout = fixed_rollout(texts)
+        recorded = [text for text in texts if isinstance(text, list)]
+        if recorded and (len(recorded) < len(texts) or environment_factory is None):
+            raise ValueError(
+                f"{completions}: recorded tool trajectories are replayed through TRL's tool loop, all of them (not "
+                "mixed with strings) and with the task's environment (a kit's, or environment_factory=)."
+            )
+        if recorded:  # the recorded turns served in place of sampling; the environment runs the calls again
+            serve = recorded_turns(tokenizer, recorded)
+            trainer_class = type(
+                f"Replaying{trainer_class.__name__}", (trainer_class,), {"_generate_single_turn": serve}
+            )
+            max_new_tokens = max(max_new_tokens, 1024)
+        else:
+            rollout = fixed_rollout(texts)
     else:
         rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
     credit = recipe_credit_settings(recipe_args) if recipe_args is not None else {}
@@ -326,7 +396,7 @@ def inspect_credit(
         config = (type(recipe_args) if recipe_args is not None else MRTPOConfig)(
             **{**credit, **inspecting, "output_dir": scratch}
         )
-        trainer = (trainer_class or MRTPOTrainer)(
+        trainer = trainer_class(
             model=policy,
             reward_funcs=list(reward_funcs),
             info_blocks=list(info_blocks),
@@ -573,6 +643,7 @@ def recipe_inspection(config: str) -> dict:
         "chat_template": template,
         "environment_factory": kit.environment if kit is not None else None,
         "reward_strength_floor": training_args.reward_strength_floor,
+        "max_new_tokens": training_args.max_completion_length,  # a tool rollout's turns and results fit as trained
     }
 
 
