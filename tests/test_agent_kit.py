@@ -409,11 +409,13 @@ def test_the_warm_start_demonstrations_score_as_their_faults_say():
 
 
 def test_the_shipped_warm_start_is_what_its_provenance_says():
-    """The demonstrations regenerate byte for byte (their hash is the shipped adapter's), and the adapter is small."""
+    """The demonstrations regenerate byte for byte (their hash is the shipped adapter's), and the adapter is small
+    (r 8 on every linear layer of the 135M model, fp32: 9.4 MiB; the attention-only adapter before it was 3.5 MiB
+    and never made a call that passed)."""
     import json
 
     from trl_mrtpo.scripts.agent_warm_start import ADAPTER_DIR, data_hash, demonstrations
 
     provenance = json.loads((ADAPTER_DIR / "provenance.json").read_text())
     assert data_hash(demonstrations(provenance["demonstrations"], provenance["seed"])) == provenance["data_sha256"]
-    assert (ADAPTER_DIR / "adapter_model.safetensors").stat().st_size < 8 << 20
+    assert (ADAPTER_DIR / "adapter_model.safetensors").stat().st_size < 10 << 20
