@@ -250,6 +250,26 @@ def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, cap
     assert len(lines) == 2 and all(any(v in line for v in verdicts) for line in lines)
 
 
+def test_inspecting_a_kit_recipe_keeps_the_kits_spans_for_the_report(tmp_path, tiny_tokenizer, monkeypatch):
+    """A recipe whose rewards are its task kit's: the localisation report gets the kit (its spans); a recipe with
+    rewards of its own gets none (their names are not the kit's). Before, every recipe read as rewards of one's own."""
+    from tests.conftest import build_tiny_model
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.scripts import inspection
+
+    build_tiny_model(tiny_tokenizer).save_pretrained(tmp_path / "tiny")
+    tiny_tokenizer.save_pretrained(tmp_path / "tiny")
+    given = []
+    monkeypatch.setattr(
+        inspection, "localisation_report", lambda record, tok, rows, kit, *rest: given.append(kit) or []
+    )
+    for own in ("", "reward_funcs: [tests.test_inspection.says_red]\n"):  # the kit's built-in data, either way
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"model_name_or_path: {tmp_path / 'tiny'}\ntask: basic\n{own}")
+        inspection.inspect_recipe(str(recipe), num_prompts=1, num_generations=2, max_new_tokens=4)
+    assert given == [BASIC]  # the second recipe's rewards are its own: no report is attempted
+
+
 def test_verdicts_read_the_model_tokens_of_a_tool_rollout():
     """A tool result in the middle of the completion (mask 0 there): the reward's q on the last turn's tokens counts
     (the verdict sliced the first mask.sum() positions, so it missed them and read a tool result instead)."""

@@ -23,7 +23,7 @@ from .._trl import tokenize_prompts
 from ..config import MRTPOConfig
 from ..diagnostics import CreditRecord, token_strings
 from ..info_blocks import InfoBlock
-from ..kits import Kit, get_kit
+from ..kits import KIT_NAMES, Kit, get_kit
 
 CONTROL_SENTENCE = "The museum on the corner opens at nine on Sundays."
 CONTROL_NAME = "control_irrelevant_sentence"
@@ -350,7 +350,9 @@ def inspect_credit(
         environment_factory = environment_factory or kit.environment
         dataset = dataset if dataset is not None else kit.dataset(num_prompts, seed, None)
     else:
-        kit, task = None, "your"
+        # a kit's own rewards (a recipe's task, say) keep its spans for the localisation report
+        kit = get_kit(task) if task in KIT_NAMES and list(reward_funcs) == list(get_kit(task).rewards) else None
+        task = task if kit is not None else "your"
         info_blocks = info_blocks if info_blocks is not None else [None] * len(reward_funcs)
         if dataset is None and not completions:
             raise ValueError("inspect_credit with your own reward_funcs needs a dataset (rows with a 'prompt').")
@@ -641,6 +643,7 @@ def recipe_inspection(config: str) -> dict:
         "trainer_class": trainer_class,
         "process_rewards": recipe_process_rewards(script_args),
         "chat_template": template,
+        **({"task": script_args.task} if script_args.task else {}),
         "environment_factory": kit.environment if kit is not None else None,
         "reward_strength_floor": training_args.reward_strength_floor,
         "max_new_tokens": training_args.max_completion_length,  # a tool rollout's turns and results fit as trained
