@@ -7,6 +7,7 @@ import dataclasses
 import os
 from importlib import resources
 from importlib.metadata import version
+from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 from transformers import is_wandb_available
@@ -53,8 +54,8 @@ def settings_lines(args: MRTPOConfig) -> list[str]:
 def local_model_name(path: str | None) -> str | None:
     """The name ``trl_mrtpo.scripts.embedded.local_model`` loads the folder ``path`` by (an embedded model), or
     None."""
-    marker = os.path.join(path, LOCAL_MODEL_FILE) if path and os.path.isdir(path) else None
-    return open(marker, encoding="utf-8").read().strip() if marker and os.path.isfile(marker) else None
+    marker = Path(path, LOCAL_MODEL_FILE) if path and os.path.isdir(path) else None
+    return marker.read_text(encoding="utf-8").strip() if marker and marker.is_file() else None
 
 
 def build_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None, tags=None) -> ModelCard:

@@ -231,8 +231,8 @@ def given_terms(credit_terms: Any) -> list[CreditTerm | type[CreditTerm]]:
 def built_terms(credit_terms: Any, setup: CreditSetup) -> dict[str, CreditTerm]:
     """A run's terms by name (:func:`terms_by_name`), every entry the same way: an instance as given, a
     :class:`CreditTerm` class built with ``build(setup)`` (None: the configuration does not select it)."""
-    classes = [isinstance(term, type) and issubclass(term, CreditTerm) for term in given_terms(credit_terms)]
-    built = [term.build(setup) if is_class else term for term, is_class in zip(given_terms(credit_terms), classes)]
+    given = given_terms(credit_terms)
+    built = [t.build(setup) if isinstance(t, type) and issubclass(t, CreditTerm) else t for t in given]
     return terms_by_name([term for term in built if term is not None])
 
 

@@ -197,7 +197,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
             "the collapse monitor": self._collapse_monitor,
             "per-reward strength": self.reward_strength,
             self._checked_rule.label: self.credit_rule,
-            **{f"the term '{name}'": term for name, term in self.credit_terms.items()},
+            **{term.label: term.part for term in self._checked_terms},
         }
 
     def _save(self, output_dir: str | None = None, state_dict=None) -> None:

@@ -277,9 +277,7 @@ def checked_rollout(rollout_func: Callable) -> Callable:
 def check_environment_arguments(kwargs: dict[str, Any]) -> None:
     """``environment_factory`` and ``tools`` as TRL uses them, checked before TRL builds anything from them: a factory
     (or a dict of factories) TRL calls once per rollout, and tools that are functions (their signature and docstring
-    become the schema the model reads). A ``rollout_func`` is wrapped by :func:`checked_rollout`."""
-    if kwargs.get("rollout_func") is not None:
-        kwargs["rollout_func"] = checked_rollout(kwargs["rollout_func"])
+    become the schema the model reads)."""
     factories = kwargs.get("environment_factory")
     if factories is not None:
         named = factories.items() if isinstance(factories, Mapping) else [(None, factories)]

@@ -412,9 +412,11 @@ def checked_inputs(
     check_dataset(train_dataset, "train", environments)
     check_dataset(eval_dataset, "eval", environments)
     if environments or kwargs.get("tools") or kwargs.get("rollout_func") is not None:
-        from .trajectories import check_environment_arguments  # loaded by the runs that have them
+        from .trajectories import check_environment_arguments, checked_rollout  # loaded by the runs that have them
 
         check_environment_arguments(kwargs)
+        if kwargs.get("rollout_func") is not None:
+            kwargs["rollout_func"] = checked_rollout(kwargs["rollout_func"])
     funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
     names = [f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs]
     check_reward_columns(funcs, names, train_dataset)

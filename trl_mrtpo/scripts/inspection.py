@@ -106,12 +106,14 @@ def recorded_turns(tokenizer, trajectories: list[list[dict]]):
     """A ``_generate_single_turn`` for a trainer class that serves recorded tool trajectories instead of sampling:
     each call answers every sequence TRL asks about with its trajectory's next assistant turn, rendered by the chat
     template as the model would have written it (an empty reasoning block the template adds is left out). TRL's
-    tool loop parses the calls, runs them in the row's
-    environment (so the tool results are the environment's) and masks them, as in training. Sequences are matched
-    to their trajectory by the ids served so far; one asking beyond its recorded turns gets the end of turn."""
+    tool loop parses the calls, runs them in the row's environment (so the tool results are the environment's) and
+    masks them, as in training. Sequences are matched to their trajectory by the ids served so far; one asking
+    beyond its recorded turns gets the end of turn."""
     turns = [[m for m in trajectory if m["role"] == "assistant"] for trajectory in trajectories]
     served: list[list[int] | None] = [None] * len(trajectories)  # each trajectory's ids so far (prompt + turns)
     taken = [0] * len(trajectories)
+    asked = [{"role": "user", "content": "."}]  # a turn is rendered after a stand-in question, then cut from it
+    before = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
 
     def render(message: dict) -> list[int]:
         functions = [call.get("function", call) for call in message.get("tool_calls") or []]
@@ -122,8 +124,6 @@ def recorded_turns(tokenizer, trajectories: list[list[dict]]):
             "content": message.get("content") or "",
             **({"tool_calls": calls} if calls else {}),
         }
-        asked = [{"role": "user", "content": "."}]
-        before = tokenizer.apply_chat_template(asked, tokenize=False, add_generation_prompt=True)
         text = tokenizer.apply_chat_template([*asked, turn], tokenize=False)
         written = re.sub(r"^<think>\s*</think>\s*", "", text[len(before) :])  # an empty reasoning block left out
         return tokenizer(written.rstrip("\n"), add_special_tokens=False)["input_ids"]
