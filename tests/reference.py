@@ -147,15 +147,21 @@ def reference_step_credit_advantages(rewards, q, mask, c, beta, rho, G, process=
     return out
 
 
-def reference_specificity(q, replayed):
-    """Per reward, float64 loops: the mean over responses where it and another reward were replayed (and its q has
-    mass) of ``1 - cos(q_k, mean of the other replayed rewards' q)``; NaN without any such response."""
+def reference_specificity(q, replayed, groups=None):
+    """Per reward, float64 loops: the mean over responses where it and another information group were replayed (and
+    its q has mass) of ``1 - cos(q_k, mean of one replayed profile per other group)``, clamped to [0, 1]; NaN without
+    any such response. ``groups[j][k]``: reward k's group on response j (None: each reward its own)."""
     n, k_count, _ = q.shape
     out = []
     for k in range(k_count):
         values = []
         for j in range(n):
-            others = [i for i in range(k_count) if i != k and replayed[j, i]]
+            group = list(groups[j]) if groups is not None else list(range(k_count))
+            others, seen = [], {group[k]}
+            for i in range(k_count):
+                if replayed[j, i] and group[i] not in seen:
+                    seen.add(group[i])
+                    others.append(i)
             if not replayed[j, k] or not others or q[j, k].double().sum() <= 0:
                 continue
             own = q[j, k].double()
@@ -163,7 +169,8 @@ def reference_specificity(q, replayed):
             if control.norm() == 0:
                 values.append(1.0)
                 continue
-            values.append(1.0 - (own @ control).item() / (own.norm() * control.norm()).item())
+            cosine = (own @ control).item() / (own.norm() * control.norm()).item()
+            values.append(min(1.0, max(0.0, 1.0 - cosine)))
         out.append(sum(values) / len(values) if values else math.nan)
     return out
 

@@ -94,9 +94,9 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
     original = trainer._generate_and_score_completions
 
     def recording_inputs(batch, joint):
-        wanted, context_ids, completion_ids = replay_inputs(batch, joint)
-        generations[-1].update(wanted=wanted, context_ids=context_ids, completion_ids=completion_ids)
-        return wanted, context_ids, completion_ids
+        step_two, context_ids, completion_ids = replay_inputs(batch, joint)
+        generations[-1].update(wanted=step_two.wanted, context_ids=context_ids, completion_ids=completion_ids)
+        return step_two, context_ids, completion_ids
 
     def sharded(module):
         """Whether the module's parameters are sharded here: empty (ZeRO-3) or DTensors (FSDP2)."""

@@ -361,9 +361,9 @@ def test_the_replay_of_trajectories_computes_the_closed_form_minimum(tiny_tokeni
     replay_inputs = trainer._replay_inputs
 
     def recording(batch, joint):
-        wanted, context_ids, completion_ids = replay_inputs(batch, joint)
+        step_two, context_ids, completion_ids = replay_inputs(batch, joint)
         recorded.append((context_ids, completion_ids, batch.mask))
-        return wanted, context_ids, completion_ids
+        return step_two, context_ids, completion_ids
 
     trainer._replay_inputs = recording
     trainer.train()

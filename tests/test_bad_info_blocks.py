@@ -27,9 +27,9 @@ def test_span_also_in_an_appended_block_is_removed_from_the_prompt():
 
 def test_span_in_the_system_message_is_removed_there():
     string_prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
-    blocks = [InfoBlock("Be brief.", "in_prompt"), InfoBlock("Be brief.")]
+    blocks = [InfoBlock("Be brief.", "in_prompt"), InfoBlock("Be kind.")]
     _, (without_span,) = build_contexts(string_prompt, blocks, [[0]], " ")
-    assert without_span[0]["content"] == "" and without_span[1]["content"] == "Hi. Be brief."
+    assert without_span[0]["content"] == "" and without_span[1]["content"] == "Hi. Be kind."
 
 
 @pytest.mark.parametrize(

@@ -374,3 +374,25 @@ def test_a_resume_refusal_names_the_missing_and_extra_entries(tmp_path):
     grown = Part({"memo": accept, "count": accept}, {})
     with pytest.raises(ValueError, match=r"lacks the entry count .*holds the entry old"):
         CheckpointedState(RUN, {"the term 'memo'": grown}).read(str(tmp_path), 0)
+
+
+def test_a_part_whose_state_fails_its_own_check_is_refused_at_save_naming_part_and_entry(tmp_path):
+    """Saving runs the check reading runs: a state written without a word and refused on resume as 'not what MRTPO
+    writes' is refused where it is made instead."""
+    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.strength import RewardStrength
+
+    strength = RewardStrength(0.5, 2)
+    strength.specificity = torch.tensor([0.3, -5.55e-17], dtype=torch.float64)  # the old rounding of 1 - cos
+    with pytest.raises(
+        ValueError, match=r"per-reward strength writes the state entry 'reward_specificity' as .*\[0, 1\]"
+    ):
+        CheckpointedState(RUN, {"per-reward strength": strength}).serialised()
+
+
+def test_resuming_under_another_mode_names_the_mode_not_the_rewards(tmp_path):
+    path = tmp_path / "mrtpo_state_0.pt"
+    torch.save(_state(credit_assignment="mrtpo"), path)
+    with pytest.raises(ValueError, match="credit_assignment: 'mrtpo' in the checkpoint, 'gdpo' now") as refused:
+        read_credit_state(str(path), {**IDENTITY, "credit_assignment": "gdpo"}, STATE_ENTRIES)
+    assert "wrong rewards" not in str(refused.value) and "belongs to those settings" in str(refused.value)

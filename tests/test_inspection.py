@@ -72,7 +72,7 @@ def test_inspect_command_end_to_end(tmp_path, tiny_tokenizer):
 
 
 def test_credit_summary_line():
-    from trl_mrtpo.diagnostics import credit_summary
+    from trl_mrtpo.observability.summaries import credit_summary
 
     line = credit_summary(["a", "b", "c"], [0.1, -0.9, 0.5], [[0.0, 0.2, 0.7], []], ["end", "kw"])
     assert line == "top |A_t|: 'b' -0.90, 'c' +0.50, 'a' +0.10 | end q peaks at 'c' (0.700)"
@@ -208,6 +208,17 @@ def test_verdicts_by_hand():
     assert reward_verdicts(record, CharTokenizer(), names, 2, strength_floor=None)[0].verdict.startswith(
         "token credit will move"
     )
+    # the same two as one information group (one block's text): each is read against the other groups, here none
+    # but the flat one, so neither rests the other
+    record.groups = torch.tensor([0, 0, 2]).expand(4, 3).clone()
+    grouped = reward_verdicts(record, CharTokenizer(), names, num_generations=2)
+    assert [v.strength for v in grouped[:2]] == pytest.approx([verdicts["located"].strength] * 2) and grouped[
+        0
+    ].strength > 0
+    assert all(v.verdict.startswith("token credit will move") for v in grouped[:2])
+    # a block whose text survives its removal: the verdict names the cause and where the text is
+    leaky = reward_verdicts(record, CharTokenizer(), names, 2, leaks={"noise": "the info block of reward 'located'"})
+    assert "still in the context that removes it, inside the info block of reward 'located'" in leaky[1].verdict
 
 
 def tiny_recipe(tmp_path, tokenizer, num_prompts: int, rewards: str):

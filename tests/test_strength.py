@@ -227,3 +227,31 @@ def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, c
         CheckpointedState(identity, {"per-reward strength": strength}).read(str(tmp_path), rank)
         assert strength.specificity[0].item() == expected, rank
     assert not caplog.records  # nothing was missing
+
+
+def test_a_warmup_share_rests_rewards_after_the_same_whole_steps_as_beta(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch
+):
+    """credit_warmup_steps=0.5 of 6 steps is 3 steps for beta's ramp and for the rest alike (the rest read 0.5: rewards
+    rested from step 1)."""
+    from tests.helpers import make_args, make_basic_dataset
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits import get_kit
+
+    seen = []
+    original = RewardStrength.resting
+
+    def recording(self, step, warmup_steps, generation_batch):
+        seen.append(warmup_steps)
+        return original(self, step, warmup_steps, generation_batch)
+
+    monkeypatch.setattr(RewardStrength, "resting", recording)
+    kit = get_kit("basic")
+    args = make_args(
+        tmp_path, max_steps=6, credit_warmup_steps=0.5, reward_strength_floor=0.5, max_completion_length=4
+    )
+    MRTPOTrainer(
+        model=tiny_model, reward_funcs=kit.rewards, info_blocks=kit.info_blocks, args=args,
+        train_dataset=make_basic_dataset(24), processing_class=tiny_tokenizer,
+    ).train()  # fmt: skip
+    assert seen and set(seen) == {3}

@@ -113,9 +113,9 @@ def scripted_run(
             return [tokenizer(t, add_special_tokens=False)["input_ids"][:limit] for t in texts], None
 
         def _replay_inputs(self, batch, joint):
-            wanted, context_ids, completion_ids = super()._replay_inputs(batch, joint)
+            step_two, context_ids, completion_ids = super()._replay_inputs(batch, joint)
             contexts.append((context_ids, batch.completions))
-            return wanted, context_ids, completion_ids
+            return step_two, context_ids, completion_ids
 
     args = make_args(tmp_path, max_steps=steps, max_completion_length=length, per_device_train_batch_size=rows,
                      num_generations=6, max_tool_calling_iterations=iterations)  # fmt: skip

@@ -38,6 +38,15 @@ class ScoredBatch:
     reward_weights: torch.Tensor  # [K] or [B, K]
     mask: torch.Tensor  # [B, C] completion (and tool) mask
     output: dict
+    groups: torch.Tensor | None = None  # [B, K] information groups, once step 2 has built the blocks
+
+    @property
+    def information_groups(self) -> torch.Tensor:
+        """``[B, K]`` each reward's information group: the first reward whose block carries the same text
+        (:func:`~trl_mrtpo.info_blocks.information_groups`); each reward its own before step 2 or without blocks."""
+        if self.groups is not None:
+            return self.groups
+        return torch.arange(self.varying.shape[1], device=self.varying.device).expand(self.varying.shape)
 
     @classmethod
     def local(

@@ -114,26 +114,38 @@ def token_weights(relevance: torch.Tensor, mask: torch.Tensor, beta: float | tor
 
 
 def relevance_specificity(
-    relevance: torch.Tensor, replayed: torch.Tensor, reduce_sum: ReduceSum | None = None
+    relevance: torch.Tensor,
+    replayed: torch.Tensor,
+    reduce_sum: ReduceSum | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Step 5's strength reading: ``[K]`` float64, how much each reward's q stands out from the control in this batch:
-    the mean, over its replayed responses with another replayed reward, of ``1 - cos(q_k, control)``, the control
-    being the mean profile of the other replayed rewards of the response (0: q_k has the shape of what every removal
-    perturbs; 1: it lies where no other removal reaches). Profiles without mass give no reading; NaN for a reward
+    the mean, over its replayed responses with another replayed information group, of ``1 - cos(q_k, control)`` in
+    [0, 1], the control being the mean of one profile per other replayed group of the response (0: q_k has the shape
+    of what every removal perturbs; 1: it lies where no other removal reaches). A reward's twins (its group's other
+    members, whose q is its own) are never its control. Profiles without mass give no reading; NaN for a reward
     without any reading. With ``reduce_sum`` the mean is over every process's responses, so all ranks read alike.
 
     Args:
         relevance: ``[B, K, C]`` q profiles.
         replayed: ``[B, K]`` bool.
+        groups: ``[B, K]`` each reward's information group (None: each reward its own).
     """
     relevance = relevance.double()  # 1 - cos of near-parallel profiles cancels: float32 would keep ~3 digits
-    weight = replayed.to(relevance.dtype)[..., None]
+    if groups is None:
+        groups = torch.arange(replayed.shape[1], device=replayed.device).expand(replayed.shape)
+    same = groups[:, :, None] == groups[:, None, :]  # [B, K, K']
+    earlier = torch.ones_like(same[0]).tril(-1)  # k' < k
+    carrier = replayed & ~(same & earlier & replayed[:, None, :]).any(-1)  # each replayed group's first member
+    weight = carrier.to(relevance.dtype)[..., None]
     total = (relevance * weight).sum(1, keepdim=True)
-    others = replayed.sum(-1, keepdim=True) - replayed.long()  # other replayed rewards of the response
-    control = (total - relevance * weight) / others.clamp(min=1)[..., None]
+    own_group = torch.einsum("bkj,bjc->bkc", (same & carrier[:, None, :]).to(relevance.dtype), relevance)
+    others = carrier.sum(-1, keepdim=True) - (same & carrier[:, None, :]).sum(-1)  # other replayed groups
+    control = (total - own_group) / others.clamp(min=1)[..., None]
     norms = relevance.norm(dim=-1) * control.norm(dim=-1)
     cosine = (relevance * control).sum(-1) / norms.clamp(min=1e-30)
-    dissimilarity = torch.where(control.norm(dim=-1) > 0, 1.0 - cosine, torch.ones_like(cosine))
+    # in [0, 1] by construction (non-negative profiles); rounding of parallel profiles may leave -1e-16
+    dissimilarity = torch.where(control.norm(dim=-1) > 0, (1.0 - cosine).clamp(0.0, 1.0), torch.ones_like(cosine))
     read = replayed & (others > 0) & (relevance.sum(-1) > 0)
     summed = torch.where(read, dissimilarity, torch.zeros_like(dissimilarity)).sum(0)
     totals = summed_over_processes([*summed, *read.sum(0)], reduce_sum)

@@ -42,6 +42,17 @@ def _plain(value: Any) -> bool:
     return isinstance(value, dict) and all(_plain(k) and _plain(v) for k, v in value.items())
 
 
+def entry_problem(value: Any, check: StateCheck, num_rewards: int) -> str | None:
+    """The one check of a state entry, run where it is written and where it is read: None when ``value`` is readable
+    by the safe loader and passes its part's own ``check``, else what it is instead."""
+    if not _plain(value):
+        return (
+            f"{type(value).__name__}, which the safe loader (torch.load(weights_only=True)) cannot read back: keep "
+            "tensors, numbers, strings, None, and lists or dicts of them"
+        )
+    return check(value, num_rewards)
+
+
 def write_credit_state(checkpoint: str, process_index: int, payload: bytes) -> None:
     """Each process its own file, from :meth:`CheckpointedState.serialised`."""
     with open(credit_state_path(checkpoint, process_index), "wb") as file:
@@ -118,10 +129,17 @@ def read_credit_state(path: str, identity: dict, parts: PartChecks) -> dict:
         if run.get(key) != value
     ]
     if differences:
+        # the real cause: other rewards would take the per-reward state of others; another setting, the state of
+        # a rule or terms this run does not have
+        cause = (
+            "its per-reward state would be applied to the wrong rewards"
+            if run.get("reward_names") != identity.get("reward_names")
+            else "its credit state belongs to those settings (a rule's and terms' state, per-reward strength read "
+            "under them), which this run does not continue"
+        )
         raise ValueError(
-            f"{path} was written by a run with another setup ({'; '.join(differences)}); its per-reward state "
-            "would be applied to the wrong rewards. Resume with the same rewards and credit settings, or start a "
-            "new run."
+            f"{path} was written by a run with another setup ({'; '.join(differences)}): {cause}. Resume with the "
+            "same rewards and credit settings, or start a new run (resume_from_checkpoint=None)."
         )
     found = {part: entries if isinstance(entries, dict) else {} for part, entries in state["parts"].items()}
     missing = [entry for part, checks in parts.items() for entry in checks if entry not in found.get(part, {})]
@@ -136,11 +154,11 @@ def read_credit_state(path: str, identity: dict, parts: PartChecks) -> dict:
         )
     for part, checks in parts.items():
         for entry, check in checks.items():
-            problem = check(found[part][entry], len(identity["reward_names"]))
+            problem = entry_problem(found[part][entry], check, len(identity["reward_names"]))
             if problem is not None:
                 raise ValueError(
-                    f"{path}: entry {entry} is {problem!s:.80}, not what MRTPO writes; delete the file to resume "
-                    "with a fresh MRTPO state."
+                    f"{path}: entry {entry} is {problem}, not what {part} writes (the file is damaged or was "
+                    "edited); delete it to resume with a fresh MRTPO state."
                 )
     return found
 
@@ -172,11 +190,11 @@ class CheckpointedState:
             for entry, value in written.items():
                 if entry not in part.state_checks:
                     raise ValueError(f"{name} writes the state entry {entry!r} without declaring it (state_checks).")
-                if not _plain(value):
+                problem = entry_problem(value, part.state_checks[entry], len(self.identity["reward_names"]))
+                if problem is not None:  # refused at save, before transformers writes: a resume would refuse it
                     raise ValueError(
-                        f"{name} writes the state entry {entry!r} as {type(value).__name__}, which the safe loader "
-                        "(torch.load(weights_only=True)) cannot read back: keep tensors, numbers, strings, None, and "
-                        "lists or dicts of them."
+                        f"{name} writes the state entry {entry!r} as {problem}; a checkpoint holding it could not "
+                        "be resumed from."
                     )
             parts[name] = written
         if not _plain(self.identity):

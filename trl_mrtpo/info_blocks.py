@@ -20,7 +20,7 @@ import copy
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 Prompt = str | list[dict[str, Any]]
 PLACEMENTS = ("appended", "in_prompt")
@@ -207,19 +207,45 @@ def build_contexts(
         ``(P_all, [P_without_removal_0, ...])``.
     """
 
+    groups = information_groups(blocks)
+    carried = group_blocks(blocks, groups)
+
     def assemble(dropped: set[int]) -> Prompt:
         # spans first, from the prompt where each was found once; appended text cannot be mistaken for them
         out = prompt
-        for k in sorted(dropped):
-            if blocks[k] is not None and blocks[k].placement == "in_prompt":
-                out = _remove_span(out, blocks[k].text)
-        return _append(
-            out,
-            [b.text for k, b in enumerate(blocks) if b is not None and b.placement == "appended" and k not in dropped],
-            separator,
-        )
+        dropped = {groups[k] for k in dropped}  # removing one member's information removes its group's
+        for g in sorted(dropped):
+            if carried[g] is not None and carried[g].placement == "in_prompt":
+                out = _remove_span(out, carried[g].text)
+        kept = [b for g, b in enumerate(carried) if b is not None and g not in dropped]
+        return _append(out, [b.text for b in kept if b.placement == "appended"], separator)
 
     return assemble(set()), [assemble(set(removal)) for removal in removals]
+
+
+def information_groups(blocks: Sequence[InfoBlock | None]) -> list[int]:
+    """Step 2's information groups of one sample: per reward, the first reward whose block carries the same text
+    (compared stripped of whitespace at its ends); a reward without a block is its own."""
+    first: dict[str, int] = {}
+    return [k if block is None else first.setdefault(block.text.strip(), k) for k, block in enumerate(blocks)]
+
+
+def group_blocks(blocks: Sequence[InfoBlock | None], groups: Sequence[int]) -> list[InfoBlock | None]:
+    """The block each information group carries once, at its first member's index (None elsewhere): a member's
+    in-prompt span when there is one (the text is already in the prompt, and removal cuts it), else the first
+    member's block."""
+    carried: list[InfoBlock | None] = [None] * len(blocks)
+    for k, block in enumerate(blocks):
+        g = groups[k]
+        if block is not None and (carried[g] is None or block.placement == "in_prompt"):
+            carried[g] = block
+    return carried
+
+
+def removed_groups(wanted: Sequence[int], groups: Sequence[int]) -> list[int]:
+    """The information groups a sample's replay removes, one context each, in the order of their first wanted
+    member: a group is replayed once however many of its members qualify."""
+    return list(dict.fromkeys(groups[k] for k in wanted))
 
 
 def _span_location(prompt: Prompt, text: str) -> tuple[int, int, int]:
@@ -233,15 +259,16 @@ def _span_location(prompt: Prompt, text: str) -> tuple[int, int, int]:
 
 
 def check_spans(prompt: Prompt, blocks: Sequence[InfoBlock | None], reward_names: Sequence[str], sample: int) -> None:
-    """Two in-prompt spans of one sample must not overlap or nest: removing one would cut into the other."""
+    """Two in-prompt spans of one sample must not overlap or nest: removing one would cut into the other. Spans of one
+    information group carry the same text and are removed as one."""
     spans = [
-        (name, _span_location(prompt, b.text))
-        for name, b in zip(reward_names, blocks)
+        (name, group, _span_location(prompt, b.text))
+        for name, b, group in zip(reward_names, blocks, information_groups(blocks))
         if b is not None and b.placement == "in_prompt"
     ]
-    for i, (name, (message, start, end)) in enumerate(spans):
-        for other, (other_message, other_start, other_end) in spans[i + 1 :]:
-            if message == other_message and start < other_end and other_start < end:
+    for i, (name, group, (message, start, end)) in enumerate(spans):
+        for other, other_group, (other_message, other_start, other_end) in spans[i + 1 :]:
+            if group != other_group and message == other_message and start < other_end and other_start < end:
                 raise InfoBlockError(
                     f"The in_prompt blocks of rewards '{name}' and '{other}' on sample {sample} overlap in the prompt "
                     f"(characters {start}-{end} and {other_start}-{other_end} of message {message}); each reward's "
@@ -443,15 +470,15 @@ def replay_contexts(
     separator: str,
     header: str | None,
     special_tokens: Sequence[str],
-) -> tuple[list[list[int]], list[list[InfoBlock | None]], list[list[Prompt]]]:
+) -> ReplayContexts:
     """Step 2 for a batch (:class:`~trl_mrtpo.batch.ScoredBatch`): each sample's info blocks, the rewards whose pair
     is replayed and the contexts.
 
     A pair is replayed when its reward has a block, applies to the sample (a NaN reward does not), varies within its
     group (or ``only_varying`` is off) and is not ``resting``, and the sample has tokens in the loss (a truncated
-    completion masked by ``mask_truncated_completions`` has none, so its q could weigh nothing). Returns ``(wanted,
-    blocks, contexts)``: per sample the replayed rewards, the blocks, and the contexts ``[P_all, P_removed...]`` (one
-    removal per wanted reward, or one of every block when ``joint``; empty when nothing is replayed).
+    completion masked by ``mask_truncated_completions`` has none, so its q could weigh nothing). The contexts hold
+    one removal per information group with a wanted member (:func:`removed_groups`), or one of every block when
+    ``joint``.
     """
     from .utils import completion_text
 
@@ -484,12 +511,54 @@ def replay_contexts(
         ]
         for i in range(len(prompts))
     ]
-    contexts = []
+    groups = [information_groups(sample_blocks) for sample_blocks in blocks]
+    contexts, leaks = [], {}
     for i, sample_wanted in enumerate(wanted):
         if not sample_wanted:  # only samples with a replayed pair get contexts (and are tokenized)
             contexts.append([])
             continue
-        removals = [[k for k, b in enumerate(blocks[i]) if b is not None]] if joint else [[k] for k in sample_wanted]
+        removed_ = removed_groups(sample_wanted, groups[i])
+        removals = [[k for k, b in enumerate(blocks[i]) if b is not None]] if joint else [[g] for g in removed_]
         full, removed = build_contexts(prompts[i], blocks[i], removals, separator)
         contexts.append([full, *removed])
-    return wanted, blocks, contexts
+        if not joint:
+            leaks.update(leaked_information(removed, removed_, blocks[i], groups[i], names))
+    return ReplayContexts(wanted, blocks, groups, contexts, leaks)
+
+
+class ReplayContexts(NamedTuple):
+    """Step 2's output for a batch (:func:`replay_contexts`)."""
+
+    wanted: list[list[int]]  # per sample, the rewards whose pair is replayed
+    blocks: list[list[InfoBlock | None]]  # per sample, each reward's block
+    groups: list[list[int]]  # per sample, each reward's information group (:func:`information_groups`)
+    contexts: list[list[Prompt]]  # per sample, [P_all, P_removed...] (empty when nothing is replayed)
+    leaks: dict[str, str]  # reward -> where its information survives its removal (:func:`leaked_information`)
+
+
+def leaked_information(
+    removed: Sequence[Prompt],
+    groups_removed: Sequence[int],
+    blocks: Sequence[InfoBlock | None],
+    groups: Sequence[int],
+    names: Sequence[str],
+) -> dict[str, str]:
+    """Rewards whose block text still occurs in their ``P_not_k`` (one sample's ``removed`` contexts, one per group
+    of ``groups_removed``): their q cannot measure the information, since the context still holds it. Per such
+    reward, what holds the text: another reward's block that contains it, or the prompt."""
+    carried = group_blocks(blocks, groups)
+    leaks = {}
+    for context, g in zip(removed, groups_removed):
+        text = carried[g].text.strip()
+        if not _span_count(context, text):
+            continue
+        holder = next(
+            (
+                f"the info block of reward {names[h]!r}"
+                for h, other in enumerate(carried)
+                if h != g and other is not None and text in other.text
+            ),
+            "the prompt",
+        )
+        leaks.update({names[k]: holder for k in range(len(blocks)) if blocks[k] is not None and groups[k] == g})
+    return leaks

@@ -82,11 +82,17 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         model_name=model_name,
         tags=["generated_from_trainer", *sorted(tags)],
     )
+    names, builders = trainer.reward_func_names, trainer.info_block_builders
+
+    def block(k: int) -> str:
+        if builders[k] is None:
+            return "none (uniform credit)"
+        twins = [names[i] for i, other in enumerate(builders) if i != k and other is builders[k]]
+        shared = f", shared with {', '.join(twins)}: one piece of information (one information group)" if twins else ""
+        return f"`{function_name(builders[k])}`{shared}"
+
     rewards = [
-        (name, f"{weight:g}", f"`{function_name(builder)}`" if builder is not None else "none (uniform credit)")
-        for name, weight, builder in zip(
-            trainer.reward_func_names, trainer.reward_weights.tolist(), trainer.info_block_builders
-        )
+        (name, f"{weight:g}", block(k)) for k, (name, weight) in enumerate(zip(names, trainer.reward_weights.tolist()))
     ]
     agent = []
     if getattr(trainer, "tools", None):  # a tool-calling run: its environments, tools and template

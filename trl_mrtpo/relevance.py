@@ -34,7 +34,8 @@ class ReplayRecord:
     mask: torch.Tensor  # [B, C] where credit may land (tool results excluded)
     varying: torch.Tensor  # [B, K] bool: the reward varies within the response's group
     wanted: list[list[int]]  # per response, the rewards whose pair is replayed
-    context_ids: list[list[list[int]]]  # per response, [P_all, P_removed...] token ids (empty: nothing replayed)
+    groups: list[list[int]]  # per response, each reward's information group (the first reward sharing its block)
+    context_ids: list[list[list[int]]]  # per response, [P_all, P_removed...] token ids, one removal per group
     rows: list[dict]  # each response's dataset row
     joint: bool  # one context without every block (removal "all") rather than one per wanted reward
     temperature: float  # the replay's sampling temperature (a model that scales its logits: T / m)
@@ -67,5 +68,7 @@ class ReplayRelevance:
                 batch_size=self.batch_size,
                 min_shared_prefix=self.min_shared_prefix,
             )
-        relevance, replayed = placed_relevance(q, record.wanted, record.mask, record.varying.shape[1], record.joint)
+        relevance, replayed = placed_relevance(
+            q, record.wanted, record.mask, record.varying.shape[1], record.joint, record.groups
+        )
         return Relevance(relevance, replayed, any(record.wanted))

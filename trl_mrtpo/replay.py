@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
 from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
+from .info_blocks import removed_groups
 from .ops.divergence import divergence_backend, replay_divergence
 
 
@@ -392,15 +393,20 @@ def placed_relevance(
     mask: torch.Tensor,
     num_rewards: int,
     joint: bool = False,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 4's q laid out per (response, reward): ``[B, K, C]`` relevance and ``[B, K]`` replayed, from
-    :func:`replay_relevance`'s rows (one per reward in ``wanted[j]``, or one shared row when ``joint``). Zero where
-    ``mask`` (``[B, C]``) is 0: tool results are context, not the model's decisions."""
+    :func:`replay_relevance`'s rows (one per information group of ``wanted[j]``, in the order of
+    :func:`~trl_mrtpo.info_blocks.removed_groups`, or one shared row when ``joint``): every wanted member of a group
+    gets its group's row. ``groups`` None: each reward is its own group. Zero where ``mask`` (``[B, C]``) is 0: tool
+    results are context, not the model's decisions."""
     relevance = torch.zeros(mask.shape[0], num_rewards, mask.shape[1], device=mask.device)
     replayed = torch.zeros(mask.shape[0], num_rewards, dtype=torch.bool, device=mask.device)
     for j, rewards in enumerate(wanted):
         length = q[j].shape[-1] if j < len(q) else 0
-        for row, k in enumerate(rewards if length else ()):
-            relevance[j, k, :length] = q[j][0 if joint else row].to(mask.device)
+        sample_groups = groups[j] if groups is not None else range(num_rewards)
+        rows = {g: row for row, g in enumerate(removed_groups(rewards, sample_groups))}
+        for k in rewards if length else ():
+            relevance[j, k, :length] = q[j][0 if joint else rows[sample_groups[k]]].to(mask.device)
             replayed[j, k] = True
     return relevance * mask[:, None, :].to(relevance.dtype), replayed

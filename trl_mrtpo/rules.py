@@ -102,6 +102,12 @@ class CreditInputs:
     failure_suffix: torch.Tensor | None = None  # [B, K, C] bool: negative credit dropped here (terms)
     combine: Combine | None = None  # a term's replacement for steps 6-8 (None: weighted_token_advantages)
 
+    @property
+    def groups(self) -> torch.Tensor:
+        """``[B, K]`` each reward's information group (docs/method.md step 2): rewards whose blocks carry one text
+        share it, and their replayed q is one."""
+        return self.batch.information_groups
+
     def combined(self, weights: torch.Tensor, max_second_moment_ratio: float | None) -> TokenCredit:
         """Steps 6-8 with ``weights`` ``[B, K, C]``, with the terms' additions."""
         batch = self.batch

@@ -52,12 +52,19 @@ class RewardStrength(Stateful):
     def restore(self, state: dict) -> None:
         self.specificity = state["reward_specificity"].clone().double()
 
-    def read(self, relevance: torch.Tensor, replayed: torch.Tensor, reduce_sum: ReduceSum | None) -> None:
+    def read(
+        self,
+        relevance: torch.Tensor,
+        replayed: torch.Tensor,
+        reduce_sum: ReduceSum | None,
+        groups: torch.Tensor | None = None,
+    ) -> None:
         """Folds one train batch's reading into ``m_k`` (momentum ``STRENGTH_MOMENTUM``, the first reading taken as
-        is). A collective under data parallelism: every process calls it, with or without responses to read."""
+        is; ``groups`` the information groups, None: each reward its own). A collective under data parallelism:
+        every process calls it, with or without responses to read."""
         if not self.active:
             return
-        reading = relevance_specificity(relevance, replayed, reduce_sum).cpu()
+        reading = relevance_specificity(relevance, replayed, reduce_sum, groups).cpu()
         momentum = torch.where(torch.isnan(self.specificity), 0.0, STRENGTH_MOMENTUM).double()
         updated = momentum * torch.nan_to_num(self.specificity) + (1 - momentum) * reading
         self.specificity = torch.where(torch.isnan(reading), self.specificity, updated)

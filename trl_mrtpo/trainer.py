@@ -22,11 +22,12 @@ from ._trl import CreditCheckpoints
 from .batch import Scored, ScoredBatch, local_slice
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, short_run_warning, warmup_beta, warmup_steps
-from .diagnostics import CollapseMonitor, CreditRecord, credit_metrics, credit_summaries, process_means
+from .diagnostics import CollapseMonitor, CreditRecord, credit_metrics, process_means
 from .guards import guarded
 from .hub_ids import local_copies, write_hub_ids
 from .info_blocks import (
     InfoBlock,
+    ReplayContexts,
     assistant_header,
     check_builders,
     check_context_length,
@@ -176,6 +177,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self._scored: Scored | None = None
         self._announced = False  # the first training step has been announced
         self._warned_warmup = False
+        self.information_leaks: dict[str, str] = {}  # reward -> what still holds its block's text (warned once)
         self.last_credit: CreditRecord | None = None
         self._collapse_monitor = CollapseMonitor(args.collapse_warning_steps)
         floor = args.reward_strength_floor if self._replays and rule.removal == "each" else None  # each reward's q
@@ -278,12 +280,17 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         if self.credit_rule.removal is None:
             return 0.0
         target = 1.0 if self.credit_rule.full_strength else self.args.credit_beta
-        steps = warmup_steps(self.args.credit_warmup_steps, self.state.max_steps)
+        steps = self._warmup_steps
         if not self._warned_warmup and 0 < self.state.max_steps < 2 * steps:
             self._warned_warmup = True
             message = short_run_warning(self.state.max_steps, self.args.credit_warmup_steps, steps, target)
             warnings.warn(message, UserWarning, stacklevel=2)
         return warmup_beta(target, self.state.global_step, steps)
+
+    @property
+    def _warmup_steps(self) -> float:
+        """Step 9's warm-up in steps (a share resolved against ``max_steps``): beta's ramp and the strength's rest."""
+        return warmup_steps(self.args.credit_warmup_steps, self.state.max_steps)
 
     def _weighted_batch(self, scored: Scored, output: dict, mode: str) -> ScoredBatch:
         """Steps 1-2 and the terms' response-level weighting on the whole gathered batch, so that every process
@@ -347,42 +354,59 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
             credit = term.finish(credit, inputs)
         return credit, relevance, rule.part.replayed(inputs)
 
-    def _replay_inputs(self, batch: ScoredBatch, joint: bool) -> tuple[list[list[int]], list, list[list[int]]]:
-        """Step 2 on the local batch, tokenised as TRL tokenises prompts. Returns ``(wanted, context_ids,
-        completion_ids)``: per response, the replayed rewards, the contexts' token ids ``[P_all, P_removed...]``
-        (empty when nothing is replayed) and the completion's token ids."""
+    def _replay_inputs(self, batch: ScoredBatch, joint: bool) -> tuple[ReplayContexts, list, list[list[int]]]:
+        """Step 2 on the local batch, tokenised as TRL tokenises prompts. Returns ``(step_two, context_ids,
+        completion_ids)``: :func:`~trl_mrtpo.info_blocks.replay_contexts`'s output, per response the contexts' token
+        ids ``[P_all, P_removed...]`` (empty when nothing is replayed) and the completion's token ids."""
         args, strength = self.args, self.reward_strength
         batch_index = generation_batch_index(
             self.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation, self.num_iterations
         )
-        wanted, blocks, contexts = replay_contexts(
+        step_two = replay_contexts(
             self.info_block_builders,
             self.reward_func_names,
             batch,
             joint=joint,
             only_varying=args.replay_only_varying,
-            resting=strength.resting(self.state.global_step, args.credit_warmup_steps, batch_index),
+            resting=strength.resting(self.state.global_step, self._warmup_steps, batch_index),
             separator=args.info_block_separator,
             header=self._context_format[0],
             special_tokens=self._context_format[1],
         )
-        context_ids = _trl.tokenize_contexts(self, contexts)
+        self._warn_leaks(step_two.leaks)
+        context_ids = _trl.tokenize_contexts(self, step_two.contexts)
         completion_ids = batch.completion_ids
         prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
         limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
-        check_context_length(context_ids, completion_ids, blocks, prompt_lengths, self.reward_func_names, limit)
-        return wanted, context_ids, completion_ids
+        names = self.reward_func_names
+        check_context_length(context_ids, completion_ids, step_two.blocks, prompt_lengths, names, limit)
+        return step_two, context_ids, completion_ids
+
+    def _warn_leaks(self, leaks: dict[str, str]) -> None:
+        """Once per reward: its block's text survives its removal, so its q cannot measure that information."""
+        for name, holder in leaks.items():
+            if name not in self.information_leaks:
+                warnings.warn(
+                    f"Reward {name!r}: its info block's text is still in the context that removes it, inside "
+                    f"{holder}, so its q cannot measure that information (a block contained in another, or repeating "
+                    "prompt text). Give rewards that judge with the same information the same block text: they "
+                    "then share it as one information group (docs/kits.md).",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            self.information_leaks[name] = holder
 
     def _replay_record(self, batch: ScoredBatch) -> ReplayRecord:
         """What the relevance provider reads: step 2's contexts and the replay's settings."""
         joint = self.credit_rule.removal == "all"
-        wanted, context_ids, completion_ids = self._replay_inputs(batch, joint)
+        step_two, context_ids, completion_ids = self._replay_inputs(batch, joint)
         return ReplayRecord(
             completions=[completion_text(c) for c in batch.completions],
             completion_ids=completion_ids,
             mask=batch.mask,
             varying=batch.varying,
-            wanted=wanted,
+            wanted=step_two.wanted,
+            groups=step_two.groups,
             context_ids=context_ids,
             rows=batch.inputs,
             joint=joint,
@@ -401,11 +425,13 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         """Steps 3-4 from the relevance provider; on a train batch, step 5's strength reading of the placed q; then
         q as the terms and the rule read it."""
         record = self._replay_record(batch)
+        batch.groups = torch.tensor(record.groups, dtype=torch.long, device=batch.varying.device).view(batch.shape[:2])
         # every process enters (collectives under sharding and in the reading), even one with nothing to replay
         with _trl.whole_policy(self) as policy:
             relevance, replayed, any_replayed = self._checked_provider(policy, record, batch)
         if self.model.training:
-            self.reward_strength.read(relevance, replayed, self._guard.current.sum_over_processes)
+            reduce_sum = self._guard.current.sum_over_processes
+            self.reward_strength.read(relevance, replayed, reduce_sum, batch.information_groups)
         for part in [*self._checked_terms, self._checked_rule] if any_replayed else ():
             relevance = part.relevance(relevance, replayed, batch)
         return relevance, replayed
@@ -429,6 +455,8 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
         # Decoding every token costs time each step, so only when that table is logged.
         if self.log_completions:
+            from .observability.summaries import credit_summaries
+
             ids, names = self.last_credit.completion_ids, self.reward_func_names
             summaries = credit_summaries(self.processing_class, ids, mask, credit.advantages, relevance, with_q, names)
             _trl.log_completion_column(self, "mrtpo_credit", gather_object(summaries))

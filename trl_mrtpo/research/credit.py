@@ -91,9 +91,12 @@ def preserved_token_advantages(
     return TokenCredit(batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, float(factors.min()))
 
 
-def null_corrected_relevance(relevance: torch.Tensor, replayed: torch.Tensor) -> torch.Tensor:
+def null_corrected_relevance(
+    relevance: torch.Tensor, replayed: torch.Tensor, groups: torch.Tensor | None = None
+) -> torch.Tensor:
     """Null-corrected q (docs/method.md, "Calibrated credit"): each replayed profile minus the pointwise minimum of
-    the other replayed profiles of the same response, floored at 0.
+    the other replayed profiles of the same response, floored at 0; a reward's twins (its information group's other
+    members, ``groups`` ``[B, K]``, None: each reward its own) are not others.
 
     Removing any block perturbs the same early, uncertain tokens: what every removal of a response shares is that
     background, and what stands above it is specific to the reward. No extra forward: the control is the other
@@ -109,6 +112,9 @@ def null_corrected_relevance(relevance: torch.Tensor, replayed: torch.Tensor) ->
         rest = torch.cat([others[:, :k], others[:, k + 1 :]], dim=1)
         if rest.shape[1] == 0:
             break
+        if groups is not None:  # the twins' profiles are the reward's own
+            twins = torch.cat([groups[:, :k], groups[:, k + 1 :]], dim=1) == groups[:, k, None]
+            rest = rest.masked_fill(twins[..., None], math.inf)
         control = rest.amin(dim=1)
         has_control = torch.isfinite(control) & replayed[:, k, None]
         corrected[:, k] = torch.where(has_control, (relevance[:, k] - control).clamp(min=0.0), relevance[:, k])

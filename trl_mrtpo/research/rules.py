@@ -204,7 +204,9 @@ class CalibratedCredit(CreditTerm):
         return cls(args) if wanted else None
 
     def relevance(self, relevance, replayed, batch):
-        return null_corrected_relevance(relevance, replayed) if self.null_correction else relevance
+        if not self.null_correction:
+            return relevance
+        return null_corrected_relevance(relevance, replayed, batch.information_groups)
 
 
 register_credit_rule("joint", Joint, ResearchConfig)

@@ -60,6 +60,11 @@ def with_control(record: CreditRecord, control: CreditRecord) -> CreditRecord:
         replayed=torch.cat([record.replayed, control.replayed], 1),
         weights=torch.cat([record.weights, padded(control.weights, 1.0)], 1),
         reward_betas=torch.cat([record.reward_betas, control.reward_betas]),
+        groups=None
+        if record.groups is None
+        else torch.cat(
+            [record.groups, record.groups.new_tensor([[record.groups.shape[1]]]).expand(record.groups.shape[0], 1)], 1
+        ),
     )
 
 
@@ -429,7 +434,9 @@ def inspect_credit(
         record = with_control(record, sample_credit(control, rows, num_generations))
     names = [*trainer.reward_func_names, CONTROL_NAME]
     located = localisation_report(record, tokenizer, rows, kit, names, num_generations) if kit else []
-    verdicts = reward_verdicts(record, tokenizer, names, num_generations, reward_strength_floor)
+    verdicts = reward_verdicts(
+        record, tokenizer, names, num_generations, reward_strength_floor, trainer.information_leaks
+    )
     if verbose:
         print(format_report(located) if located else NO_REPORT)
         print(format_verdicts(verdicts))
@@ -480,6 +487,7 @@ def reward_verdicts(
     reward_names: list[str],
     num_generations: int,
     strength_floor: float | None = MRTPOConfig.reward_strength_floor,
+    leaks: dict[str, str] | None = None,
 ) -> list[Verdict]:
     """One :class:`Verdict` per reward of an inspected record (the last name is the control).
 
@@ -489,7 +497,8 @@ def reward_verdicts(
     (``strength_floor``, None: off) reads its q as shaped like the other rewards' and rests it; otherwise token
     credit still moves its credit to where its q peaks, but nothing shows those are the tokens its verifier decides
     on (an irrelevant sentence moves the policy as much). The strength is this batch's reading over the task's
-    rewards (the control slot left out), not training's running mean. Every figure reads the model's tokens
+    rewards (the control slot left out), not training's running mean. A reward in ``leaks`` (the trainer's
+    ``information_leaks``) is told that its block's text survives its removal. Every figure reads the model's tokens
     (:func:`~trl_mrtpo.diagnostics.model_positions`: tool results left out).
     """
     from ..credit import group_advantages, relevance_specificity, reward_strength
@@ -499,7 +508,8 @@ def reward_verdicts(
     positions = model_positions(record.mask)
     _, in_group = group_advantages(record.rewards, num_generations)  # [B, K]: varies within the response's group
     task = [k for k in range(len(reward_names)) if k != control]
-    specificity = relevance_specificity(record.relevance[:, task], record.replayed[:, task])
+    groups = None if record.groups is None else record.groups[:, task]
+    specificity = relevance_specificity(record.relevance[:, task], record.replayed[:, task], groups=groups)
     strengths = torch.ones(len(task)) if strength_floor is None else reward_strength(specificity, strength_floor)
     # tool results inside a response (model positions with a gap): recorded trajectories, not hand-written text
     tool_rollouts = any(len(where) and where[-1] - where[0] + 1 > len(where) for where in positions)
@@ -532,6 +542,12 @@ def reward_verdicts(
             text = (
                 "replayed for no response here (it has no info block, or none applied): its credit stays uniform, "
                 "as GDPO spreads it."
+            )
+        elif name in (leaks or {}):
+            text = (
+                f"its info block's text is still in the context that removes it, inside {leaks[name]}: its q cannot "
+                "measure that information. Rewards that judge with one piece of information should be given the "
+                "same block text, which they then share as one information group."
             )
         elif varying == 0:
             text = (

@@ -1,0 +1,43 @@
+"""The completions table's credit column (``log_completions``): one readable line per response, where its credit went.
+Loaded only by the runs that log that table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..diagnostics import token_strings
+
+
+def credit_summary(
+    tokens: Sequence[str], advantages: Sequence[float], relevance: Sequence[Sequence[float]], names: Sequence[str]
+) -> str:
+    """One line per response for the completions table: the tokens with the largest token advantages, and where
+    each replayed reward's q peaks (``relevance`` holds one profile per name; empty profiles are skipped)."""
+    order = sorted(range(len(tokens)), key=lambda t: -abs(advantages[t]))[:3]
+    parts = ["top |A_t|: " + ", ".join(f"{tokens[t]!r} {advantages[t]:+.2f}" for t in order)]
+    for name, q in zip(names, relevance):
+        if len(q) and max(q) > 0:
+            peak = max(range(len(q)), key=lambda t: q[t])
+            parts.append(f"{name} q peaks at {tokens[peak]!r} ({q[peak]:.3f})")
+    return " | ".join(parts)
+
+
+def credit_summaries(
+    tokenizer, completion_ids, mask, advantages, relevance, with_q, names: Sequence[str]
+) -> list[str]:
+    """:func:`credit_summary` of each response of a batch, over its model tokens (where ``mask`` ``[B, C]`` is 1):
+    ``completion_ids`` and ``advantages`` ``[B, C]``, ``relevance`` ``[B, K, C]`` and ``with_q`` ``[B, K]`` (the
+    pairs whose q profile is shown). A fixed number of host syncs for the whole batch, not one per response."""
+    positions = [[t for t, real in enumerate(row) if real] for row in mask.bool().tolist()]
+    ids, advantages, relevance, with_q = (
+        completion_ids.tolist(),
+        advantages.tolist(),
+        relevance.tolist(),
+        with_q.tolist(),
+    )
+    summaries = []
+    for j, where in enumerate(positions):
+        tokens = token_strings(tokenizer, [ids[j][t] for t in where])
+        profiles = [[relevance[j][k][t] for t in where] if with_q[j][k] else [] for k in range(len(names))]
+        summaries.append(credit_summary(tokens, [advantages[j][t] for t in where], profiles, names))
+    return summaries
