@@ -202,3 +202,104 @@ def test_a_broken_reference_is_none_with_one_warning_and_named_by_the_loader(sho
     (root / "dev.json").write_text(json.dumps([{"db_id": "shop", "question": "Names?", "query": broken}]))
     with pytest.raises(ValueError, match=r"dev.json: 1 reference query\(ies\) cannot be scored against.*example 0"):
         get_kit("sql").loaders["spider"](str(root), "dev.json")
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "SELECT name FROM customers;",
+        "SELECT name FROM customers; -- the names",
+        "SELECT name FROM customers; /* the names */ ",
+        "SELECT name FROM customers;;",
+        "SELECT name FROM customers -- the names",
+        "SELECT name\nFROM customers ;\n",
+    ],
+)
+def test_correct_sql_with_a_final_semicolon_or_comment_scores_1_on_all_three_rewards(shop, query):
+    """SQLite reads a final semicolon, and comments after it, as one statement; so do the rewards (the comment after
+    `;` counted as a second statement, and the error block taught the policy away from correct SQL)."""
+    from trl_mrtpo.kits.sql import (
+        sql_error_block,
+        sql_executable_reward,
+        sql_execution_reward,
+        sql_format_reward,
+    )
+
+    reference = "SELECT name FROM customers"
+    completion = fenced(query)
+    for reward in (sql_format_reward, sql_executable_reward, sql_execution_reward):
+        assert reward([completion], db_path=[shop], query=[reference]) == [1.0], reward.__name__
+    assert (
+        sql_error_block(
+            prompt=None, completion=completion[0]["content"], row={"db_path": shop, "query": reference}, score=1.0
+        )
+        is None
+    )
+    # a reference written that way is one statement too: it scores, and the loader keeps its row
+    from trl_mrtpo.kits.sql import unusable_references
+
+    assert sql_execution_reward([fenced(reference)], db_path=[shop], query=[query]) == [1.0]
+    assert unusable_references([{"db_path": shop, "query": query}]) == {}
+    assert sql_format_reward([fenced("SELECT 1; SELECT 2")]) == [0.0]  # two statements stay two
+
+
+@pytest.mark.parametrize("reference", [None, "", "   "])
+def test_an_empty_or_missing_reference_is_named_once_and_scored_none(shop, reference):
+    from trl_mrtpo.kits.sql import sql_execution_reward, sql_reference_block, unusable_references
+
+    prediction = fenced("SELECT name FROM customers")
+    with pytest.warns(
+        UserWarning, match=rf"reference query for .*shop.* is (missing|{reference!r}).*question 'Names\?'"
+    ):
+        scores = sql_execution_reward(
+            [prediction] * 2, db_path=[shop] * 2, query=[reference] * 2, question=["Names?"] * 2
+        )
+    assert scores == [None, None]
+    assert (
+        sql_reference_block(prompt=None, completion="", row={"db_path": shop, "query": reference}, score=0.0) is None
+    )
+    assert unusable_references([{"db_path": shop, "query": reference}]) == {0: "no reference query"}
+
+
+def test_a_reference_that_times_out_costs_its_limit_once(shop, monkeypatch):
+    """Time-outs are not cached by the sandbox; a reference's outcome is kept, so the rewards and the error block
+    wait for it once per run, not at every call."""
+    from trl_mrtpo.kits import sql
+    from trl_mrtpo.kits.sql_sandbox import QueryResult
+
+    calls = []
+
+    def timed_out(db, query, **limits):
+        calls.append(query)
+        return QueryResult(None, "the query took longer than 5 s") if "slow" in query else QueryResult(((1,),), None)
+
+    monkeypatch.setattr(sql, "run_query", timed_out)
+    slow = "SELECT 1 AS slow"
+    prediction = fenced("SELECT 1")
+    with pytest.warns(UserWarning, match="took longer than 5 s"):
+        for _ in range(3):
+            assert sql.sql_execution_reward([prediction], db_path=[shop], query=[slow]) == [None]
+            sql.sql_executable_reward([prediction], db_path=[shop], query=[slow])
+            sql.sql_error_block(
+                prompt=None, completion=prediction[0]["content"], row={"db_path": shop, "query": slow}, score=0.0
+            )
+    assert calls.count(slow) == 1
+
+
+def test_a_schema_with_a_latin1_byte_is_read_and_the_database_is_named_on_failure(tmp_path):
+    import sqlite3
+
+    from trl_mrtpo.kits.sql import database_schema
+
+    path = tmp_path / "latin.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE t (name TEXT DEFAULT 'café')")
+    conn.commit()
+    conn.close()
+    # the CREATE text's 'é' as one latin-1 byte, as some BIRD databases hold it (same length: the record stays valid)
+    path.write_bytes(path.read_bytes().replace("'café')".encode(), b"'caf\xe9' )"))
+    assert "DEFAULT 'caf\ufffd'" in database_schema(path)
+    broken = tmp_path / "broken.sqlite"
+    broken.write_bytes(b"not a database" * 100)
+    with pytest.raises(ValueError, match=f"Cannot read the schema of {broken}"):
+        database_schema(broken)

@@ -10,7 +10,7 @@ ROOMS = ("steps", "observability", "baselines", "research", "gym", "kits", "scri
 CORE = {
     "__init__", "_trl", "batch", "config", "constants", "credit", "credit_state", "diagnostics", "finite_credit",
     "guards",
-    "hub_ids", "info_blocks", "model_card", "relevance", "replay", "rules", "strength", "trainer", "trajectories",
+    "hub_ids", "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "strength", "trainer", "trajectories",
     "utils", "validation",
 }  # fmt: skip
 

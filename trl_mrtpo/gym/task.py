@@ -386,10 +386,10 @@ def cached_policy(cache_dir: str | Path | None, name: str, train: Callable[[], t
     if folder is not None and (folder / "config.json").exists():
         return LlamaForCausalLM.from_pretrained(folder).to(device).eval()
     model = train().eval()
-    if folder is not None:
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        partial.replace(folder)
+    if folder is not None:  # renamed into place: processes that train the same policy at once keep the first
+        from ..outputs import build_folder
+
+        build_folder(folder, model.save_pretrained, lambda built: (built / "config.json").exists())
     return model
 
 

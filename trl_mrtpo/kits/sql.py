@@ -76,17 +76,27 @@ def sql_format_reward(completions: list, **kwargs) -> list[float]:
     return [float(_query_of(c) is not None) for c in completions]
 
 
+_FAILED_REFERENCES: dict[tuple[str, str], QueryResult] = {}  # a failing or timed-out reference's outcome, kept
+
+
 def run_reference(db_path: str, reference: str) -> QueryResult:
     """The reference query's result, which may hold up to :data:`MAX_REFERENCE_ROWS` rows and
-    :data:`MAX_REFERENCE_RESULT_BYTES` bytes."""
-    return run_query(str(db_path), reference, max_rows=MAX_REFERENCE_ROWS, max_bytes=MAX_REFERENCE_RESULT_BYTES)
+    :data:`MAX_REFERENCE_RESULT_BYTES` bytes. A failure or a time-out is kept for the process's life (the sandbox
+    caches no time-out): a reference that times out costs its limit once, not at every reward and block."""
+    key = (str(db_path), reference)
+    if key not in _FAILED_REFERENCES:
+        result = run_query(str(db_path), reference, max_rows=MAX_REFERENCE_ROWS, max_bytes=MAX_REFERENCE_RESULT_BYTES)
+        if result.error is None:
+            return result
+        _FAILED_REFERENCES[key] = result
+    return _FAILED_REFERENCES[key]
 
 
 def run_prediction(db_path: str, sql: str, reference: str | None) -> tuple[QueryResult, QueryResult | None]:
     """A model-written query's result and its reference's (None without one). The prediction may hold twice the rows
     and bytes of the reference's result (at least the default caps, at most the reference's own), so a correct query
     for a large reference result is not refused for its size."""
-    gold = run_reference(db_path, reference) if reference else None
+    gold = run_reference(db_path, reference) if _has_text(reference) else None
     rows, size = DEFAULT_MAX_ROWS, MAX_RESULT_BYTES
     if gold is not None and gold.rows is not None:
         rows = min(max(2 * len(gold.rows), DEFAULT_MAX_ROWS), MAX_REFERENCE_ROWS)
@@ -94,21 +104,32 @@ def run_prediction(db_path: str, sql: str, reference: str | None) -> tuple[Query
     return run_query(str(db_path), sql, max_rows=rows, max_bytes=size), gold
 
 
+def _has_text(reference: Any) -> bool:
+    return isinstance(reference, str) and bool(reference.strip())
+
+
 _WARNED_REFERENCES: set[tuple[str, str]] = set()
 
 
-def _usable(db: str, reference: str, gold: QueryResult | None) -> bool:
-    """Whether a prediction can be scored against this reference; warns once per reference that fails."""
-    if gold is None or gold.error is None:
-        return True
-    if (db, reference) not in _WARNED_REFERENCES:
-        _WARNED_REFERENCES.add((db, reference))
+def usable_reference(db: str, reference: Any, question: Any = None) -> QueryResult | None:
+    """The reference's result when a prediction can be scored against it; None, with one warning per reference
+    naming its database and query (and question), when it is empty, missing, fails or times out."""
+    if _has_text(reference):
+        gold = run_reference(db, reference)
+        if gold.error is None:
+            return gold
+        problem = f"fails on {db}: {reference[:200]!r} ({gold.error})"
+    else:
+        problem = f"for {db} is {'missing' if reference is None else repr(reference)}"
+    key = (str(db), str(reference))
+    if key not in _WARNED_REFERENCES:
+        _WARNED_REFERENCES.add(key)
+        asked = f" (question {str(question)[:120]!r})" if question else ""
         warnings.warn(
-            f"The reference query fails on {db}: {reference[:200]!r} ({gold.error}). Its rows score None (no "
-            "advantage) until the dataset is fixed.",
+            f"The reference query {problem}{asked}. Its rows score None (no advantage) until the dataset is fixed.",
             stacklevel=3,
         )
-    return False
+    return None
 
 
 def sql_executable_reward(completions: list, db_path: list[str], query: list[str] | None = None, **kwargs):
@@ -123,15 +144,17 @@ def sql_executable_reward(completions: list, db_path: list[str], query: list[str
 
 def sql_execution_reward(completions: list, db_path: list[str], query: list[str], **kwargs) -> list[float | None]:
     """1 when the query's result equals the reference query's result on the sample's database; None (with one
-    warning) when the reference itself cannot be run or is past its limits."""
+    warning per reference) when the reference is empty or missing, or cannot be run or is past its limits."""
     n = len(completions)
     out = []
-    for completion, db, reference in zip(completions, _per_sample(db_path, n), _per_sample(query, n)):
-        sql = _query_of(completion)
-        gold = run_reference(db, reference) if reference else None
-        if not _usable(str(db), reference, gold):
+    questions = _per_sample(kwargs.get("question"), n)
+    for completion, db, reference, question in zip(
+        completions, _per_sample(db_path, n), _per_sample(query, n), questions
+    ):
+        if usable_reference(str(db), reference, question) is None:
             out.append(None)
             continue
+        sql = _query_of(completion)
         out.append(float(sql is not None and same_result(*run_prediction(db, sql, reference))))
     return out
 
@@ -185,19 +208,26 @@ def sql_error_boundary(*, prompt, completion, row, score) -> int | None:
     return match.start(1) + match.group(1).index(sql) + offset
 
 
-def sql_reference_block(*, prompt, completion, row, score) -> str:
-    """The reference query the execution reward compares against."""
-    return f"A correct query is:\n```sql\n{row['query']}\n```"
+def sql_reference_block(*, prompt, completion, row, score) -> str | None:
+    """The reference query the execution reward compares against (None for a row without one: its execution reward
+    is None, so nothing is replayed)."""
+    reference = row.get("query")
+    return f"A correct query is:\n```sql\n{reference}\n```" if _has_text(reference) else None
 
 
 # ---------------------------------------------------------------------------------------------------------------- data
 def database_schema(db_path: str | Path) -> str:
     """The CREATE statements of a database, as written in its sqlite_master."""
     conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True)
+    # decoded as the sandbox decodes (a latin-1 byte in some BIRD schemas), then made printable for the prompt
+    conn.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
     try:
         rows = conn.execute("SELECT sql FROM sqlite_master WHERE type='table' AND sql IS NOT NULL").fetchall()
+    except (sqlite3.Error, UnicodeDecodeError) as error:  # a damaged file; an undecodable schema error message
+        raise ValueError(f"Cannot read the schema of {db_path}: {error}") from error
     finally:
         conn.close()
+    rows = [(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),) for (text,) in rows]
     return "\n".join(r[0].strip() + ";" for r in rows)
 
 
@@ -358,7 +388,8 @@ def unusable_references(rows: list[dict]) -> dict[int, str]:
 
     reasons = {}
     for i, row in enumerate(tqdm(rows, desc="Running the reference queries", disable=len(rows) < 100)):
-        error = run_reference(row["db_path"], row["query"]).error
+        reference = row.get("query")
+        error = run_reference(row["db_path"], reference).error if _has_text(reference) else "no reference query"
         if error is not None:
             reasons[i] = error
     return reasons

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.tokens import TokenType
 
 from . import sql_sandbox_child
 from .sql_sandbox_child import QueryTimeout, row_bytes, timeout_message
@@ -67,11 +68,24 @@ def _quiet_sqlglot():
         sqlglot_logger.setLevel(level)
 
 
-def check_single_query(sql: str) -> tuple[bool, str | None]:
-    """``(is_one_read_only_query, reason_if_not)``, using sqlglot's SQLite dialect."""
+def statement_text(sql: str) -> str:
+    """``sql`` without what follows its last token: final semicolons, whitespace and comments. SQLite reads
+    ``SELECT id FROM t; -- the ids`` as one statement, and so do the rewards; Python's ``sqlite3`` refuses a second
+    ``;``. Text sqlglot cannot tokenise is returned as it is (the check then names the problem)."""
     try:
         with _quiet_sqlglot():
-            statements = [s for s in sqlglot.parse(sql, read="sqlite") if s is not None]
+            tokens = [t for t in sqlglot.tokenize(sql, read="sqlite") if t.token_type != TokenType.SEMICOLON]
+    except Exception:
+        return sql
+    return sql[: tokens[-1].end + 1] if tokens else sql
+
+
+def check_single_query(sql: str) -> tuple[bool, str | None]:
+    """``(is_one_read_only_query, reason_if_not)``, using sqlglot's SQLite dialect; a final semicolon and comments
+    after it belong to the statement (:func:`statement_text`)."""
+    try:
+        with _quiet_sqlglot():
+            statements = [s for s in sqlglot.parse(statement_text(sql), read="sqlite") if s is not None]
     except Exception as error:  # sqlglot raises several error types on garbage
         return False, f"could not parse the SQL: {str(error).splitlines()[0][:200]}"
     if len(statements) != 1:
@@ -125,7 +139,7 @@ def run_query(
     limits): the database is opened read-only, so a query's result cannot change while training runs. Time-outs are
     not cached.
     """
-    key = (str(db_path), sql, timeout_s, max_rows, max_bytes)
+    key = (str(db_path), statement_text(sql), timeout_s, max_rows, max_bytes)
     cached = RESULTS.get(key)
     if cached is not None:
         return cached

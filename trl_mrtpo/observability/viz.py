@@ -8,6 +8,7 @@ import statistics
 from collections.abc import Sequence
 
 from ..diagnostics import CreditRecord, token_strings
+from ..outputs import GENERATOR_META
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}
@@ -103,7 +104,7 @@ def credit_heatmap_html(
     per_reward = record.group_advantages[:, :, None] * record.weights  # [B, K, C]
     mask = record.mask.bool()
     parts = [
-        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        f"<!doctype html><html><head><meta charset='utf-8'>{GENERATOR_META}<title>{html.escape(title)}</title>",
         f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
         f'<p class="legend">credit_beta in effect: {record.beta:.3g}{_reward_betas_text(record, reward_names)}. '
         "Background: signed token credit A·w (green "

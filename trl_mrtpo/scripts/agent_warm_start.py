@@ -8,10 +8,15 @@ template, ``assistant_only_loss``). The adapter ships in ``trl_mrtpo/adapters/ag
 (seed, demonstrations' hash, steps, seconds, versions); ``model_name_or_path: embedded-agent`` is the embedded model
 with it merged (:func:`trl_mrtpo.scripts.embedded.local_model`).
 
-    OMP_NUM_THREADS=1 python -m trl_mrtpo.scripts.agent_warm_start        # regenerates the shipped adapter
+    OMP_NUM_THREADS=1 python -m trl_mrtpo.scripts.agent_warm_start --overwrite   # regenerates the shipped adapter
+    OMP_NUM_THREADS=1 python -m trl_mrtpo.scripts.agent_warm_start --output DIR  # a new or empty DIR
 
 It runs 80 steps (128 demonstrations, 2.5 epochs; about 96 minutes on one busy CPU core, provenance.json's
-``train_seconds``), checkpointing every 10 steps: run again, it resumes from the last checkpoint.
+``train_seconds``), checkpointing every 10 steps in its own folder inside the output (``.warm-start``, marked with
+the arguments): run again with the same arguments, it resumes from the last checkpoint there, and removes that folder
+once the adapter is written. It writes only ``adapter_config.json``, ``adapter_model.safetensors`` and
+``provenance.json`` beside it: an output folder holding anything else is refused unless ``--overwrite`` is given, and
+even then nothing of another's is removed or resumed from.
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ TOOL_NAMES = ("check_stock", "add_to_cart", "checkout")
 FAULT_RATES = {"wrong_item": 0.15, "malformed_call": 0.10, "wrong_total": 0.15}
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SEED = 1234  # the demonstrations' rows are drawn apart from the RL data's (seed 0)
+WORK = ".warm-start"  # the script's own folder inside the output: checkpoints and the save, removed when done
+WORK_MARKER = "warm_start_arguments.json"  # what marks the folder as this script's, for these arguments
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def tool_schemas() -> list[dict]:
@@ -95,12 +103,58 @@ def data_hash(rows: list[dict]) -> str:
     return hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()
 
 
-def train_adapter(output: Path, num: int = 128, epochs: float = 2.5, seed: int = SEED) -> dict:
+def arguments_problem(num: int, epochs: float) -> str | None:
+    """What makes a run train nothing: no demonstrations, or no epoch (an untrained adapter)."""
+    if isinstance(num, bool) or not isinstance(num, int) or num < 1:
+        return f"--demonstrations must be an integer >= 1, got {num!r}: there would be nothing to train on."
+    if not epochs > 0:
+        return f"--epochs must be > 0, got {epochs!r}: the adapter would be written untrained."
+    return None
+
+
+def work_folder(output: Path, arguments: dict, overwrite: bool) -> Path:
+    """The script's own folder inside ``output``, after refusing an output that holds what it did not write
+    (:func:`~trl_mrtpo.outputs.writable_folder`). A work folder marked with other arguments is this script's
+    and is removed (its checkpoints would train another adapter); one without the mark is another's: refused."""
+    import shutil
+
+    from ..outputs import OutputRefused, writable_folder
+
+    writable_folder(output, overwrite, own=lambda name: name in (*ADAPTER_FILES, "provenance.json", WORK))
+    work = output / WORK
+    marker = work / WORK_MARKER
+    if work.exists():
+        if not marker.is_file():
+            raise OutputRefused(
+                f"{work} exists but was not made by this script (no {WORK_MARKER}); remove it yourself."
+            )
+        if json.loads(marker.read_text()) != arguments:
+            shutil.rmtree(work)  # this script's, for other arguments: never resumed from
+    work.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps(arguments, sort_keys=True))
+    return work
+
+
+def train_adapter(
+    output: Path,
+    num: int = 128,
+    epochs: float = 2.5,
+    seed: int = SEED,
+    overwrite: bool = False,
+    command: str = "python -m trl_mrtpo.scripts.agent_warm_start",
+) -> dict:
     """Trains the adapter on :func:`demonstrations` and writes it with ``provenance.json``; returns the provenance.
 
-    It checkpoints every 10 steps under ``output/run`` and resumes from the last checkpoint there, so an interrupted
-    run loses at most 10 steps."""
+    It checkpoints every 10 steps in its own folder inside ``output`` (:func:`work_folder`) and resumes from the last
+    checkpoint there when run again with the same arguments, so an interrupted run loses at most 10 steps."""
     import os
+    import shutil
+
+    problem = arguments_problem(num, epochs)
+    if problem:
+        raise ValueError(problem)
+    arguments = {"demonstrations": num, "epochs": epochs, "seed": seed}
+    work = work_folder(output, arguments, overwrite)  # before anything loads
 
     import torch
     import transformers
@@ -121,7 +175,7 @@ def train_adapter(output: Path, num: int = 128, epochs: float = 2.5, seed: int =
     # TRL's, with generation markers: the loss on the assistant's tokens only
     tokenizer.chat_template = chat_template("qwen3_training")
     args = SFTConfig(
-        output_dir=str(output / "run"),
+        output_dir=str(work),
         num_train_epochs=epochs,
         per_device_train_batch_size=4,
         learning_rate=5e-4,
@@ -148,17 +202,19 @@ def train_adapter(output: Path, num: int = 128, epochs: float = 2.5, seed: int =
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer, peft_config=lora
     )
-    checkpoints = sorted((output / "run").glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
+    checkpoints = sorted(work.glob("checkpoint-*"), key=lambda path: int(path.name.split("-")[1]))
     started = time.perf_counter()
     trainer.train(resume_from_checkpoint=str(checkpoints[-1]) if checkpoints else None)
     seconds = time.perf_counter() - started
-    output.mkdir(parents=True, exist_ok=True)
-    trainer.model.save_pretrained(output)
-    write_hub_ids(local_copies(trainer.model), output)  # the embedded model's Hub id, not this machine's cache path
-    (output / "README.md").unlink(missing_ok=True)  # PEFT's blank card: provenance.json says what this is
+    saved = work / "adapter"  # saved inside the work folder: PEFT's blank card stays there and goes with it
+    trainer.model.save_pretrained(saved)
+    write_hub_ids(local_copies(trainer.model), saved)  # the embedded model's Hub id, not this machine's cache path
+    for name in ADAPTER_FILES:
+        os.replace(saved / name, output / name)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     provenance = {
-        "command": "OMP_NUM_THREADS=1 python -m trl_mrtpo.scripts.agent_warm_start",
+        "command": f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')} {command}".strip(),
+        "arguments": arguments,
         "seed": seed,
         "demonstrations": num,
         "fault_rates": FAULT_RATES,
@@ -175,20 +231,37 @@ def train_adapter(output: Path, num: int = 128, epochs: float = 2.5, seed: int =
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
     (output / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
-    import shutil
-
-    shutil.rmtree(output / "run", ignore_errors=True)
+    shutil.rmtree(work)  # the script's own folder, and only it
     return provenance
 
 
 def main(argv: list[str] | None = None) -> None:
+    import shlex
+    import sys
+
+    from ..outputs import OutputRefused
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", default=str(ADAPTER_DIR), help="the adapter folder (default: the shipped one)")
     parser.add_argument("--demonstrations", type=int, default=128)
     parser.add_argument("--epochs", type=float, default=2.5)
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="write into a folder holding other files (none is removed)"
+    )
     args = parser.parse_args(argv)
-    print(json.dumps(train_adapter(Path(args.output), args.demonstrations, args.epochs, args.seed), indent=1))
+    problem = arguments_problem(args.demonstrations, args.epochs)
+    if problem:
+        parser.error(problem)
+    command = shlex.join(["python", "-m", "trl_mrtpo.scripts.agent_warm_start", *argv])
+    try:
+        provenance = train_adapter(
+            Path(args.output), args.demonstrations, args.epochs, args.seed, args.overwrite, command
+        )
+    except OutputRefused as refused:  # checked before anything loads
+        parser.error(str(refused))
+    print(json.dumps(provenance, indent=1))
 
 
 if __name__ == "__main__":

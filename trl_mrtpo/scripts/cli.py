@@ -51,21 +51,30 @@ def flags_for(function, args: argparse.Namespace, *leave_out: str) -> dict:
 
 
 def run_demo(args: argparse.Namespace):
+    from ..outputs import OutputRefused
     from .demo import compare_demo, run_demo
 
     _pin_threads(args.threads)
     settings = flags_for(run_demo, args, "method")  # compare_demo passes them on to run_demo
-    return compare_demo(**settings) if args.compare else run_demo(method=args.method, **settings)
+    try:
+        return compare_demo(**settings) if args.compare else run_demo(method=args.method, **settings)
+    except OutputRefused as refused:  # checked before anything loads: the usage line, as for a bad flag
+        args.parser.error(str(refused))
 
 
 def run_eval(args: argparse.Namespace):
+    from ..outputs import OutputRefused
     from .evaluation import run_evaluation
 
     _pin_threads(args.threads)
-    return run_evaluation(**flags_for(run_evaluation, args))
+    try:
+        return run_evaluation(**flags_for(run_evaluation, args))
+    except OutputRefused as refused:
+        args.parser.error(str(refused))
 
 
 def run_inspect(args: argparse.Namespace):
+    from ..outputs import OutputRefused
     from .inspection import inspect_credit, recipe_inspection
     from .policy import check_policy_folders
 
@@ -78,7 +87,10 @@ def run_inspect(args: argparse.Namespace):
         check_policy_folders(task["model"], args.adapter)
     except (TypeError, ValueError, FileNotFoundError) as error:
         args.parser.error(str(error))
-    return inspect_credit(return_verdicts=True, verbose=True, **{**task, **settings})
+    try:
+        return inspect_credit(return_verdicts=True, verbose=True, **{**task, **settings})
+    except OutputRefused as refused:  # checked before anything loads
+        args.parser.error(str(refused))
 
 
 def run_gym(args: argparse.Namespace) -> str:
@@ -129,7 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--report-to", default="none", help="trackers for the metrics and the heatmap (tensorboard, wandb, trackio)"
     )
-    demo.set_defaults(func=run_demo)
+    demo.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
+    )
+    demo.set_defaults(func=run_demo, parser=demo)
 
     evaluate = sub.add_parser("eval", help="Evaluate a model on BFCL, IFEval, IFBench, Spider or BIRD.")
     evaluate.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
@@ -146,7 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--database-dir", default="database", help="databases folder inside --sql-path")
     evaluate.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     evaluate.add_argument("--output", default=None, help="write the results as JSON here")
-    evaluate.set_defaults(func=run_eval)
+    evaluate.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
+    )
+    evaluate.set_defaults(func=run_eval, parser=evaluate)
 
     inspect = sub.add_parser(
         "inspect", help="Sample and replay a few prompts: token-credit heatmap (HTML) and localisation report."
@@ -185,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
     inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")
     inspect.add_argument("--report", default=None, help="write the localisation report as CSV here")
+    inspect.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
+    )
     inspect.set_defaults(func=run_inspect, parser=inspect)
 
     gym = sub.add_parser(

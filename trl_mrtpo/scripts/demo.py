@@ -185,14 +185,17 @@ def run_demo(
     report_to: str = "none",
     prompts_per_step: int = DEMO_SETTINGS["prompts_per_step"],
     temperature: float = DEMO_SETTINGS["temperature"],
+    overwrite: bool = False,
 ):
     """Train a LoRA adapter on ``task``'s kit with ``method`` (``mrtpo`` or ``gdpo``): one console line per step, then
-    a summary; saves the adapter, its model card, the curves and the last step's credit heatmap in ``output_dir``.
-    Returns the trainer."""
+    a summary; saves the adapter, its model card, the curves and the last step's credit heatmap in ``output_dir``,
+    which must be new or empty unless ``overwrite`` (checked before anything loads). Returns the trainer."""
     from ..kits import get_kit
+    from ..outputs import writable_folder
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # max_steps=0 would train an epoch
         raise ValueError(f"run_demo: steps must be an integer >= 1, got {steps!r}.")
+    writable_folder(output_dir, overwrite, own=lambda name: False)
     path, model_name = demo_model(model)
     device, device_text = demo_device()
     print(f"Device: {device_text}. Task: {task}. Credit: {method}.", flush=True)
@@ -293,16 +296,19 @@ def send_to_trackers(trainer, paths: list[str]) -> None:
         trackio.log({"mrtpo/credit_heatmap": trackio.Image(image)}, step=step)
 
 
-def compare_demo(output_dir: str = "mrtpo-demo", **settings) -> dict:
+def compare_demo(output_dir: str = "mrtpo-demo", overwrite: bool = False, **settings) -> dict:
     """The same task and seed with ``gdpo`` then ``mrtpo`` (``output_dir/gdpo``, ``output_dir/mrtpo``), ending with
-    one side-by-side plot (``comparison.png``) and table. One seed shows what each run did, not which method is
-    better: that takes many seeds (``benchmarks/``)."""
+    one side-by-side plot (``comparison.png``) and table; ``output_dir`` must be new or empty unless ``overwrite``.
+    One seed shows what each run did, not which method is better: that takes many seeds (``benchmarks/``)."""
     from ..observability.viz import plot_comparison
+    from ..outputs import writable_folder
 
+    writable_folder(output_dir, overwrite, own=lambda name: False)
     histories = {}
     for method in ("gdpo", "mrtpo"):
         print(f"\n=== {method} ===", flush=True)
-        trainer = run_demo(output_dir=os.path.join(output_dir, method), method=method, **settings)
+        folder = os.path.join(output_dir, method)
+        trainer = run_demo(output_dir=folder, method=method, overwrite=overwrite, **settings)
         histories[method] = trainer.state.log_history
     names = trainer.reward_func_names
     lines = ["", f"{'reward':<16} " + "  ".join(f"{m + ' first->last':>20}" for m in histories)]

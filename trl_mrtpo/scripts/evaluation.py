@@ -261,6 +261,19 @@ def evaluate(
     raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
 
 
+RESULT_KEYS = {"model", "adapter", "limit", "results"}
+
+
+def results_are_ours(path) -> bool:
+    """A results file this package wrote (its JSON keys)."""
+    try:
+        with open(path) as f:
+            written = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(written, dict) and set(written) == RESULT_KEYS
+
+
 def run_evaluation(
     model: str = "embedded",
     adapter: str | None = None,
@@ -273,9 +286,15 @@ def run_evaluation(
     sql_split_file: str | None = None,
     database_dir: str = "database",
     output: str | None = None,
+    overwrite: bool = False,
 ) -> list[BenchmarkResult]:
     """Generate greedily on each benchmark with ``model`` (+ ``adapter``), print the table, write JSON to
-    ``output``; returns the results. The transformers backend places the model on the available accelerator."""
+    ``output`` (a file there that trl-mrtpo did not write is refused before anything loads, unless ``overwrite``);
+    returns the results. The transformers backend places the model on the available accelerator."""
+    if output:
+        from ..outputs import writable_file
+
+        writable_file(output, overwrite, results_are_ours)
     for benchmark in benchmarks:  # before loading anything: a missing package fails now, not after the model loads
         if benchmark not in BENCHMARKS:
             raise ValueError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")

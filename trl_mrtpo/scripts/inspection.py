@@ -247,10 +247,19 @@ def localisation_report(
     return report
 
 
+REPORT_HEADER = ["reward", "span", "responses", "dist", "tok", "ratio", "control_dist", "control_ratio"]
+
+
+def report_is_ours(path) -> bool:
+    """A localisation report this package wrote (its header row)."""
+    with open(path, newline="", errors="replace") as f:
+        return next(csv.reader(f), None) == REPORT_HEADER
+
+
 def write_report(report: list[LocalisationRow], path: str) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["reward", "span", "responses", "dist", "tok", "ratio", "control_dist", "control_ratio"])
+        writer.writerow(REPORT_HEADER)
         for r in report:
             writer.writerow([r.reward, r.span, r.responses, f"{r.dist:.4f}", f"{r.tok:.4f}", f"{r.ratio:.3f}",
                              f"{r.control_dist:.4f}", f"{r.control_ratio:.3f}"])  # fmt: skip
@@ -308,12 +317,14 @@ def inspect_credit(
     chat_template: str | None = None,
     environment_factory=None,
     verbose: bool = False,
+    overwrite: bool = False,
 ) -> tuple:
     """Sample (or, with ``completions``, replay existing responses of) a few prompts of the training data, score and
     replay them exactly as training does, replay the control on the same responses, and return the credit record
     (the control last) and the localisation report. Writes the heatmap page to ``output`` and the report as CSV to
-    ``report`` only when they are given (their folders are created before any work); ``verbose`` prints the verdicts
-    and the report before the files are written.
+    ``report`` only when they are given (their folders are created before any work; a file there that trl-mrtpo did
+    not write is refused then, unless ``overwrite``); ``verbose`` prints the verdicts and the report before the files
+    are written.
 
     The task is ``task``'s kit, or your own: ``reward_funcs`` and ``info_blocks`` (functions and builders, as
     ``MRTPOTrainer`` takes them) with ``dataset`` (rows with a ``prompt``); the localisation report needs a kit's
@@ -335,11 +346,13 @@ def inspect_credit(
 
     from datasets import Dataset
 
+    from ..outputs import page_is_ours, writable_file
     from ..trainer import MRTPOTrainer
     from .policy import load_policy
 
-    for path in (output, report):  # a folder that cannot be made fails now, not after the sampling
+    for path, ours in ((output, page_is_ours), (report, report_is_ours)):  # refused now, not after the sampling
         if path:
+            writable_file(path, overwrite, ours)
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)

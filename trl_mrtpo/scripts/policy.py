@@ -20,6 +20,23 @@ def check_policy_folders(model: str, adapter: str | None) -> None:
         )
 
 
+def check_warm_start(model_path: str, adapter: str) -> None:
+    """An adapter trained on one ``embedded-agent`` (its base names the warm start's hash) is refused on another,
+    naming both: the merged base's weights differ, and the adapter would load without a word."""
+    import json
+
+    from .embedded import trained_warm_start
+
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        base = json.load(f).get("base_model_name_or_path") or ""
+    trained, loaded = trained_warm_start(base), trained_warm_start(model_path)
+    if trained is not None and loaded is not None and trained != loaded:
+        raise ValueError(
+            f"--adapter {adapter} was trained on embedded-agent with the warm start {trained}; --model loads the warm "
+            f"start {loaded}, whose merged weights differ. Load it with the trl-mrtpo release that trained it."
+        )
+
+
 def load_policy(model: str, adapter: str | None = None, device_map: str | None = None):
     """``(model, tokenizer)``: ``model`` is a hub id, a folder or ``"embedded"``; ``adapter`` a LoRA adapter folder
     applied on top; ``device_map`` goes to ``from_pretrained`` (``"auto"`` places the model on the available
@@ -30,6 +47,8 @@ def load_policy(model: str, adapter: str | None = None, device_map: str | None =
 
     check_policy_folders(model, adapter)
     model_path = local_model(model)
+    if adapter:
+        check_warm_start(model_path, adapter)
     # an adapter folder written by save_model holds the tokenizer too; one that does not falls back to the model's
     tokenizer_path = (
         adapter if adapter and os.path.isfile(os.path.join(adapter, "tokenizer_config.json")) else model_path
