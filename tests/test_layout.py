@@ -10,8 +10,8 @@ ROOMS = ("steps", "observability", "baselines", "research", "gym", "kits", "scri
 CORE = {
     "__init__", "_trl", "batch", "config", "constants", "credit", "credit_state", "diagnostics", "finite_credit",
     "guards",
-    "hub_ids", "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "strength", "trainer", "trajectories",
-    "utils", "validation",
+    "hub_ids", "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "strength", "trainer",
+    "trajectories", "utils", "validation",
 }  # fmt: skip
 
 

@@ -517,12 +517,12 @@ def replay_contexts(
         if not sample_wanted:  # only samples with a replayed pair get contexts (and are tokenized)
             contexts.append([])
             continue
-        removed_ = removed_groups(sample_wanted, groups[i])
-        removals = [[k for k, b in enumerate(blocks[i]) if b is not None]] if joint else [[g] for g in removed_]
+        dropped = removed_groups(sample_wanted, groups[i])
+        removals = [[k for k, b in enumerate(blocks[i]) if b is not None]] if joint else [[g] for g in dropped]
         full, removed = build_contexts(prompts[i], blocks[i], removals, separator)
         contexts.append([full, *removed])
         if not joint:
-            leaks.update(leaked_information(removed, removed_, blocks[i], groups[i], names))
+            leaks.update(leaked_information(removed, dropped, blocks[i], groups[i], names))
     return ReplayContexts(wanted, blocks, groups, contexts, leaks)
 
 

@@ -17,13 +17,9 @@ class OutputRefused(ValueError):
 def writable_file(path: str | Path, overwrite: bool, ours: Callable[[Path], bool]) -> None:
     """``path`` may be written: it is absent, ``ours`` recognises it as this package's, or ``overwrite`` is given."""
     path = Path(path)
-    if not path.exists() or overwrite:
-        if path.is_dir():
-            raise OutputRefused(f"{path} is a folder; give a file path.")
-        return
     if path.is_dir():
         raise OutputRefused(f"{path} is a folder; give a file path.")
-    if not ours(path):
+    if path.exists() and not overwrite and not ours(path):
         raise OutputRefused(
             f"{path} exists and was not written by trl-mrtpo: choose another path, or pass --overwrite to replace it."
         )

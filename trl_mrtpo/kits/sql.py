@@ -219,15 +219,15 @@ def sql_reference_block(*, prompt, completion, row, score) -> str | None:
 def database_schema(db_path: str | Path) -> str:
     """The CREATE statements of a database, as written in its sqlite_master."""
     conn = sqlite3.connect(f"{Path(db_path).resolve().as_uri()}?mode=ro", uri=True)
-    # decoded as the sandbox decodes (a latin-1 byte in some BIRD schemas), then made printable for the prompt
-    conn.text_factory = lambda data: data.decode("utf-8", "surrogateescape")
+    # a latin-1 byte in some BIRD schemas is read, not refused (as the sandbox reads it), and shown as U+FFFD in the
+    # prompt: a lone surrogate would fail the tokenizer
+    conn.text_factory = lambda data: data.decode("utf-8", "replace")
     try:
         rows = conn.execute("SELECT sql FROM sqlite_master WHERE type='table' AND sql IS NOT NULL").fetchall()
     except (sqlite3.Error, UnicodeDecodeError) as error:  # a damaged file; an undecodable schema error message
         raise ValueError(f"Cannot read the schema of {db_path}: {error}") from error
     finally:
         conn.close()
-    rows = [(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),) for (text,) in rows]
     return "\n".join(r[0].strip() + ";" for r in rows)
 
 
