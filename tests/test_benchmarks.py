@@ -190,30 +190,80 @@ def test_recorded_runs_are_reused_without_recomputing(tmp_path):
 @pytest.mark.slow
 @pytest.mark.benchmarks
 def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
-    """The GPU check's plumbing, on CPU at toy sizes: every part runs and writes its file, so a refactor cannot
-    break the one command a lent GPU gets."""
-    import json
+    """The GPU check's plumbing, on CPU at toy sizes (``DRY=1``): every part runs and writes its file and its summary
+    line, and the step part's hash rewards make MRTPO replay, so that a lent GPU times a step that replays."""
     import os
 
+    out = tmp_path / "out"
     result = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", str(tmp_path / "out")],
+        ["bash", "benchmarks/gpu_check.sh", str(out)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "DRY": "1", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    for part in ("step", "phases", "correctness", "js_table"):
+        assert summary["parts"][part]["returncode"] == 0, (part, (out / f"{part}.log").read_text()[-3000:])
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(" ")[0] for line in lines[1:]] == ["step", "phases", "correctness", "js_table"]
+    step = json.loads((out / "step.json").read_text())
+    assert [r["step"] for r in step["gdpo"]] == [r["step"] for r in step["mrtpo"]] == [1, 2]
+    assert all(r["replayed_fraction"] > 0 and r["replay_seconds"] > r["js_seconds"] > 0 for r in step["mrtpo"])
+    assert all(r["replayed_fraction"] == 0 and r["replay_seconds"] == 0 for r in step["gdpo"])
+    phases = json.loads((out / "phases.json").read_text())
+    assert set(phases["phases"]) == {
+        "old_logprobs",
+        "forward_backward",
+        *(f"replay_{c}_contexts" for c in (1.5, 2, 4)),
+    }
+    assert len(phases["modelled"]) == 6
+    correctness = json.loads((out / "correctness.json").read_text())
+    # 3 K's, TF32 off and on, bf16 states with an fp32 head, the softcap: far and near; the long chunk: near; x 2
+    assert len(correctness["cases"]) == 2 * (2 * 7 + 1)
+    assert all(r["max_abs_error_bits"] < 1e-5 for r in correctness["cases"])
+    assert "collected" in correctness["tests"]["last_line"]
+    table = json.loads((out / "js_table.json").read_text())
+    assert {(r["head"], r["k"], r["method"]) for r in table["table"] if "seconds" in r} == {
+        *(("bf16", k, m) for k in (1, 3) for m in ("kernel", "torch_rule", "trl_x_k", "liger_x_k")),
+        ("fp32", 3, "kernel"), ("fp32", 3, "torch_rule"),
+    }  # fmt: skip
+    # every sweep's variant computes the default's q
+    assert all(r["max_diff_from_default_bits"] < 1e-6 for r in table["chunk_sweep"] + table["block_sweep"])
+
+
+@pytest.mark.slow
+@pytest.mark.benchmarks
+def test_a_failing_gpu_check_part_leaves_the_others_files(tmp_path):
+    """A planted failure: correctness.json cannot be written (a folder stands there), so that part fails; its line
+    names the failure and the log, and the next part still runs and writes its file."""
+    import os
+
+    out = tmp_path / "out"
+    (out / "correctness.json").mkdir(parents=True)
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", str(out), "--dry-run", "--parts", "correctness", "js_table"],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["liger_and_auto"] == "ok"
-    for part in ("triton_tests", "js_kernel_256", "step_overhead"):
-        assert summary[part]["returncode"] == 0, (part, (tmp_path / "out" / summary[part]["log"]).read_text()[-2000:])
-    for name in ("liger_vs_ours.json", "auto_on_device.json", "js_kernel_cpu_256.csv", "replay_overhead_cpu.csv"):
-        assert (tmp_path / "out" / name).is_file(), name
-    # Liger's row runs (its API with shift_labels, under the interpreter) and our q agrees with its JSD per token
-    (liger,) = json.loads((tmp_path / "out" / "liger_vs_ours.json").read_text())
-    assert liger["liger_s"] > 0 and liger["ours_minus_liger_jsd_bits_max"] < 1e-5, liger
-    # the decision on auto comes first, from the JS-op table (the dry run has no Triton kernel timed against torch
-    # on a GPU, so it stays torch)
-    decision = json.loads((tmp_path / "out" / "auto.json").read_text())
-    assert decision["auto"] in ("torch", "triton") and summary["auto"] == decision
-    assert list(summary).index("auto") < list(summary).index("triton_tests")
+    lines = (out / "summary.txt").read_text().splitlines()
+    assert lines[1].startswith("correctness (") and "FAILED (1): IsADirectoryError" in lines[1]
+    assert "see correctness.log" in lines[1]
+    assert lines[2].startswith("js_table (") and "FAILED" not in lines[2]
+    assert json.loads((out / "js_table.json").read_text())["summary"] in lines[2]
+
+
+def test_the_modelled_step_ratio_by_hand():
+    """Replay 3, 4 and 8 s at 1.5, 2 and 4 contexts per response; old log-probabilities 1 s, forward-backward 2 s.
+    At 12 % of pairs replayed, c = 1 - 0.88^3 + 0.36 = 0.678528 contexts: 0.678528 / 1.5 x 3 = 1.357056 s of replay;
+    at 33 %, c = 1.689237: 3 + 0.378474 = 3.378474 s. Without generation GDPO takes 3 s, with generation = the
+    forward-backward 5 s."""
+    modelled_ratios = load("gpu_check").modelled_ratios
+    rows = modelled_ratios({"old_logprobs": 1.0, "forward_backward": 2.0}, {1.5: 3.0, 2: 4.0, 4: 8.0})
+    by = {(r["generation_assumed_s"], r["replayed_fraction"]): r for r in rows}
+    assert by[(0.0, 0.12)]["replay_s"] == pytest.approx(1.357056)
+    assert by[(0.0, 0.12)]["mrtpo_over_gdpo"] == pytest.approx(4.357056 / 3)
+    assert by[(0.0, 0.33)]["mrtpo_over_gdpo"] == pytest.approx(6.378474 / 3)
+    assert by[(2.0, 0.12)]["mrtpo_over_gdpo"] == pytest.approx(6.357056 / 5)
+    assert by[(6.0, 0.33)]["contexts"] == pytest.approx(1.689237)
 
 
 @pytest.mark.slow
@@ -289,30 +339,6 @@ def test_reward_strength_decision_applies_the_preregistered_rule(tmp_path, monke
     (tmp_path / "runs" / "seed107" / "result.json").unlink()
     with pytest.raises(SystemExit, match="seeds \\[107\\] are not finished"):
         decision.main()
-
-
-def test_gpu_check_decides_auto_by_its_stated_rule(tmp_path):
-    """A hand-made JS-op table: the Triton kernel faster at every K and within 1e-5 bits of float64 makes auto
-    triton; one K where it is off float64, or slower, or missing keeps torch."""
-    decide_auto = load("gpu_check").decide_auto
-
-    def decision(rows):
-        table = tmp_path / "table.csv"
-        with table.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=["vocab", "k", "method", "seconds", "max_error_vs_float64"])
-            writer.writeheader()
-            writer.writerows(rows)
-        return decide_auto(table, tmp_path / "auto.json")["auto"]
-
-    def row(k, method, seconds, error=1e-7):
-        return {"vocab": 152064, "k": k, "method": method, "seconds": seconds, "max_error_vs_float64": error}
-
-    fast = [row(k, "ours", 1.0) for k in (1, 3)] + [row(k, "triton", 0.5) for k in (1, 3)]
-    assert decision(fast) == "triton"
-    assert decision([*fast[:3], row(3, "triton", 0.5, error=1e-4)]) == "torch"
-    assert decision([*fast[:3], row(3, "triton", 2.0)]) == "torch"
-    assert decision(fast[:3]) == "torch"
-    assert json.loads((tmp_path / "auto.json").read_text())["auto"] == "torch"
 
 
 @pytest.mark.slow

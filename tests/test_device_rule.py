@@ -1,7 +1,7 @@
-"""The replay divergence's device rule (CUDA; forced on CPU here by ``_DEVICE_RULE_ON_CPU``, everything but its one
-CUDA-only line, the fp32-output GEMM of low-precision operands): q against the float64 reference for fp32, bf16 and
-fp16 heads, the same q whatever the chunk, and the aten operators of a 64 x 1,024-token batch counted on ``meta``
-tensors at real shapes (docs/kernels.md)."""
+"""The replay divergence's device rule (CUDA; without one, forced on CPU by ``_DEVICE_RULE_ON_CPU``, everything but
+its one CUDA-only line, the fp32-output GEMM of low-precision operands; on a GPU, on CUDA tensors): q against the
+float64 reference for fp32, bf16 and fp16 heads, the same q whatever the chunk, and the aten operators of a
+64 x 1,024-token batch counted on ``meta`` tensors at real shapes (docs/kernels.md)."""
 
 import math
 from collections import Counter
@@ -14,6 +14,9 @@ from tests.reference import js_float64
 from trl_mrtpo.ops import device_rule as rule_module
 from trl_mrtpo.ops import divergence
 from trl_mrtpo.ops.device_rule import workspace_chunk, workspace_divergence
+
+# On a GPU (benchmarks/gpu_check.py runs this file there) the rule runs on CUDA tensors, where it is the default.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -28,7 +31,8 @@ def inputs(dtype, seed=0, tokens=37, removed=3, hidden=16, vocab=101):
     hidden_removed[1] = hidden_all  # an identical context must give exactly 0
     weight = torch.randn(vocab, hidden, generator=gen) * 0.5
     bias = torch.randn(vocab, generator=gen) * 0.1
-    return hidden_all.to(dtype), hidden_removed.to(dtype), weight.to(dtype), bias
+    move = {"device": DEVICE, "dtype": dtype}
+    return hidden_all.to(**move), hidden_removed.to(**move), weight.to(**move), bias.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -93,7 +97,10 @@ def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operato
 
 
 def test_the_device_rule_returns_k_by_zero_on_empty_input(device_rule):
-    q = divergence.replay_divergence(torch.zeros(0, 16), torch.zeros(3, 0, 16), torch.zeros(101, 16))
+    empty = {"device": DEVICE}
+    q = divergence.replay_divergence(
+        torch.zeros(0, 16, **empty), torch.zeros(3, 0, 16, **empty), torch.zeros(101, 16, **empty)
+    )
     assert q.shape == (3, 0) and q.dtype == torch.float32
 
 
