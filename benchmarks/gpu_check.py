@@ -148,8 +148,8 @@ class JSClock:
     def __init__(self):
         from trl_mrtpo import replay
 
-        self.seconds, self.original = 0.0, replay.replay_divergence
-        replay.replay_divergence = self.timed
+        self.seconds, self.original = 0.0, replay.stacked_divergence
+        replay.stacked_divergence = self.timed
 
     def timed(self, *args, **kwargs):
         synchronize()
@@ -319,6 +319,7 @@ def part_phases(record: Record, device: str) -> str:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from trl.trainer.utils import selective_log_softmax
 
+    from trl_mrtpo.ops.device_rule import usable_memory
     from trl_mrtpo.replay import replay_relevance, replay_settings
 
     sizes = SIZES[device]["phases"]
@@ -360,8 +361,9 @@ def part_phases(record: Record, device: str) -> str:
         seconds[name] = phases[name]["seconds"]
         record["phases"] = phases
     model.zero_grad(set_to_none=True)
-    temperature, backend = replay_settings(model, 1.0, "auto")
-    record["replay_backend"] = backend
+    temperature, backend = replay_settings(model, 1.0, "auto", 3)
+    usable = usable_memory(torch.device(device)) if device == "cuda" else None  # as the trainer sizes its replay
+    record["replay_backend"], record["usable_bytes"] = backend, usable
     clock, replay = JSClock(), {}
     for contexts in (1.5, 2, 4):
         per_response = replay_contexts([prompts[j // 4] for j in range(responses)], sizes["block"], contexts)
@@ -369,7 +371,7 @@ def part_phases(record: Record, device: str) -> str:
         phases[name] = {}
         clock.seconds = 0.0
         with measured(phases[name]):
-            replay_relevance(model, per_response, completions, temperature, backend=backend)
+            replay_relevance(model, per_response, completions, temperature, backend=backend, usable_bytes=usable)
         phases[name]["js_seconds"] = clock.seconds
         replay[contexts] = phases[name]["seconds"]
         record["phases"] = phases

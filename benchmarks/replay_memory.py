@@ -12,9 +12,14 @@ model's weights is (docs/method.md step 4; ``trl_mrtpo.replay``, ``trl_mrtpo.ops
   (``batch x heads x width x (prefix + width)`` each), and the batch's last hidden states;
 - **the divergence**: one token chunk's fp32 log-probabilities for the ``M + 1`` contexts with the JS's three
   temporaries, over the whole vocabulary for an fp32 model, and over one vocabulary tile (``VOCAB_TILE`` rows, with
-  that tile of the lm_head cast to fp32) for a bf16 / fp16 one: never an fp32 copy of the whole lm_head. On CUDA (the
-  device rule, ``Replay.workspace`` set): the contexts' hidden states stacked once (``tokens x (M + 1) x H``) and one
-  chunk of ``workspace_chunk`` tokens holding ``(3M + 1)`` fp32 vocabulary rows per token.
+  that tile of the lm_head cast to fp32) for a bf16 / fp16 one: never an fp32 copy of the whole lm_head.
+
+On CUDA (``Replay.usable`` set: the bytes the run found usable when it first replayed) the replay is sized from that
+headroom (``trl_mrtpo.ops.device_rule``'s budget): the kept states are one stream's (``[tokens, M + 1, H]``, written
+once, at most ``REPLAY_STATES_SHARE`` of it), a forward takes as many sequences as keep its new tokens'
+activations and cache within ``REPLAY_FORWARD_SHARE`` (attention fused: its output only), and the divergence holds one
+chunk of ``budget_chunk_rows`` fp32 vocabulary rows. ``tests/test_replay_memory.py`` counts the same replays on
+``meta`` tensors at Qwen2.5-7B's shape and holds this model within 10 % of the count (measured: within 1 %).
 
 ``--measure`` checks the model on CPU: random-weight models of the real hidden size and vocabulary at reduced depth,
 one replay in a fresh process each, the peak resident memory above the loaded model (``/proc``'s high-water mark,
@@ -78,7 +83,7 @@ class Replay:
     block: int = 40  # tokens an info block adds after the shared prompt
     batch: int = 8  # sequences per replay forward (replay_batch_size)
     dtype_bytes: int = 2
-    workspace: int | None = None  # the device rule's workspace in bytes (CUDA); None: the CPU chunk rule
+    usable: int | None = None  # bytes usable on the GPU when the run first replays; None: the CPU rules
 
 
 def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
@@ -101,13 +106,24 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
         + batch * width * shape.hidden * b  # the batch's last hidden states
     )
     contexts = replay.removed + 1
-    if replay.workspace is not None:  # the device rule (CUDA): stacked hidden states, then one chunk's rows
-        from trl_mrtpo.ops.device_rule import workspace_chunk
+    if replay.usable is not None:  # CUDA: streams, forwards and chunks sized from the usable bytes
+        from trl_mrtpo.ops.device_rule import budget_chunk_rows, budget_forward_tokens, budget_states_bytes
 
-        tokens = replay.responses * replay.completion
-        chunk = min(workspace_chunk(replay.workspace, shape.vocab, 3 * replay.removed + 1), tokens)
-        stacked = tokens * contexts * shape.hidden * b
-        divergence = stacked + (3 * replay.removed + 1) * chunk * shape.vocab * 4
+        per_response = contexts * replay.completion * shape.hidden * b
+        kept = max(per_response, budget_states_bytes(replay.usable) // per_response * per_response)
+        kept = min(kept, replay.responses * per_response)
+        per_token = (
+            3 * shape.intermediate + 4 * shape.hidden + 2 * shape.layers * shape.kv_heads * shape.head_dim
+        ) * b
+        tokens = budget_forward_tokens(replay.usable, per_token)
+        batch = min(replay.batch, sequences, max(1, tokens // width))
+        forward = (
+            replay.prompt * kv_per_token  # the shared prefix's cache
+            + batch * total * kv_per_token  # its copy for the batch, grown by the batch's tokens
+            + batch * width * (3 * shape.intermediate + 4 * shape.hidden) * b  # the MLP's gate, up, their product
+            + batch * width * shape.hidden * b  # the batch's last hidden states
+        )
+        divergence = budget_chunk_rows(replay.usable, shape.vocab) * shape.vocab * 4
         return {
             "kept_states": kept,
             "forward": forward,
@@ -182,16 +198,15 @@ def _child(spec: str) -> None:
         blocks = [ids(replay.block) for _ in range(replay.removed + 1)]
         contexts.append([prompt + blocks[0]] + [prompt + block for block in blocks[1:]])
         completions.append(ids(replay.completion))
-    if replay.workspace is not None:  # the device rule, forced on CPU (fp32 weights: no CPU-only casts)
-        from trl_mrtpo.ops import device_rule, divergence
+    if replay.usable is not None:  # the device rule, forced on CPU (fp32 weights: no CPU-only casts)
+        from trl_mrtpo.ops import divergence
 
         divergence._DEVICE_RULE_ON_CPU = True
-        device_rule.device_workspace = lambda device: replay.workspace
     # one tiny replay first: lazy imports and first-call allocations are not the replay's peak
     replay_relevance(model, [[prompt[:4] + ids(2), prompt[:4] + ids(2)]], [ids(2)], 1.0, batch_size=replay.batch)
     before = _resident("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark to the current resident size
-    replay_relevance(model, contexts, completions, 1.0, batch_size=replay.batch)
+    replay_relevance(model, contexts, completions, 1.0, batch_size=replay.batch, usable_bytes=replay.usable)
     print(_resident("VmHWM") - before)
 
 
@@ -219,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
             # lm_head (V 152,064 x H 3,584), both bf16
             ("qwen2.5-1.5b", Replay(2, 1, 200, 1024, dtype_bytes=2), 1),
             ("qwen2.5-7b", Replay(4, 2, 100, 64, dtype_bytes=2), 1),
-            # the CUDA device rule forced on CPU, fp32 (a 1 GiB workspace: chunks of 176 tokens at V = 151,936)
-            ("qwen2.5-1.5b", Replay(4, 3, 200, 256, dtype_bytes=4, workspace=2**30), 1),
+            # the CUDA device rule forced on CPU, fp32, 4 GiB usable (chunks of 1,766 rows at V = 151,936)
+            ("qwen2.5-1.5b", Replay(4, 3, 200, 256, dtype_bytes=4, usable=4 * 2**30), 1),
         ]
         for name, replay, layers in checks:
             shape = SHAPES[name]
@@ -235,9 +250,9 @@ def main(argv: list[str] | None = None) -> None:
             print(rows[-1], flush=True)
     # the 24 GB recipes' shapes: the generation batch (per-device batch x accumulation steps), their replay batch,
     # completion length and dtype; prompt lengths and replayed rewards per response are typical of their kits
-    # ... on CPU's chunk rule, and on a 24 GB GPU's device rule (a workspace of 1/16 of its memory)
+    # ... on CPU's chunk rule, and on a 24 GB GPU with 6 GiB usable when the replay starts
     for recipe, name, replay in RECIPE_REPLAYS:
-        for rule in (replay, replace(replay, workspace=24 * 2**30 // 16)):
+        for rule in (replay, replace(replay, usable=6 * 2**30)):
             parts = replay_peak_bytes(SHAPES[name], rule)
             rows.append(
                 {"kind": "computed", "model": f"{name} ({recipe})", **asdict(rule),

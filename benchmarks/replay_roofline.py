@@ -1,8 +1,8 @@
 """A roofline model of the replay divergence (modelled, not measured): bytes and GEMM FLOPs at real heads.
 
-For a 64 x 1,024-token batch with K = 3 removed contexts and 1/16 of the device's memory as workspace:
+For a 64 x 1,024-token batch with K = 3 removed contexts in chunks of 2,048 fp32 vocabulary rows:
 
-- the torch device rule (``ops.device_rule.workspace_divergence``): run on ``meta`` tensors; every aten operator's
+- the torch device rule (``ops.device_rule.device_divergence``): run on ``meta`` tensors; every aten operator's
   bytes are counted as the sizes of its tensor inputs read plus its outputs written, and each GEMM's FLOPs;
 - the Triton kernel (``ops.triton_divergence``): its byte formula ``modelled_bytes`` (the GEMM's operands and fp32
   logits, the row kernel's two reads of them; tests hold the formula against the interpreter's loads);
@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_mrtpo.ops.device_rule import workspace_chunk, workspace_divergence
+from trl_mrtpo.constants import REPLAY_CHUNK_ROWS
+from trl_mrtpo.ops.device_rule import chunk_tokens, device_divergence
 from trl_mrtpo.ops.triton_divergence import modelled_bytes
 
 HEADS = {"Qwen2.5-7B": (152_064, 3_584), "Qwen2.5-3B": (151_936, 2_048), "Llama-3.1-8B": (128_256, 4_096)}
@@ -57,15 +58,14 @@ def main() -> None:
     lines += [f"| head | device | {columns} |"]
     lines += ["|---|---|---|---|---|---|---|---|---|"]
     for head, (vocab, hidden) in HEADS.items():
-        for device, (memory, bandwidth, rate) in DEVICES.items():
-            workspace = int(memory / 16)
+        for device, (_, bandwidth, rate) in DEVICES.items():
             counted = CountingBytes()
-            hidden_all = torch.empty(TOKENS, hidden, device="meta", dtype=torch.bfloat16)
-            hidden_removed = torch.empty(REMOVED, TOKENS, hidden, device="meta", dtype=torch.bfloat16)
+            stacked = torch.empty(TOKENS, REMOVED + 1, hidden, device="meta", dtype=torch.bfloat16)
             weight = torch.empty(vocab, hidden, device="meta", dtype=torch.bfloat16)
             with counted:
-                workspace_divergence(hidden_all, hidden_removed, weight, None, 0.7, workspace)
-            kernel = modelled_bytes(TOKENS, REMOVED, vocab, hidden, workspace_chunk(workspace, vocab, REMOVED + 1))
+                device_divergence(stacked, weight, None, 0.7, chunk_rows=REPLAY_CHUNK_ROWS)
+            chunk = chunk_tokens(REPLAY_CHUNK_ROWS, REMOVED + 1)
+            kernel = modelled_bytes(TOKENS, REMOVED, vocab, hidden, chunk)
             flops = 2 * TOKENS * (REMOVED + 1) * hidden * vocab
             seconds = [max(b / bandwidth, flops / rate) for b in (counted.bytes, kernel["total"], kernel["floor"])]
             terabytes = [counted.bytes / 1e12, kernel["total"] / 1e12, kernel["floor"] / 1e12]

@@ -13,6 +13,7 @@ from trl_mrtpo.credit_state import STATE_VERSION, read_credit_state
 from trl_mrtpo.diagnostics import collapse_streaks_problem
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.replay import usable_bytes_problem
 from trl_mrtpo.research.rules import RESEARCH_STATE_ENTRIES
 from trl_mrtpo.scripts.inspection import sample_credit
 from trl_mrtpo.strength import specificity_problem
@@ -31,6 +32,7 @@ STATE_ENTRIES = {
     "per-reward strength": {"reward_specificity": specificity_problem},
     "the credit rule 'shuffled'": {"shuffle_generator": RESEARCH_STATE_ENTRIES["shuffle_generator"]},
     "the term 'reward_weighting'": {"concur_trust": RESEARCH_STATE_ENTRIES["concur_trust"]},
+    "the replay's memory": {"replay_usable_bytes": usable_bytes_problem},
 }
 
 
@@ -40,6 +42,7 @@ def _entries(**changes) -> dict:
         "shuffle_generator": torch.Generator().get_state(),
         "collapse_streaks": {},
         "reward_specificity": torch.zeros(2, dtype=torch.float64),
+        "replay_usable_bytes": None,
         **changes,
     }
 
@@ -220,9 +223,33 @@ def test_a_version_4_or_5_state_is_read_into_its_parts(tmp_path, caplog, version
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
     torch.save(_flat_state(3), path)
     with pytest.raises(
-        ValueError, match=f"has MRTPO state version 3, this release reads versions 5 and {STATE_VERSION}"
+        ValueError, match=f"has MRTPO state version 3, this release reads versions 5 to {STATE_VERSION}"
     ):
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+
+
+def test_a_version_6_state_reads_the_replays_memory_as_undecided(tmp_path):
+    """Version 7 added the replay's memory (the bytes a CUDA run sized its replay from): a version 6 file, which has
+    no such part, reads it as None (decided afresh at the next replay); a version 7 file without it is refused, and
+    one with a negative size too."""
+    path = tmp_path / "mrtpo_state_0.pt"
+    state = _state(version=6)
+    del state["parts"]["the replay's memory"]
+    torch.save(state, path)
+    assert read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["the replay's memory"] == {
+        "replay_usable_bytes": None
+    }
+    state["version"] = STATE_VERSION
+    torch.save(state, path)
+    with pytest.raises(ValueError, match="lacks the entry replay_usable_bytes"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    torch.save(_state(replay_usable_bytes=-1), path)
+    with pytest.raises(ValueError, match="entry replay_usable_bytes is -1, not what the replay's memory writes"):
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
+    torch.save(_state(replay_usable_bytes=6 << 30), path)
+    assert (
+        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)["the replay's memory"]["replay_usable_bytes"] == 6 << 30
+    )
 
 
 def test_good_input_of_every_checked_family_passes(tmp_path):

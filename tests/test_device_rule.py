@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.reference import js_float64
 from trl_mrtpo.ops import device_rule as rule_module
 from trl_mrtpo.ops import divergence
-from trl_mrtpo.ops.device_rule import workspace_chunk, workspace_divergence
+from trl_mrtpo.ops.device_rule import budget_chunk_rows, chunk_tokens, device_divergence
+from trl_mrtpo.ops.divergence import stacked_states
 
 # On a GPU (benchmarks/gpu_check.py runs this file there) the rule runs on CUDA tensors, where it is the default.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,13 +50,23 @@ def test_the_device_rule_matches_float64_for_every_head_dtype(device_rule, dtype
 
 def test_q_is_the_same_whatever_the_chunk_the_last_one_partial(device_rule):
     hidden_all, hidden_removed, weight, bias = inputs(torch.bfloat16)
-    results = [workspace_divergence(hidden_all, hidden_removed, weight, bias, 0.7, 2 << 30, c) for c in (4, 10, 37)]
+    stacked = stacked_states(hidden_all, hidden_removed)
+    results = [device_divergence(stacked, weight, bias, 0.7, chunk_size=c) for c in (4, 10, 37)]
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], atol=1e-6, rtol=0)
-    # without a chunk size, the workspace decides: 2 GiB holds the whole batch, 40 KiB 40,960 // (4 x 101 x 10) tokens
-    assert workspace_chunk(2 << 30, 101, 10) >= 37 and workspace_chunk(40 * 1024, 101, 10) == 10
-    small = workspace_divergence(hidden_all, hidden_removed, weight, bias, 0.7, 40 * 1024)
+    # without a chunk size, the chunk's rows decide: 2,048 rows hold the whole batch (3K + 1 = 10 rows a token), 100
+    # rows 10 tokens
+    assert chunk_tokens(2048, 10) >= 37 and chunk_tokens(100, 10) == 10
+    small = device_divergence(stacked, weight, bias, 0.7, chunk_rows=100)
     torch.testing.assert_close(small, results[0], atol=1e-6, rtol=0)
+
+
+def test_the_chunk_holds_2048_rows_within_a_quarter_of_the_usable_memory():
+    """2,048 fp32 vocabulary rows at V = 152,064 take 1.25 GB: a card with 6 GiB usable keeps them (a quarter is
+    1.61 GB); with 2 GiB usable a quarter holds 882 rows."""
+    assert budget_chunk_rows(6 << 30, 152_064) == 2048
+    assert budget_chunk_rows(2 << 30, 152_064) == (2 << 30) // 4 // (4 * 152_064) == 882
+    assert budget_chunk_rows(1000, 152_064) == 1
 
 
 class CountingOperators(TorchDispatchMode):
@@ -76,24 +87,23 @@ class CountingOperators(TorchDispatchMode):
         ("7B fp32", 152_064, 3_584, torch.float32),
     ],
 )
-def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_under_5000_operators(shape, vocab, hidden, dtype):
-    """With a 2 GiB workspace and K = 3: ``chunk = floor(2^31 / (4 V (3K + 1)))`` tokens (353 at V = 152,064),
-    ``ceil(N / chunk)`` GEMMs (186) and 24 operators per chunk plus 9 (4,473; 23 for an fp32 head, whose ``addmm``
-    takes the temperature in its epilogue); the chunked path before took 38,912
-    GEMMs and about 973,000 operators at the 7B shape, and 8-token chunks for an fp32 head."""
-    tokens, removed, workspace = 64 * 1_024, 3, 2 << 30
-    hidden_all = torch.empty(tokens, hidden, device="meta", dtype=dtype)
-    hidden_removed = torch.empty(removed, tokens, hidden, device="meta", dtype=dtype)
+def test_a_64_x_1024_token_batch_takes_one_gemm_per_chunk_and_24_operators_each(shape, vocab, hidden, dtype):
+    """Chunks of 2,048 fp32 vocabulary rows at K = 3: ``chunk = floor(2048 / (3K + 1))`` tokens (204), ``ceil(N /
+    chunk)`` GEMMs (322) and 24 operators per chunk plus 6 (7,734; 23 for an fp32 head, whose ``addmm`` takes the
+    temperature in its epilogue); the chunked path before took 38,912 GEMMs and about 973,000 operators at the 7B
+    shape, and 8-token chunks for an fp32 head."""
+    tokens, removed = 64 * 1_024, 3
+    stacked = torch.empty(tokens, removed + 1, hidden, device="meta", dtype=dtype)
     weight = torch.empty(vocab, hidden, device="meta", dtype=dtype)
     with CountingOperators() as counted:
-        q = workspace_divergence(hidden_all, hidden_removed, weight, None, 0.7, workspace)
-    chunk = workspace // (4 * vocab * (3 * removed + 1))
+        q = device_divergence(stacked, weight, None, 0.7, chunk_rows=2048)
+    chunk = 2048 // (3 * removed + 1)
     chunks = math.ceil(tokens / chunk)
-    assert q.shape == (removed, tokens) and chunk >= 300
+    assert q.shape == (removed, tokens) and chunk == 204
     assert counted.counts["mm" if dtype == torch.bfloat16 else "addmm"] == chunks
     # a bf16 head: torch.mm with fp32 output, then the temperature in place (one operator more than addmm's epilogue)
     per_chunk = 24 if dtype == torch.bfloat16 else 23
-    assert sum(counted.counts.values()) == per_chunk * chunks + 9 <= 5_000, dict(counted.counts)
+    assert sum(counted.counts.values()) == per_chunk * chunks + 6, dict(counted.counts)
 
 
 def test_the_device_rule_returns_k_by_zero_on_empty_input(device_rule):
@@ -128,11 +138,10 @@ def test_torch_before_2_8_never_reaches_out_dtype(monkeypatch, torch_version):
     """On a device that would take it (``meta`` stands for CUDA with capability >= 8), bf16 operands go to the
     fp32-output GEMM only where torch has it; before 2.8 the fallback (an fp32 GEMM of upcast operands) runs."""
     monkeypatch.setattr(rule_module, "_OUT_DTYPE_GEMM", rule_module.out_dtype_gemm_exists(torch_version))
-    hidden_all = torch.empty(64, 32, device="meta", dtype=torch.bfloat16)
-    hidden_removed = torch.empty(3, 64, 32, device="meta", dtype=torch.bfloat16)
+    stacked = torch.empty(64, 4, 32, device="meta", dtype=torch.bfloat16)
     weight = torch.empty(1000, 32, device="meta", dtype=torch.bfloat16)
     with RecordingGemms() as recorded:
-        workspace_divergence(hidden_all, hidden_removed, weight, None, 0.7, 2 << 30, 16)
+        device_divergence(stacked, weight, None, 0.7, chunk_size=16)
     expected = "mm.dtype" if torch_version.startswith("2.13") else "addmm.default"  # the fallback: fp32 operands
     assert recorded.gemms == [expected] * 4
 

@@ -92,13 +92,13 @@ def test_the_kernel_backend_is_checked_at_start_up_and_runs_the_replay(
     from tests.helpers import RecordingTrainer, make_args
     from trl_mrtpo.kits.basic import KIT as BASIC
     from trl_mrtpo.kits.basic import make_basic_dataset
-    from trl_mrtpo.ops.divergence import DivergenceBackend
+    from trl_mrtpo.ops.divergence import DivergenceBackend, stacked_divergence
 
     checked, computed = [], []
 
-    def compute(hidden_all, hidden_removed, weight, bias, temperature, softcap, chunk_size):
-        computed.append(hidden_removed.shape[0])
-        return replay_divergence(hidden_all, hidden_removed, weight, bias, temperature, chunk_size, "torch", softcap)
+    def compute(stacked, weight, bias, temperature, softcap, chunk_size, chunk_rows):
+        computed.append(stacked.shape[1] - 1)
+        return stacked_divergence(stacked, weight, bias, temperature, chunk_size, "torch", softcap, chunk_rows)
 
     def train(backend):
         torch.manual_seed(0)

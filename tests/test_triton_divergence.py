@@ -20,6 +20,7 @@ import torch
 
 from tests.reference import js_float64
 from trl_mrtpo.ops import device_rule, divergence, replay_divergence, triton_divergence
+from trl_mrtpo.ops.divergence import stacked_states
 
 pytestmark = pytest.mark.skipif(not triton_divergence.is_available(), reason="Triton is not installed")
 RUNS_KERNELS = triton_divergence.interpreting() or torch.cuda.is_available()
@@ -93,7 +94,7 @@ def test_the_kernel_matches_float64(removed, tokens, hidden, vocab, dtype, bias,
     """K in {1, 3, 8}; fp32, bf16 and fp16 heads; a bias; a softcap; temperature other than 1; near and far."""
     hidden_all, hidden_removed, weight, bias_ = inputs(removed, tokens, hidden, vocab, dtype, bias, near)
     head = (weight, bias_, temperature, softcap, chunk)
-    q = triton_divergence.fused_replay_divergence(hidden_all, hidden_removed, *head)
+    q = triton_divergence.fused_replay_divergence(stacked_states(hidden_all, hidden_removed), *head)
     assert q.shape == (removed, tokens) and q.dtype == torch.float32
     assert_q_close(q, reference_q(hidden_all, hidden_removed, weight, bias_, temperature, softcap), near)
 
@@ -108,10 +109,43 @@ def test_the_backend_is_the_kernel_and_identical_contexts_give_zero():
 
 
 @needs_kernels
+def test_minus_inf_logits_give_the_torch_rules_q():
+    """A bias of -inf on a whole first vocabulary block and on scattered entries (tokens a model can never emit):
+    p = q = 0 there, whose JS terms are 0 on both backends, not NaN (the kernel's online log-sum-exp met a block of
+    -inf as exp(-inf - -inf))."""
+    hidden_all, hidden_removed, weight, bias = inputs(3, 6, 16, 5_000)
+    bias[: triton_divergence.MAX_BLOCK_V] = -math.inf
+    bias[::7] = -math.inf
+    stacked = stacked_states(hidden_all, hidden_removed)
+    kernel = triton_divergence.fused_replay_divergence(stacked, weight, bias, 0.7)
+    rule = device_rule.device_divergence(stacked, weight, bias, 0.7)
+    assert torch.isfinite(kernel).all() and torch.isfinite(rule).all()
+    torch.testing.assert_close(kernel, rule, atol=2e-6, rtol=0)
+
+
+@needs_kernels
+def test_every_number_of_removed_contexts_is_compiled_at_start_up(monkeypatch):
+    """One variant per power of two of ``K + 1``: up to 8 removed contexts, K' = 1, 3, 7 and 8 are run once."""
+    seen = []
+    original = triton_divergence.fused_replay_divergence
+
+    def recording(stacked, *args, **kwargs):
+        seen.append(stacked.shape[1] - 1)
+        return original(stacked, *args, **kwargs)
+
+    monkeypatch.setattr(triton_divergence, "fused_replay_divergence", recording)
+    _, _, weight, bias = inputs(1, 1, 16, 300)
+    triton_divergence.warm_kernel(weight, bias, 1.0, None, 8)
+    assert seen == [1, 3, 7, 8]
+    seen.clear()
+    triton_divergence.warm_kernel(weight, bias, 1.0, None, 2)
+    assert seen == [1, 2]
+
+
+@needs_kernels
 def test_empty_input_gives_k_by_zero():
-    q = triton_divergence.fused_replay_divergence(
-        torch.zeros(0, 8, device=DEVICE), torch.zeros(3, 0, 8, device=DEVICE), torch.zeros(50, 8, device=DEVICE)
-    )
+    empty = stacked_states(torch.zeros(0, 8, device=DEVICE), torch.zeros(3, 0, 8, device=DEVICE))
+    q = triton_divergence.fused_replay_divergence(empty, torch.zeros(50, 8, device=DEVICE))
     assert q.shape == (3, 0)
 
 
@@ -123,7 +157,7 @@ def test_q_equals_liger_kernels_jsd_at_beta_one_half(near):
     to cancellation on near contexts, hence the absolute bound there."""
     backends = pytest.importorskip("liger_kernel.ops.backends._triton.jsd")
     hidden_all, hidden_removed, weight, bias = inputs(3, 8, 32, 2_000, near=near)
-    q = triton_divergence.fused_replay_divergence(hidden_all, hidden_removed, weight, bias)
+    q = triton_divergence.fused_replay_divergence(stacked_states(hidden_all, hidden_removed), weight, bias)
     all_logprobs = torch.log_softmax(hidden_all @ weight.T + bias, -1)
     for m in range(3):
         removed_logprobs = torch.log_softmax(hidden_removed[m] @ weight.T + bias, -1)
@@ -154,31 +188,31 @@ def test_the_kernel_reads_the_chunks_logits_exactly_twice(monkeypatch):
     monkeypatch.setattr(InterpreterBuilder, "create_masked_load", counting)
     tokens, removed, vocab = 5, 3, 5_000
     hidden_all, hidden_removed, weight, _ = inputs(removed, tokens, 16, vocab)
-    triton_divergence.fused_replay_divergence(hidden_all, hidden_removed, weight, None, 1.0, None, 2)
+    triton_divergence.fused_replay_divergence(stacked_states(hidden_all, hidden_removed), weight, None, 1.0, None, 2)
     assert sum(loaded) == triton_divergence.KERNEL_LOGIT_READS * tokens * (removed + 1) * vocab * 4
 
 
 def test_the_modelled_bytes_are_within_1_3x_of_the_floor():
-    """At the 7B head (V 152,064, H 3,584), 64 x 1,024 tokens, K = 3 and 1/16 of an H200 as workspace: the GEMM's
-    operands (the weight once per chunk), the logits written once and read twice, against the floor."""
+    """At the 7B head (V 152,064, H 3,584), 64 x 1,024 tokens, K = 3 and chunks of 2,048 rows (512 tokens): the
+    GEMM's operands (the weight once per chunk), the logits written once and read twice, against the floor."""
     tokens, removed, vocab, hidden = 64 * 1024, 3, 152_064, 3_584
-    chunk = device_rule.workspace_chunk(int(141e9 / 16), vocab, removed + 1)
+    chunk = device_rule.chunk_tokens(2048, removed + 1)
     figures = triton_divergence.modelled_bytes(tokens, removed, vocab, hidden, chunk)
     assert figures["total"] <= 1.3 * figures["floor"], figures
     assert 0.45e12 < figures["floor"] < 0.55e12
 
 
-def _rounds_logits_to_bf16(hidden_all, hidden_removed, weight, bias, temperature, softcap=None, chunk_size=None):
+def _rounds_logits_to_bf16(stacked, weight, bias, temperature, softcap=None, chunk_size=None):
     """A planted kernel bug: the right maths on logits rounded to bf16 (what a bf16 GEMM output would give)."""
-    z = torch.cat([hidden_all[None], hidden_removed]).float() @ weight.float().T
+    z = stacked.transpose(0, 1).float() @ weight.float().T
     z = (z + (0 if bias is None else bias.float())).bfloat16().float()
     z = (softcap * torch.tanh(z / softcap) if softcap else z) / temperature
     logprobs = torch.log_softmax(z, -1)
     return divergence.js_divergence(logprobs[0], logprobs[1:])
 
 
-def _torch_rule(hidden_all, hidden_removed, weight, bias, temperature, softcap=None):
-    return divergence._torch_divergence(hidden_all, hidden_removed, weight, bias, temperature, None, softcap)
+def _torch_rule(stacked, weight, bias, temperature, softcap=None):
+    return divergence._torch_divergence(stacked, weight, bias, temperature, None, softcap)
 
 
 def test_the_start_up_check_refuses_a_kernel_that_rounds_logits_to_bf16():

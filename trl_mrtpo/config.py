@@ -56,9 +56,9 @@ class MRTPOConfig(GRPOConfig):
             Replay only the (response, reward) pairs whose reward varies within the group; the others cannot
             change the advantage. `False` replays every pair that has an info block (for analysis).
         replay_chunk_size (`int` or `None`, *optional*, defaults to `None`):
-            Completion tokens per divergence chunk of the torch backend; `None`: on CUDA as many as fill 1/16 of the
-            device's memory with the chunk's fp32 logits and JS temporaries (docs/kernels.md), on CPU about 2M
-            logits at once.
+            Completion tokens per divergence chunk; `None`: on CUDA 2,048 fp32 vocabulary rows (the torch rule holds
+            `3K + 1` a token, the kernel `K + 1`) within a quarter of the memory free when the run first replays,
+            fixed for the run (docs/kernels.md); on CPU about 2M logits at once.
         divergence_backend (`str`, *optional*, defaults to `"auto"`):
             `"torch"` (chunked), `"triton"` (cuBLAS logits and a Triton row kernel, CUDA, needs the `kernels` extra;
             checked against the torch rule at start-up on near and far contexts at the lm_head's shape), or `"auto"`:
@@ -125,8 +125,8 @@ class MRTPOConfig(GRPOConfig):
     replay_chunk_size: int | None = field(
         default=None,
         metadata={
-            "help": "Completion tokens per divergence chunk (torch backend); None: a fixed workspace on CUDA (1/16 of "
-            "its memory), ~2M logits on CPU."
+            "help": "Completion tokens per divergence chunk; None: on CUDA 2,048 fp32 vocabulary rows within a "
+            "quarter of the memory free when the run first replays, ~2M logits on CPU."
         },
     )
     divergence_backend: str = field(

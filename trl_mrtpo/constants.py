@@ -12,10 +12,15 @@ MAX_LOG_RATIO = 100.0
 # 11.0 s (same inputs).
 DEFAULT_CHUNK_ELEMENTS = 1 << 21
 MIN_CHUNK_TOKENS = 8
-# The device rule of the torch divergence (CUDA): the token chunk is sized so that the chunk's fp32 logits and JS
-# temporaries ((3K + 1) vocabulary rows per token for K removed contexts) fill this share of the device's total
-# memory, the same every step (docs/kernels.md).
-REPLAY_WORKSPACE_FRACTION = 1 / 16
+# The replay's memory on CUDA (docs/kernels.md), sized once per run from the memory usable when it first replays
+# (free, plus reserved and unused): each divergence chunk holds REPLAY_CHUNK_ROWS fp32 vocabulary rows (3K + 1 per
+# token for the torch rule, K + 1 for the kernel; by the roofline the GEMM is compute-bound from about 440 rows), at
+# most REPLAY_CHUNK_SHARE of it; the hidden states held at once (one stream of responses) at most REPLAY_STATES_SHARE,
+# and a decoder forward's activations and cache at most REPLAY_FORWARD_SHARE.
+REPLAY_CHUNK_ROWS = 2048
+REPLAY_CHUNK_SHARE = 0.25
+REPLAY_STATES_SHARE = 0.05
+REPLAY_FORWARD_SHARE = 0.10
 # Vocabulary columns per tile of the sampled-token log-probabilities (TRL's ChunkedLogProbFunction).
 VOCAB_TILE = 4096
 

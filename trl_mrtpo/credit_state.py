@@ -19,9 +19,9 @@ from .rules import StateCheck
 
 logger = logging.get_logger(__name__)
 
-# of the mrtpo_state_<rank>.pt files in checkpoints (6 namespaces the entries by part; 4 held TRL's generation
-# buffer, which 5 leaves to TRL: a resume inside a buffer samples anew, as GRPOTrainer's does)
-STATE_VERSION = 6
+# of the mrtpo_state_<rank>.pt files in checkpoints (7 adds the replay's memory; 6 namespaces the entries by part; 4
+# held TRL's generation buffer, which 5 leaves to TRL: a resume inside a buffer samples anew, as GRPOTrainer's does)
+STATE_VERSION = 7
 
 
 STATE_FILE = re.compile(r"mrtpo_state_(\d+)\.pt")
@@ -117,11 +117,14 @@ def read_credit_state(path: str, identity: dict, parts: PartChecks) -> dict:
         )
     if written in (4, 5):
         state = _namespaced(state, identity, parts)
-    if written not in (4, 5, STATE_VERSION) or not isinstance(state.get("parts"), dict):
+    if written not in (4, 5, 6, STATE_VERSION) or not isinstance(state.get("parts"), dict):
         raise ValueError(
-            f"{path} has MRTPO state version {written}, this release reads versions 5 and {STATE_VERSION}; "
+            f"{path} has MRTPO state version {written}, this release reads versions 5 to {STATE_VERSION}; "
             "delete it to resume with a fresh MRTPO state."
         )
+    if written == 6:  # the parts version 7 added (the replay's memory) start afresh: None
+        for part, checks in parts.items():
+            state["parts"].setdefault(part, dict.fromkeys(checks))
     run = state.get("run") if isinstance(state.get("run"), dict) else {}
     differences = [
         f"{key}: {run.get(key)!r} in the checkpoint, {value!r} now"

@@ -41,6 +41,7 @@ class ReplayRecord:
     temperature: float  # the replay's sampling temperature (a model that scales its logits: T / m)
     backend: str  # the divergence op's backend
     chunk_size: int | None  # tokens per chunk of the divergence op (None: its device rule)
+    usable_bytes: int | None  # the run's usable memory on CUDA, which sizes the replay (None: off CUDA)
     process_index: int
 
 
@@ -65,6 +66,7 @@ class ReplayRelevance:
                 record.temperature,
                 backend=record.backend,
                 chunk_size=record.chunk_size,
+                usable_bytes=record.usable_bytes,
                 batch_size=self.batch_size,
                 min_shared_prefix=self.min_shared_prefix,
             )

@@ -13,18 +13,23 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.utils import logging
 
 from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
 from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from .info_blocks import removed_groups
-from .ops.divergence import divergence_backend, replay_divergence
+from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
+
+logger = logging.get_logger(__name__)
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
@@ -124,28 +129,51 @@ def logit_multiplier(model: nn.Module) -> float:
     )
 
 
-def replay_settings(policy: nn.Module, temperature: float, backend: str) -> tuple[float, str]:
+def refuse_tensor_parallel(model: nn.Module) -> None:
+    """Tensor parallelism is refused by name: the replay's decoder forwards run only on the processes that have pairs
+    to replay, and a tensor-parallel forward's collectives would wait for the others."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    size = getattr(base, "_tp_size", None) or getattr(getattr(base, "config", None), "tp_size", None)
+    if size is not None and size > 1:
+        raise ValueError(
+            f"MRTPO replay does not support tensor parallelism ({type(base).__name__} is sharded over {size} "
+            "processes: tp_plan): its forwards run only where pairs are replayed. Shard with FSDP2 or ZeRO instead."
+        )
+
+
+def replay_settings(policy: nn.Module, temperature: float, backend: str, max_removed: int = 1) -> tuple[float, str]:
     """The temperature the replay divides its own lm_head logits by, and the divergence backend it runs, settled
     once at start-up on every process (a sharded model is gathered for the probe).
 
-    The temperature is ``T / m`` for a model that scales its logits in forward (:func:`logit_multiplier`). A named
-    backend runs its start-up check on the real lm_head first. ``"auto"`` is ``"torch"`` except on CUDA with Triton,
-    where the kernel is taken only when its check passes and it is faster than the torch rule on the real shape
-    (:func:`trl_mrtpo.ops.triton_divergence.check_kernel`, ``time_against_torch``), agreed by every process.
+    The temperature is ``T / m`` for a model that scales its logits in forward (:func:`logit_multiplier`). On CUDA the
+    projection both backends share is checked against float64 first
+    (:func:`~trl_mrtpo.ops.device_rule.check_projection`). A named backend runs its start-up check on the real lm_head
+    and is warmed for every number of removed contexts up to ``max_removed``. ``"auto"`` is ``"torch"`` except on
+    CUDA with Triton, where the kernel is taken only when its check passes and it is faster than the torch rule on
+    the real shape (:func:`trl_mrtpo.ops.triton_divergence.check_kernel`, ``time_against_torch``), agreed by every
+    process. Tensor parallelism is refused (:func:`refuse_tensor_parallel`).
     """
+    refuse_tensor_parallel(policy)
     with gathered_for_probe(policy):
         temperature = temperature / logit_multiplier(policy)
         softcap = final_logit_softcap(policy)
         with lm_head_parameters(policy) as (weight, bias):
+            if device_rule_applies(weight):
+                from .ops.device_rule import check_projection
+
+                check_projection(weight, bias, temperature, softcap)
+            checked = backend == "auto"  # auto checks the kernel before it takes it
             if backend == "auto":  # the kernel's module is imported on CUDA only: off it, auto is torch
                 if not weight.is_cuda:
                     return temperature, "torch"
                 from .ops.triton_divergence import auto_backend
 
-                return temperature, auto_backend(weight, bias, temperature, softcap)
+                backend = auto_backend(weight, bias, temperature, softcap)
             named = divergence_backend(backend)
-            if named is not None and named.check is not None:
+            if named is not None and named.check is not None and not checked:
                 named.check(weight, bias, temperature, softcap)
+            if named is not None and named.warm is not None:
+                named.warm(weight, bias, temperature, softcap, max_removed)
     return temperature, backend
 
 
@@ -255,8 +283,13 @@ def completion_hidden_states(
     completions: Sequence[Sequence[int]],
     batch_size: int,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
-) -> list[torch.Tensor]:
-    """Last hidden states ``[L_i, H]`` predicting each completion token, for each (context_i, completion_i) pair.
+    store: Callable[[int, torch.Tensor], None] | None = None,
+    max_tokens: int | None = None,
+) -> list[torch.Tensor] | None:
+    """Last hidden states ``[L_i, H]`` predicting each completion token, for each (context_i, completion_i) pair;
+    with ``store``, each pair's states are handed to ``store(i, states)`` as a view of the forward's output (to copy
+    where it keeps them) and nothing is returned. A forward takes at most ``batch_size`` sequences and, with
+    ``max_tokens``, at most that many padded new tokens (one sequence at least).
 
     With ``min_shared_prefix`` set, the contexts form a prefix tree (:func:`context_tree`) walked depth first: a
     prefix that at least two forwards continue from and that has at least ``min_shared_prefix`` new tokens is run
@@ -270,30 +303,39 @@ def completion_hidden_states(
     def run(indices: Sequence[int], cache, cached: int, pending: Sequence[int]) -> None:
         """Sequences whose context is ``cache``'s prefix + ``pending`` + their own rest, batched."""
         order = sorted(indices, key=lambda i: -(len(contexts[i]) + len(completions[i])))
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
+        width = len(contexts[order[0]]) + len(completions[order[0]]) - cached if order else 0  # the widest row's
+        per_forward = min(batch_size, max(1, max_tokens // max(width, 1))) if max_tokens is not None else batch_size
+        for start in range(0, len(order), per_forward):
+            chunk = order[start : start + per_forward]
             rows = [list(pending) + list(contexts[i][cached + len(pending) :]) + list(completions[i]) for i in chunk]
             hidden = decoder.hidden(cache, cached, rows)
             for row, i in enumerate(chunk):
                 first = len(contexts[i]) - cached - 1  # the state after the last context token predicts token 0
-                # a copy: a view would keep the whole batch's [rows, width, H] states alive until the JS
-                out[i] = hidden[row, first : first + len(completions[i])].clone()
+                states = hidden[row, first : first + len(completions[i])]
+                if store is not None:
+                    store(i, states)
+                else:  # a copy: a view would keep the whole batch's [rows, width, H] states alive until the JS
+                    out[i] = states.clone()
 
-    def walk(node: ContextNode, cache, cached: int, pending: list[int]) -> None:
-        pending = pending + node.tokens
-        if node.consumers() > 1 and len(pending) >= max(min_shared_prefix, 1):
-            cache, cached, pending = decoder.extend(cache, cached, pending), cached + len(pending), []
-        if node.sequences:
-            run(node.sequences, cache, cached, pending)
-        for child in node.children.values():
-            walk(child, cache, cached, pending)
+    def walk(root: ContextNode) -> None:
+        """Depth first, children in order (a stack, not recursion: a recursive closure is a reference cycle that
+        would hold the states until a garbage collection)."""
+        stack = [(root, None, 0, [])]
+        while stack:
+            node, cache, cached, pending = stack.pop()
+            pending = pending + node.tokens
+            if node.consumers() > 1 and len(pending) >= max(min_shared_prefix, 1):
+                cache, cached, pending = decoder.extend(cache, cached, pending), cached + len(pending), []
+            if node.sequences:
+                run(node.sequences, cache, cached, pending)
+            stack.extend((child, cache, cached, pending) for child in reversed(node.children.values()))
 
     with eval_mode(model):
         if min_shared_prefix is None:
             run(range(len(contexts)), None, 0, [])
         else:
-            walk(context_tree(contexts), None, 0, [])
-    return out
+            walk(context_tree(contexts))
+    return None if store is not None else out
 
 
 def replayed_hidden_states(
@@ -335,6 +377,78 @@ def lm_head_parameters(model: nn.Module):
         yield weight, bias
 
 
+def forward_bytes_per_token(model: nn.Module) -> int:
+    """What one new token of a replay forward holds at its widest, from the model's config: the MLP's gate, up and
+    their product, four hidden-sized activations, and its key/value cache in every layer."""
+    _, head = causal_lm_parts(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (
+        getattr(config, "head_dim", None) or hidden // heads
+    )
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
+    return (3 * mlp + 4 * hidden + 2 * config.num_hidden_layers * kv_width) * head.weight.element_size()
+
+
+def usable_bytes_problem(usable: Any, num_rewards: int) -> str | None:
+    """The replay's memory entry: None (not decided: off CUDA, or before the first replay) or a count of bytes."""
+    return None if usable is None or (type(usable) is int and usable > 0) else repr(usable)
+
+
+class ReplayMemory:
+    """The bytes usable on the device when the run first replays on CUDA (free, plus reserved and unused), from which
+    the replay's chunk rows and streams follow (:func:`replay_relevance`'s ``usable_bytes``): fixed for the run, and
+    kept in checkpoints so that a resumed run chunks and streams as before (a :class:`~trl_mrtpo.rules.Stateful`
+    part)."""
+
+    state_checks = {"replay_usable_bytes": usable_bytes_problem}
+
+    def __init__(self):
+        self.usable: int | None = None
+
+    def decide(self, device: torch.device, model: nn.Module) -> int | None:
+        """The run's usable bytes on ``device``, measured now if not yet (and logged with the chunk and the streams
+        they give at ``model``'s vocabulary); None off CUDA (the CPU rule)."""
+        if device.type != "cuda":
+            return None
+        if self.usable is None:
+            from .ops.device_rule import budget_chunk_rows, budget_states_bytes, usable_memory
+
+            self.usable = usable_memory(device)
+            vocab = causal_lm_parts(model)[1].out_features
+            logger.info(
+                f"MRTPO's replay is sized from {self.usable / 2**30:.1f} GiB usable on {device}: divergence chunks of "
+                f"{budget_chunk_rows(self.usable, vocab)} fp32 vocabulary rows, streams of at most "
+                f"{budget_states_bytes(self.usable) / 2**30:.2f} GiB of hidden states, for the whole run."
+            )
+        return self.usable
+
+    def identity(self) -> dict:
+        return {}
+
+    def state(self) -> dict:
+        return {"replay_usable_bytes": self.usable}
+
+    def restore(self, state: dict) -> None:
+        self.usable = state["replay_usable_bytes"]
+
+
+def replay_streams(sizes: Sequence[tuple[int, int]], states_bytes: int | None) -> list[list[int]]:
+    """Consecutive responses in streams whose hidden states (``sizes[i]``: response, bytes) take at most
+    ``states_bytes`` together (a larger response alone); one stream when ``states_bytes`` is None. The responses of
+    a group, consecutive, stay together as far as the budget allows: what they share is computed once per stream."""
+    streams: list[list[int]] = []
+    held = 0
+    for j, size in sizes:
+        if not streams or (states_bytes is not None and held + size > states_bytes and streams[-1]):
+            streams.append([])
+            held = 0
+        streams[-1].append(j)
+        held += size
+    return streams
+
+
 @torch.no_grad()
 def replay_relevance(
     model: nn.Module,
@@ -345,12 +459,15 @@ def replay_relevance(
     chunk_size: int | None = None,
     min_shared_prefix: int | None = MIN_SHARED_PREFIX,
     backend: str = "torch",
+    usable_bytes: int | None = None,
 ) -> list[torch.Tensor]:
     """Relevance q for every replayed context of every response.
 
-    Lean replay: the batch's contexts form one prefix tree whose shared prefixes run once (see
-    :func:`completion_hidden_states`); each response's ``P_all`` is shared by its rewards; the divergence runs once
-    per number of removed contexts over all responses' tokens.
+    Lean replay: the responses run in streams of at most a share of ``usable_bytes`` of hidden states
+    (:func:`replay_streams`, :func:`~trl_mrtpo.ops.device_rule.budget_states_bytes`; one stream without it). A
+    stream's contexts form one prefix tree whose shared prefixes run once (see :func:`completion_hidden_states`); its
+    states are written once, into one ``[N, contexts, H]`` buffer per number of contexts, which the divergence reads
+    as views, and released before the next stream; each response's ``P_all`` is shared by its rewards.
 
     Args:
         model: the policy (sampling-time weights).
@@ -363,28 +480,78 @@ def replay_relevance(
         min_shared_prefix: fewest new tokens a shared prefix needs for its own cached forward; None turns prefix
             reuse off.
         backend: divergence backend (see :func:`replay_divergence`; ``auto`` is settled by :func:`replay_settings`).
+        usable_bytes: the run's usable memory on CUDA (:class:`ReplayMemory`), which sizes the streams and the
+            divergence's chunk rows (:func:`~trl_mrtpo.ops.device_rule.budget_chunk_rows`); None: one stream, and
+            chunks by the device's rule at each call.
 
     Returns:
         per response j, ``[m_j, L_j]`` fp32 q (``[0, L_j]`` when nothing is replayed).
     """
-    hidden, owners = replayed_hidden_states(
-        model, contexts, completions, batch_size, min_shared_prefix, min_contexts=2
-    )
     results = [torch.zeros(0, len(c)) for c in completions]
-    by_count: dict[int, list[tuple[int, int]]] = {}
-    for j, count, first in owners:
-        by_count.setdefault(count, []).append((j, first))
+    if len(contexts) != len(completions):
+        raise ValueError(f"{len(contexts)} context lists for {len(completions)} completions")
+    _, head = causal_lm_parts(model)
+    state_bytes = head.weight.shape[1] * head.weight.element_size()  # per token and context
+    sizes = [
+        (j, len(ctx) * len(completion) * state_bytes)
+        for j, (ctx, completion) in enumerate(zip(contexts, completions))
+        if len(ctx) >= 2 and len(completion) > 0
+    ]
     softcap = final_logit_softcap(model)
-    with lm_head_parameters(model) as (weight, bias):
-        for count, members in by_count.items():
-            # Responses with the same number of contexts are concatenated along tokens: one call for all.
-            states = [torch.cat([hidden[first + c] for _, first in members]) for c in range(count)]
-            removed = torch.stack(states[1:])
-            q = replay_divergence(states[0], removed, weight, bias, temperature, chunk_size, backend, softcap)
-            lengths = [len(completions[j]) for j, _ in members]
-            for (j, _), part in zip(members, q.split(lengths, dim=1)):
-                results[j] = part
+    states_bytes = forward_tokens = None
+    if usable_bytes is not None:
+        from .ops.device_rule import budget_chunk_rows, budget_forward_tokens, budget_states_bytes
+
+        states_bytes = budget_states_bytes(usable_bytes)
+        forward_tokens = budget_forward_tokens(usable_bytes, forward_bytes_per_token(model))
+    for stream in replay_streams(sizes, states_bytes):
+        buffers = stream_states(model, contexts, completions, stream, batch_size, min_shared_prefix, forward_tokens)
+        with lm_head_parameters(model) as (weight, bias):
+            rows = budget_chunk_rows(usable_bytes, weight.shape[0]) if usable_bytes is not None else None
+            for count in list(buffers):  # popped: each buffer is released once read
+                members, stacked = buffers.pop(count)
+                q = stacked_divergence(stacked, weight, bias, temperature, chunk_size, backend, softcap, rows)
+                del stacked  # before the next stream's forwards
+                for j, part in zip(members, q.split([len(completions[j]) for j in members], dim=1)):
+                    results[j] = part
     return results
+
+
+def stream_states(
+    model: nn.Module,
+    contexts: Sequence[Sequence[Sequence[int]]],
+    completions: Sequence[Sequence[int]],
+    stream: Sequence[int],
+    batch_size: int,
+    min_shared_prefix: int | None,
+    max_tokens: int | None = None,
+) -> dict[int, tuple[list[int], torch.Tensor]]:
+    """The hidden states of the responses ``stream``, by number of contexts: its responses and one ``[N, contexts,
+    H]`` buffer (their completion tokens in order, each context's states written in place), from one prefix tree."""
+    by_count: dict[int, list[int]] = {}
+    for j in stream:
+        by_count.setdefault(len(contexts[j]), []).append(j)
+    offsets = {}  # each response's first token in its buffer
+    for members in by_count.values():
+        for j, first in zip(members, itertools.accumulate((len(completions[j]) for j in members), initial=0)):
+            offsets[j] = first
+    flat_contexts, flat_completions, slots = [], [], []  # in response order; slots: (contexts, first token, context)
+    for j in stream:
+        for c, context in enumerate(contexts[j]):
+            flat_contexts.append(context)
+            flat_completions.append(completions[j])
+            slots.append((len(contexts[j]), offsets[j], c))
+    buffers: dict[int, torch.Tensor] = {}
+
+    def store(i: int, states: torch.Tensor) -> None:
+        count, first, c = slots[i]
+        if count not in buffers:  # allocated at the first state, in the states' dtype
+            tokens = sum(len(completions[j]) for j in by_count[count])
+            buffers[count] = states.new_empty(tokens, count, states.shape[-1])
+        buffers[count][first : first + len(states), c] = states
+
+    completion_hidden_states(model, flat_contexts, flat_completions, batch_size, min_shared_prefix, store, max_tokens)
+    return {count: (members, buffers.pop(count)) for count, members in by_count.items()}
 
 
 def placed_relevance(

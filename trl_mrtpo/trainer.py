@@ -36,7 +36,7 @@ from .info_blocks import (
     special_tokens,
 )
 from .relevance import RelevanceProvider, ReplayRecord, ReplayRelevance
-from .replay import causal_lm_parts, replay_settings
+from .replay import ReplayMemory, causal_lm_parts, replay_settings
 from .rules import (
     Contribution,
     CreditInputs,
@@ -162,8 +162,9 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self._replay_temperature, self._replay_backend = self.temperature, args.divergence_backend
         if self._replays or self._policy_forwards:
             policy = self.accelerator.unwrap_model(self.model)
+            removed = 1 if rule.removal == "all" else len(self.reward_funcs)  # removed contexts per response, at most
             self._replay_temperature, self._replay_backend = replay_settings(
-                policy, self.temperature, args.divergence_backend
+                policy, self.temperature, args.divergence_backend, removed
             )
         self.relevance_provider = relevance_provider or self._replay_relevance(args)
         # the one guard layer: what the rule, the terms and the provider return is checked where it enters
@@ -180,6 +181,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self.information_leaks: dict[str, str] = {}  # reward -> what still holds its block's text (warned once)
         self.last_credit: CreditRecord | None = None
         self._collapse_monitor = CollapseMonitor(args.collapse_warning_steps)
+        self._replay_memory = ReplayMemory()
         floor = args.reward_strength_floor if self._replays and rule.removal == "each" else None  # each reward's q
         self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
         self.recipe = recipe  # the recipe file a run came from, for the model card
@@ -197,6 +199,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         """The collapse monitor, per-reward strength, the rule and the terms, by name: what the checkpoint keeps."""
         return {
             "the collapse monitor": self._collapse_monitor,
+            "the replay's memory": self._replay_memory,
             "per-reward strength": self.reward_strength,
             self._checked_rule.label: self.credit_rule,
             **{term.label: term.part for term in self._checked_terms},
@@ -400,6 +403,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         """What the relevance provider reads: step 2's contexts and the replay's settings."""
         joint = self.credit_rule.removal == "all"
         step_two, context_ids, completion_ids = self._replay_inputs(batch, joint)
+        policy = self.accelerator.unwrap_model(self.model)
         return ReplayRecord(
             completions=[completion_text(c) for c in batch.completions],
             completion_ids=completion_ids,
@@ -413,6 +417,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
             temperature=self._replay_temperature,
             backend=self._replay_backend,
             chunk_size=self.args.replay_chunk_size,
+            usable_bytes=self._replay_memory.decide(self.accelerator.device, policy),
             process_index=self.accelerator.process_index,
         )
 

@@ -28,13 +28,16 @@ _DEVICE_RULE_ON_CPU = False
 
 @dataclass(frozen=True)
 class DivergenceBackend:
-    """A way to compute :func:`replay_divergence` other than torch's: ``compute(hidden_all, hidden_removed, weight,
-    bias, temperature, softcap, chunk_size)`` returns ``[M, N]`` fp32 q; ``check(weight, bias, temperature, softcap)``
-    runs once at start-up on the real lm_head and raises when the backend disagrees with the torch rule;
+    """A way to compute :func:`replay_divergence` other than torch's: ``compute(stacked, weight, bias, temperature,
+    softcap, chunk_size, chunk_rows)`` returns ``[M, N]`` fp32 q of ``stacked`` (``[N, M + 1, H]``, each token's
+    ``P_all`` state then its removed contexts'); ``check(weight, bias, temperature, softcap)`` runs once at start-up on
+    the real lm_head and raises when the backend disagrees with the torch rule; ``warm(weight, bias, temperature,
+    softcap, max_removed)`` prepares every number of removed contexts up to ``max_removed`` (compiles, say);
     ``missing()`` says what to install when it cannot run here (None: it can)."""
 
     compute: Callable[..., torch.Tensor]
     check: Callable[..., None] | None = None
+    warm: Callable[..., None] | None = None
     missing: Callable[[], str | None] = lambda: None
 
 
@@ -91,6 +94,16 @@ def chosen_backend(backend: str) -> str:
     return "torch" if backend == "auto" else backend
 
 
+def device_rule_applies(tensor: torch.Tensor) -> bool:
+    """Whether the torch path runs the device rule on ``tensor``'s device: CUDA (or CPU where tests force it)."""
+    return tensor.is_cuda or _DEVICE_RULE_ON_CPU
+
+
+def stacked_states(hidden_all: torch.Tensor, hidden_removed: torch.Tensor) -> torch.Tensor:
+    """``[N, M + 1, H]``: each token's ``P_all`` state, then its removed contexts', contiguous (one copy)."""
+    return torch.cat([hidden_all[:, None], hidden_removed.transpose(0, 1)], dim=1)
+
+
 def replay_divergence(
     hidden_all: torch.Tensor,
     hidden_removed: torch.Tensor,
@@ -106,9 +119,9 @@ def replay_divergence(
     Two backends compute the same thing without ever holding ``[N, V]`` logits for every context:
 
     - ``torch``: the ``M + 1`` contexts of a token chunk go through the shared lm_head in one GEMM with fp32 output;
-      ``P_all``'s log-softmax is computed once per chunk and shared by every removed context. On CUDA the chunk is
-      sized from a fixed workspace (:func:`~trl_mrtpo.ops.device_rule.workspace_divergence`); on CPU by
-      :data:`DEFAULT_CHUNK_ELEMENTS`.
+      ``P_all``'s log-softmax is computed once per chunk and shared by every removed context. On CUDA the chunk holds
+      a fixed number of fp32 vocabulary rows sized from the free memory
+      (:func:`~trl_mrtpo.ops.device_rule.device_divergence`); on CPU by :data:`DEFAULT_CHUNK_ELEMENTS`.
     - ``triton`` (CUDA, :mod:`trl_mrtpo.ops.triton_divergence`): the same GEMM per chunk, then one Triton program
       per token computes its ``M + 1`` log-normalisers and ``M`` JS sums in two reads of the chunk's logits.
 
@@ -132,6 +145,23 @@ def replay_divergence(
             f"hidden_removed must be [M, N, H] matching hidden_all {tuple(hidden_all.shape)}, "
             f"got {tuple(hidden_removed.shape)}"
         )
+    stacked = stacked_states(hidden_all, hidden_removed)
+    return stacked_divergence(stacked, lm_head_weight, lm_head_bias, temperature, chunk_size, backend, softcap)
+
+
+def stacked_divergence(
+    stacked: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    softcap: float | None = None,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """:func:`replay_divergence` of ``stacked`` (``[N, M + 1, H]``, :func:`stacked_states`), read as views: the
+    replay writes its states there once. ``chunk_rows``: fp32 vocabulary rows per chunk of the CUDA rules (None:
+    sized from the memory usable now, :func:`~trl_mrtpo.ops.device_rule.budget_chunk_rows`)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if softcap is not None and softcap <= 0:
@@ -140,13 +170,12 @@ def replay_divergence(
         raise ValueError(f"backend must be one of {DIVERGENCE_BACKENDS}, got {backend!r}")
     head = (lm_head_weight, lm_head_bias, temperature)
     if chosen_backend(backend) != "torch":
-        return divergence_backend(backend).compute(hidden_all, hidden_removed, *head, softcap, chunk_size)
-    if hidden_all.is_cuda or _DEVICE_RULE_ON_CPU:
+        return divergence_backend(backend).compute(stacked, *head, softcap, chunk_size, chunk_rows)
+    if device_rule_applies(stacked):
         from . import device_rule  # CUDA's path: loaded only where it runs
 
-        workspace = device_rule.device_workspace(hidden_all.device)
-        return device_rule.workspace_divergence(hidden_all, hidden_removed, *head, workspace, chunk_size, softcap)
-    return _torch_divergence(hidden_all, hidden_removed, *head, chunk_size, softcap)
+        return device_rule.device_divergence(stacked, *head, chunk_rows, chunk_size, softcap)
+    return _torch_divergence(stacked, *head, chunk_size, softcap)
 
 
 def softcapped_(logits: torch.Tensor, softcap: float | None, temperature: float) -> torch.Tensor:
@@ -158,28 +187,27 @@ def softcapped_(logits: torch.Tensor, softcap: float | None, temperature: float)
 
 
 def _torch_divergence(
-    hidden_all: torch.Tensor,
-    hidden_removed: torch.Tensor,
+    stacked: torch.Tensor,
     lm_head_weight: torch.Tensor,
     lm_head_bias: torch.Tensor | None,
     temperature: float,
     chunk_size: int | None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The chunked torch path of :func:`replay_divergence` off CUDA: fp32 lm_head and JS over token chunks (a weight
+    """The chunked torch path of :func:`stacked_divergence` off CUDA: fp32 lm_head and JS over token chunks (a weight
     in another dtype goes to :func:`_tiled_divergence`, which never holds an fp32 copy of the whole lm_head)."""
     if lm_head_weight.dtype != torch.float32:
-        return _tiled_divergence(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, temperature, softcap)
-    num_removed, num_tokens = hidden_removed.shape[:2]
+        return _tiled_divergence(stacked, lm_head_weight, lm_head_bias, temperature, softcap)
+    num_tokens, contexts = stacked.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
-        chunk_size = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // ((num_removed + 1) * vocab))
+        chunk_size = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // (contexts * vocab))
     bias = None if lm_head_bias is None else lm_head_bias.float()
-    out = torch.empty(num_removed, num_tokens, dtype=torch.float32, device=hidden_all.device)
+    out = torch.empty(contexts - 1, num_tokens, dtype=torch.float32, device=stacked.device)
     for start in range(0, num_tokens, chunk_size):
         end = min(start + chunk_size, num_tokens)
-        stacked = torch.cat([hidden_all[None, start:end], hidden_removed[:, start:end]]).float()
-        logits = softcapped_(torch.nn.functional.linear(stacked, lm_head_weight, bias), softcap, temperature)
+        chunk = stacked[start:end].transpose(0, 1).contiguous().float()  # [M + 1, n, H]
+        logits = softcapped_(torch.nn.functional.linear(chunk, lm_head_weight, bias), softcap, temperature)
         logprobs = torch.log_softmax(logits, dim=-1)
         del logits
         out[:, start:end] = js_divergence(logprobs[0], logprobs[1:])
@@ -187,8 +215,7 @@ def _torch_divergence(
 
 
 def _tiled_divergence(
-    hidden_all: torch.Tensor,
-    hidden_removed: torch.Tensor,
+    stacked: torch.Tensor,
     lm_head_weight: torch.Tensor,
     lm_head_bias: torch.Tensor | None,
     temperature: float,
@@ -199,9 +226,9 @@ def _tiled_divergence(
     then the JS terms tile by tile, which add up over the vocabulary). The extra memory is one fp32 tile and
     ``[M + 1, tokens, tile]`` logits, never ``V x H`` in fp32; each tile is cast twice per call. Logits are never
     rounded to the weight's dtype."""
-    num_removed, num_tokens = hidden_removed.shape[:2]
-    vocab, device = lm_head_weight.shape[0], hidden_all.device
-    tokens = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // ((num_removed + 1) * VOCAB_TILE))
+    num_tokens, contexts = stacked.shape[:2]
+    vocab, device = lm_head_weight.shape[0], stacked.device
+    tokens = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // (contexts * VOCAB_TILE))
 
     def tiled_logits():
         """``(token rows, [M + 1, rows, tile] fp32 logits)``, one tile's weight cast at a time, one chunk alive."""
@@ -210,13 +237,13 @@ def _tiled_divergence(
             bias = None if lm_head_bias is None else lm_head_bias[start : start + VOCAB_TILE].float()
             for first in range(0, num_tokens, tokens):
                 rows = slice(first, min(first + tokens, num_tokens))
-                stacked = torch.cat([hidden_all[None, rows], hidden_removed[:, rows]]).float()
-                yield rows, softcapped_(torch.nn.functional.linear(stacked, weight, bias), softcap, temperature)
+                chunk = stacked[rows].transpose(0, 1).contiguous().float()
+                yield rows, softcapped_(torch.nn.functional.linear(chunk, weight, bias), softcap, temperature)
 
-    normaliser = torch.full((num_removed + 1, num_tokens), -math.inf, device=device)
+    normaliser = torch.full((contexts, num_tokens), -math.inf, device=device)
     for rows, logits in tiled_logits():
         normaliser[:, rows] = torch.logaddexp(normaliser[:, rows], torch.logsumexp(logits, dim=-1))
-    total = torch.zeros(num_removed, num_tokens, dtype=torch.float32, device=device)
+    total = torch.zeros(contexts - 1, num_tokens, dtype=torch.float32, device=device)
     for rows, logits in tiled_logits():
         logprobs = logits.sub_(normaliser[:, rows, None])
         total[:, rows] += _js_terms(logprobs[0], logprobs[1:])

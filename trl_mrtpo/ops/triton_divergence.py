@@ -20,6 +20,7 @@ GEMM's operands, the chunk's logits written once and read twice, and ``K`` float
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -28,8 +29,15 @@ import time
 import torch
 
 from ..constants import LN2, MAX_LOG_RATIO
-from .device_rule import chunk_logits, device_workspace, workspace_chunk, workspace_divergence
-from .divergence import DivergenceBackend
+from .device_rule import (
+    budget_chunk_rows,
+    check_states,
+    chunk_logits,
+    chunk_tokens,
+    device_divergence,
+    usable_memory,
+)
+from .divergence import DivergenceBackend, stacked_states
 
 try:
     import triton
@@ -47,13 +55,10 @@ logger = logging.getLogger(__name__)
 MAX_BLOCK_V = 4096
 NUM_WARPS = 4
 
-# The start-up check (:func:`check_kernel`): tokens per regime at the real lm_head's shape, 3 removed contexts.
-# Far contexts: independent hidden states (q about 0.9 bits). Near contexts: the P_all state plus noise of NEAR_NOISE
-# of its scale, where removing a block changes little (median q 1e-4 to 1e-3 bits): where MRTPO's q lives.
+# The start-up check (:func:`check_kernel`): tokens per regime at the real lm_head's shape, 3 removed contexts, far
+# and near (:func:`~trl_mrtpo.ops.device_rule.check_states`; q about 0.9 bits and 1e-4 to 1e-3 bits).
 CHECK_TOKENS = 256
 CHECK_REMOVED = 3
-NEAR_NOISE = 0.01
-LOGIT_SPREAD = 3.0
 # Bounds on |kernel - torch rule| in bits: far, absolute; near, relative to the near regime's median q (a kernel that
 # rounds the logits to bf16 errs by about 10 % of it there; fp32 logits agree to well under 1 %).
 FAR_ATOL = 1e-5
@@ -113,7 +118,8 @@ def _js_rows_kernel(
             z = _transformed(tl.load(row + offsets, mask=mask, other=0.0), softcap, inv_temperature, HAS_SOFTCAP)
             z = tl.where(mask, z, float("-inf"))
             new_max = tl.maximum(running_max, tl.max(z, axis=0))
-            running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)  # all -inf so far: exp(-inf - -inf) is NaN
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(z - shift), axis=0)
             running_max = new_max
         log_normalisers = tl.where(contexts == r, running_max + tl.log(running_sum), log_normalisers)
     # Read 2: per vocabulary block, P_all's block once, then each removed context's block.
@@ -133,7 +139,9 @@ def _js_rows_kernel(
             terms = tl.exp(tl.maximum(logprobs, logprobs_all)) * (
                 (1.0 + share) * (_LN2 - tl.log(1.0 + share)) - share * gap
             )
-            sums = tl.where(contexts == m, sums + tl.sum(tl.where(mask, terms, 0.0), axis=0), sums)
+            # an entry where both are -inf (p = q = 0) adds its limit, 0, as the torch rule's does
+            counted = mask & (tl.maximum(logprobs, logprobs_all) > float("-inf"))
+            sums = tl.where(contexts == m, sums + tl.sum(tl.where(counted, terms, 0.0), axis=0), sums)
     # out is [K, num_tokens]: removed context m's sum goes to row m - 1
     written = (contexts >= 1) & (contexts <= num_removed)
     tl.store(out_ptr + (contexts - 1).to(tl.int64) * num_tokens + token, sums, mask=written)
@@ -145,44 +153,65 @@ def block_v(vocab: int) -> int:
 
 
 def fused_replay_divergence(
-    hidden_all: torch.Tensor,
-    hidden_removed: torch.Tensor,
+    stacked: torch.Tensor,
     lm_head_weight: torch.Tensor,
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     softcap: float | None = None,
     chunk_size: int | None = None,
+    chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """``[M, N]`` fp32 ``JS(p_all || p_not_m) / ln 2`` per token; see :func:`trl_mrtpo.ops.replay_divergence`.
+    """``[M, N]`` fp32 ``JS(p_all || p_not_m) / ln 2`` per token of ``stacked`` (``[N, M + 1, H]``,
+    :func:`~trl_mrtpo.ops.divergence.stacked_states`); see :func:`trl_mrtpo.ops.replay_divergence`.
 
-    Token chunks of ``chunk_size`` (default: the device's workspace over ``(M + 1)`` fp32 vocabulary rows per token,
-    :func:`~trl_mrtpo.ops.device_rule.workspace_chunk`); per chunk one fp32-output GEMM, then :func:`_js_rows_kernel`.
+    Token chunks of ``chunk_rows`` fp32 vocabulary rows, ``M + 1`` per token (default:
+    :func:`~trl_mrtpo.ops.device_rule.budget_chunk_rows` of the memory usable now), or of ``chunk_size`` tokens; per
+    chunk one fp32-output GEMM, then :func:`_js_rows_kernel`, launched on the states' device.
     """
     if triton is None:
         raise RuntimeError("The triton backend needs Triton: pip install 'trl-mrtpo[kernels]'.")
-    if not (hidden_all.is_cuda or interpreting()):
+    if not (stacked.is_cuda or interpreting()):
         raise ValueError("The triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for testing on CPU).")
-    num_removed, num_tokens = hidden_removed.shape[:2]
-    vocab = lm_head_weight.shape[0]
-    out = torch.empty(num_removed, num_tokens, dtype=torch.float32, device=hidden_all.device)
+    num_tokens, contexts = stacked.shape[:2]
+    num_removed, vocab = contexts - 1, lm_head_weight.shape[0]
+    out = torch.empty(num_removed, num_tokens, dtype=torch.float32, device=stacked.device)
     if num_tokens == 0:
         return out
-    chunk = chunk_size or workspace_chunk(device_workspace(hidden_all.device), vocab, num_removed + 1)
+    rows = chunk_rows or budget_chunk_rows(usable_memory(stacked.device), vocab)
+    chunk = chunk_size or chunk_tokens(rows, contexts)
     meta = {
         "HAS_SOFTCAP": softcap is not None,
-        "CONTEXTS": triton.next_power_of_2(num_removed + 1),
+        "CONTEXTS": triton.next_power_of_2(contexts),
         "BLOCK_V": block_v(vocab),
         "num_warps": NUM_WARPS,
     }
-    # z + b from the GEMM; f(z) in the kernel
-    for start, logits in chunk_logits(hidden_all, hidden_removed, lm_head_weight, lm_head_bias, 1.0, chunk):
-        tokens = logits.shape[0] // (num_removed + 1)
-        _js_rows_kernel[(tokens,)](
-            logits, logits.stride(0), out[:, start:], num_tokens, num_removed, vocab,
-            float(softcap or 1.0), 1.0 / temperature, **meta,
-        )  # fmt: skip
-        del logits  # before the next chunk's: the workspace holds one chunk
+    # z + b from the GEMM; f(z) in the kernel, on the states' GPU (not the current one: device_map="auto")
+    with torch.cuda.device(stacked.device) if stacked.is_cuda else contextlib.nullcontext():
+        for start, logits in chunk_logits(stacked, lm_head_weight, lm_head_bias, 1.0, chunk):
+            if logits.stride(1) != 1:
+                raise ValueError(f"the kernel reads logits rows with a unit stride, got strides {logits.stride()}")
+            tokens = logits.shape[0] // contexts
+            _js_rows_kernel[(tokens,)](
+                logits, logits.stride(0), out[:, start:], num_tokens, num_removed, vocab,
+                float(softcap or 1.0), 1.0 / temperature, **meta,
+            )  # fmt: skip
+            del logits  # before the next chunk's: one chunk is alive at a time
     return out.mul_(0.5 / LN2).clamp_(0.0, 1.0)
+
+
+def warm_kernel(
+    lm_head_weight: torch.Tensor,
+    lm_head_bias: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
+    max_removed: int,
+) -> None:
+    """Compiles the kernel for every number of removed contexts from 1 to ``max_removed`` (one variant per power of
+    two of ``M + 1``) on one token, at start-up rather than mid-training when a batch first replays that many."""
+    hidden = torch.zeros(1, max_removed + 1, lm_head_weight.shape[1], dtype=lm_head_weight.dtype,
+                         device=lm_head_weight.device)  # fmt: skip
+    for removed in sorted({min(max_removed, 2**p - 1) for p in range(1, max_removed.bit_length() + 1)}):
+        fused_replay_divergence(hidden[:, : removed + 1], lm_head_weight, lm_head_bias, temperature, softcap)
 
 
 def modelled_bytes(tokens: int, removed: int, vocab: int, hidden: int, chunk: int, operand_bytes: int = 2) -> dict:
@@ -218,8 +247,8 @@ def check_kernel(
     dtype, at the lm_head's shape and at one row fewer (a partial last vocabulary block).
 
     - far contexts (independent hidden states): ``|diff| <= FAR_ATOL`` bits;
-    - near contexts (``P_all``'s state plus :data:`NEAR_NOISE` noise; median q 1e-4 to 1e-3 bits):
-      ``|diff| <= NEAR_RTOL x`` the near regime's median q, where a kernel that rounds logits to bf16 fails.
+    - near contexts (``P_all``'s state plus 1 % noise; median q 1e-4 to 1e-3 bits): ``|diff| <= NEAR_RTOL x`` the
+      near regime's median q, where a kernel that rounds logits to bf16 fails.
 
     Raises ``ValueError`` naming the regime, the error and the bound; returns the figures it measured. Its cost is
     that of 4 x 2 divergences of ``CHECK_TOKENS x 4`` rows over the vocabulary: at Qwen2.5-7B's head about 2 x 1 GB
@@ -229,21 +258,15 @@ def check_kernel(
     device, dtype = lm_head_weight.device, lm_head_weight.dtype
     generator = torch.Generator(device=device).manual_seed(seed)
     hidden_size = lm_head_weight.shape[1]
-    scale = float(lm_head_weight[:4096].float().norm(dim=1).mean()) or 1.0  # a sample of rows: no fp32 head copy
-    # logits with a spread of about LOGIT_SPREAD, whatever the head's scale
-    base = torch.randn(CHECK_TOKENS, hidden_size, generator=generator, device=device) * (LOGIT_SPREAD / scale)
-    far = torch.randn(CHECK_REMOVED, CHECK_TOKENS, hidden_size, generator=generator, device=device)
-    far *= LOGIT_SPREAD / scale
-    noise = torch.randn(CHECK_REMOVED, CHECK_TOKENS, hidden_size, generator=generator, device=device)
-    near = base + noise * (NEAR_NOISE * base.norm(dim=-1, keepdim=True) / hidden_size**0.5)
+    base, far, near = check_states(lm_head_weight, CHECK_TOKENS, CHECK_REMOVED, generator)
     figures = {}
     for rows in (lm_head_weight.shape[0], lm_head_weight.shape[0] - 1):
         weight = lm_head_weight[:rows]
         bias = None if lm_head_bias is None else lm_head_bias[:rows]
         for regime, removed in (("near", near), ("far", far)):
-            inputs = (base.to(dtype), removed.to(dtype), weight, bias, temperature)
+            inputs = (stacked_states(base, removed).to(dtype), weight, bias, temperature)
             ours = kernel(*inputs, softcap=softcap)
-            reference = workspace_divergence(*inputs, device_workspace(device), None, softcap)
+            reference = device_divergence(*inputs, softcap=softcap)
             error = (ours.float() - reference).abs().max().item()
             median = reference.median().item()
             bound = FAR_ATOL if regime == "far" else NEAR_RTOL * median
@@ -285,14 +308,14 @@ def time_against_torch(
     default two of the kernel's chunks, at most 4,096 tokens), the median of 3 runs each after a warm-up."""
     device, dtype = lm_head_weight.device, lm_head_weight.dtype
     vocab, hidden_size = lm_head_weight.shape
-    tokens = tokens or min(2 * workspace_chunk(device_workspace(device), vocab, CHECK_REMOVED + 1), 4096)
+    tokens = tokens or min(2 * chunk_tokens(budget_chunk_rows(usable_memory(device), vocab), CHECK_REMOVED + 1), 4096)
     generator = torch.Generator(device=device).manual_seed(1)
-    hidden = torch.randn(CHECK_REMOVED + 1, tokens, hidden_size, generator=generator, device=device).to(dtype)
-    inputs = (hidden[0], hidden[1:], lm_head_weight, lm_head_bias, temperature)
+    hidden = torch.randn(tokens, CHECK_REMOVED + 1, hidden_size, generator=generator, device=device).to(dtype)
+    inputs = (hidden, lm_head_weight, lm_head_bias, temperature)
     return {
         "tokens": tokens,
         "triton_s": _seconds(lambda: fused_replay_divergence(*inputs, softcap)),
-        "torch_s": _seconds(lambda: workspace_divergence(*inputs, device_workspace(device), None, softcap)),
+        "torch_s": _seconds(lambda: device_divergence(*inputs, softcap=softcap)),
     }
 
 
@@ -324,5 +347,6 @@ def auto_backend(weight: torch.Tensor, bias: torch.Tensor | None, temperature: f
 BACKEND = DivergenceBackend(
     compute=lambda *args: fused_replay_divergence(*args),
     check=lambda *args: check_kernel(*args),
+    warm=lambda *args: warm_kernel(*args),
     missing=lambda: None if is_available() else "needs Triton: pip install 'trl-mrtpo[kernels]'",
 )
