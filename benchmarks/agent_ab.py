@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,7 @@ SEEDS = (0, 1, 2)
 PRIMARY = "rewards/agent_answer_reward/mean"
 SECONDARY = ("rewards/agent_format_reward/mean", "rewards/agent_call_reward/mean")
 WINDOW = 40  # the last logged steps the endpoint averages
+PROTOCOL_STEPS = 200  # the logged training steps of a run the protocol fixes
 
 
 def run_folder(output: Path, arm: str, seed: int) -> Path:
@@ -79,8 +81,9 @@ def curves(output: Path) -> dict[tuple[str, int], list[dict]]:
 
 
 def window_mean(steps: list[dict], key: str) -> float:
-    values = [entry[key] for entry in steps[-WINDOW:] if key in entry]
-    return statistics.fmean(values) if values else float("nan")
+    """The mean of ``key`` over the last :data:`WINDOW` logged steps; NaN when one of them lacks it or is NaN."""
+    values = [entry.get(key, math.nan) for entry in steps[-WINDOW:]]
+    return statistics.fmean(values) if values else math.nan
 
 
 def analyse(output: Path) -> str:
@@ -104,10 +107,17 @@ def analyse(output: Path) -> str:
         mrtpo, gdpo = (window_mean(runs[(arm, seed)], PRIMARY) for arm in ARMS)
         differences.append(mrtpo - gdpo)
         lines.append(f"| {seed} | {mrtpo:.3f} | {gdpo:.3f} | {mrtpo - gdpo:+.3f} |")
-    complete = len(paired) == len(SEEDS)
+    short = [f"{arm}-seed{seed} ({len(steps)})" for (arm, seed), steps in sorted(runs.items())
+             if len(steps) < PROTOCOL_STEPS]  # fmt: skip
+    missing = [f"{arm}-seed{seed}" for (arm, seed), steps in sorted(runs.items())
+               if not math.isfinite(window_mean(steps, PRIMARY))]  # fmt: skip
     verdict = (
-        "incomplete: not every seed has both arms"
-        if not complete
+        f"no data: {', '.join(short)} logged fewer training steps than the protocol's {PROTOCOL_STEPS}"
+        if short
+        else f"no data: `{PRIMARY}` is missing or NaN in {', '.join(missing)}"
+        if missing
+        else "incomplete: not every seed has both arms"
+        if len(paired) < len(SEEDS)
         else "MRTPO helps (positive on every seed)"
         if all(d > 0 for d in differences)
         else "no: MRTPO is not ahead on every seed"

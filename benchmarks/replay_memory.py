@@ -38,6 +38,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -112,10 +113,10 @@ def replay_peak_bytes(shape: Shape, replay: Replay) -> dict[str, float]:
         per_response = contexts * replay.completion * shape.hidden * b
         kept = max(per_response, budget_states_bytes(replay.usable) // per_response * per_response)
         kept = min(kept, replay.responses * per_response)
-        per_token = (
-            3 * shape.intermediate + 4 * shape.hidden + 2 * shape.layers * shape.kv_heads * shape.head_dim
-        ) * b
-        tokens = budget_forward_tokens(replay.usable, per_token)
+        config = SimpleNamespace(hidden_size=shape.hidden, num_attention_heads=shape.heads, head_dim=shape.head_dim,
+                                 num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate,
+                                 num_hidden_layers=shape.layers)  # fmt: skip
+        tokens = budget_forward_tokens(replay.usable, config, b)
         batch = min(replay.batch, sequences, max(1, tokens // width))
         forward = (
             replay.prompt * kv_per_token  # the shared prefix's cache

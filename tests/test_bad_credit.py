@@ -3,6 +3,8 @@ term's added advantages, in a response weighting or in a rule's token weights is
 the part, the reward and the sample, and the parameters are as they were; q below -1e-6 is refused, q in [-1e-6, 0)
 reads as 0."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -128,12 +130,30 @@ class NanTerm(CreditTerm):
             process[2, 0] = float("nan")
         return Contribution(process=process)
 
+    def relevance(self, relevance, replayed, batch):
+        if self.where == "relevance":  # 1e39 is past float32's range: inf
+            relevance = torch.where(replayed[..., None] & batch.mask[:, None, :].bool(), relevance + 1e39, relevance)
+        return relevance
+
+    def finish(self, credit, inputs):
+        if self.where == "finish":
+            advantages = credit.advantages.clone()
+            advantages[3, 0] = float("nan")
+            return replace(credit, advantages=advantages)
+        return credit
+
 
 @pytest.mark.parametrize(
     "where, match",
     [
         ("add", r"non-finite added token advantages from the term 'nan_term', for 1 sample; first at sample 2 "),
         ("weigh", r"non-finite per-reward advantages or reward weights from the term 'nan_term', for reward '"),
+        ("relevance", r"non-finite q \(NaN or inf\) returned by relevance\(\) of the term 'nan_term', for reward '"),
+        (
+            "finish",
+            r"non-finite token advantages returned by finish\(\) of the term 'nan_term', for 1 sample; first "
+            r"at sample 3 ",
+        ),
     ],
 )
 def test_a_terms_nan_is_refused_naming_the_term(tiny_model, tiny_tokenizer, tmp_path, where, match):
@@ -160,6 +180,26 @@ def test_a_rules_nan_weights_are_refused_naming_the_rule(tiny_model, tiny_tokeni
         assert "first at sample 7 " in message
     finally:
         unregister_credit_rule("nan_weights")
+
+
+class NanRelevance(NanWeights):
+    """A rule whose own relevance() gives NaN: named as the rule's, with no term in the run."""
+
+    def weights(self, inputs):
+        return replayed_token_weights(inputs.relevance, inputs.replayed, inputs.batch.mask, inputs.betas)
+
+    def relevance(self, relevance, replayed, batch):
+        return relevance * float("nan")
+
+
+def test_a_rules_own_nan_q_is_named_as_the_rules(tiny_model, tiny_tokenizer, tmp_path):
+    register_credit_rule("nan_relevance", NanRelevance)
+    try:
+        trainer = trainer_for(tiny_model, tiny_tokenizer, tmp_path, args={"credit_assignment": "nan_relevance"})
+        message = refused(trainer, r"returned by relevance\(\) of the credit rule 'nan_relevance', for reward '")
+        assert "Check the rule's relevance()." in message and "term" not in message
+    finally:
+        unregister_credit_rule("nan_relevance")
 
 
 def test_finite_credit_trains_as_before(tiny_model, tiny_tokenizer, tmp_path):
@@ -361,3 +401,36 @@ def test_a_rules_wrong_weights_are_named(tiny_model, tiny_tokenizer, tmp_path):
         refused(trainer, message, (TypeError, ValueError))
     finally:
         unregister_credit_rule("flat_weights")
+
+
+def test_reads_given_as_a_string_is_refused_naming_the_part():
+    """``reads = "relevance"`` (the tuple's comma forgotten) would read as the letters r, e, l, ...: refused where the
+    rule is registered and where a term is given, naming it."""
+    from trl_mrtpo.rules import terms_by_name
+
+    class OneString(NanWeights):
+        reads = "relevance"
+
+    with pytest.raises(TypeError, match=r"credit rule 'one_string': reads must be a tuple of names, such as"):
+        register_credit_rule("one_string", OneString)
+
+    class Reading(CreditTerm):
+        name = "reading"
+        reads = "relevance"
+
+    with pytest.raises(TypeError, match=r"the term 'reading': reads must be a tuple of names, .* got 'relevance'"):
+        terms_by_name([Reading()])
+
+
+def test_a_research_rule_by_its_path_needs_the_research_configuration_as_by_name(tmp_path):
+    """``credit_assignment="trl_mrtpo.research.rules.Joint"`` under MRTPOConfig is refused at once, as ``"joint"``
+    is, naming the configuration it needs (it failed at step 1 before, naming a quantity)."""
+    from trl_mrtpo import MRTPOConfig
+    from trl_mrtpo.rules import resolve_credit_rule
+
+    for name in ("joint", "trl_mrtpo.research.rules.Joint"):
+        config = MRTPOConfig(str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+        config.credit_assignment = name
+        needs = r"it needs a trl_mrtpo.research.ResearchConfig"
+        with pytest.raises(ValueError, match=rf"credit_assignment='{name}' is unknown; .*{needs}"):
+            resolve_credit_rule(config)

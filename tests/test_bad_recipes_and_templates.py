@@ -79,6 +79,43 @@ def test_a_train_refusal_is_the_usage_line_with_exit_2_before_the_model_loads(tm
     assert exit_.value.code == 2 and err.startswith("usage: trl-mrtpo train") and named in err, err
 
 
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--reward_funcs", "no_such_module.reward"], "no_such_module"),
+        (["--task", "basic", "--info_blocks", "nope_block"], "unknown info_block 'nope_block'"),
+        (["--task", "basic", "--info_blocks", "none", "none"], "info_blocks has 2 entries but there are 4 reward"),
+        (
+            [
+                "--task",
+                "sql",
+                "--data_loader",
+                "spider",
+                "--data_path",
+                "/no/such/spider",
+                "--data_split_file",
+                "/no/such/train.json",
+            ],
+            "/no/such/",
+        ),
+        (["--task", "basic", "--model_name_or_path", "./no/such/model"], "'./no/such/model' is a path, and no such"),
+        (["--config", "BROKEN_YAML"], "the recipe is not valid YAML: while parsing a flow sequence"),
+    ],
+    ids=["reward-path", "unknown-block", "block-count", "data-file", "model-folder", "yaml-syntax"],
+)
+def test_recipe_mistakes_found_before_the_model_loads_end_in_the_usage_line(tmp_path, capsys, flags, named):
+    """What a recipe names is resolved before the model loads (its rewards, blocks, data and model folder), so each
+    mistake is the usage line and exit status 2, naming it, as a bad flag is."""
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("task: basic\nreward_funcs: [a, b\n")
+    flags = [str(broken) if flag == "BROKEN_YAML" else flag for flag in flags]
+    model = [] if "--model_name_or_path" in flags else ["--model_name_or_path", "embedded"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", *model, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", *flags])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: trl-mrtpo train") and named in err, err
+
+
 def test_demo_refuses_zero_steps(capsys):
     from trl_mrtpo.scripts.demo import run_demo
 

@@ -409,3 +409,46 @@ def test_a_reward_column_the_dataset_lacks_is_named_before_the_model_loads(tmp_p
     ):
         MRTPOTrainer(model="some/model", reward_funcs=[uses_trl_arguments, graded], args=make_args(tmp_path),
                      train_dataset=data)  # fmt: skip
+
+
+def test_a_reward_constant_over_ten_generation_batches_is_warned_about_once():
+    """A reward that gave every sample 0.0 for 10 generation batches (a wrong database path, say) is named with its
+    value, once; one that varies once in those batches, or is cut off earlier, is not."""
+    import warnings
+
+    from trl_mrtpo.validation import CONSTANT_REWARD_BATCHES
+
+    def run(batches, values):
+        scored = iter(values)
+        reward = checked_reward(lambda completions, **_: next(scored), "db_reward")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(batches):
+                reward(completions=["a", "b"])
+        return [str(w.message) for w in caught if "same value" in str(w.message)]
+
+    constant = [[0.0, 0.0]] * 20
+    (message,) = run(20, constant)
+    assert "'db_reward' gave every sample the same value, 0, over the first 10 generation batches" in message
+    assert run(CONSTANT_REWARD_BATCHES - 1, constant) == []
+    assert run(20, [[0.0, 0.0]] * 5 + [[0.0, 1.0]] + [[0.0, 0.0]] * 14) == []
+    assert run(20, [[None, 1.0]] * 20) != []  # None is TRL's "does not apply": the values it gave are still one
+
+
+def test_rewards_that_share_a_name_get_distinct_ones(tiny_model, tiny_tokenizer, tmp_path):
+    """Two lambdas (TRL allows them) would share one metric, one collapse streak and one checkpoint entry: the second
+    is ``<lambda>_2``, as TRL's logs name it, wherever MRTPO names it."""
+    from trl_mrtpo.validation import distinct
+
+    assert distinct(["a", "a", "a_2", "b", "a"]) == ["a", "a_3", "a_2", "b", "a_4"]
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=[
+            lambda completions, **_: [1.0] * len(completions),
+            lambda completions, **_: [0.0] * len(completions),
+        ],
+        args=make_args(tmp_path),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    assert trainer.reward_func_names == ["<lambda>", "<lambda>_2"]

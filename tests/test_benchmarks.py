@@ -359,3 +359,27 @@ def test_the_agent_ab_kit_dry_run_trains_both_arms_and_reports_the_endpoint(tmp_
     rows = list(csv.DictReader((tmp_path / "curves.csv").open()))
     assert {row["arm"] for row in rows} == {"mrtpo", "gdpo"}
     assert (tmp_path / "mrtpo-seed0" / "adapter_config.json").is_file()
+
+
+def test_the_agent_ab_analysis_says_no_data_for_short_runs_or_a_missing_metric(tmp_path):
+    """Hand-made trainer states: 3 logged steps where the protocol fixes 200 are "no data", naming the runs; 200
+    steps with the primary metric NaN in one run are "no data", naming it; 200 good steps ahead on every seed help."""
+    agent_ab = load("agent_ab")
+
+    def write(steps: int, value=lambda arm, seed: 0.6 if arm == "mrtpo" else 0.5):
+        for arm in agent_ab.ARMS:
+            for seed in agent_ab.SEEDS:
+                folder = agent_ab.run_folder(tmp_path, arm, seed)
+                folder.mkdir(parents=True, exist_ok=True)
+                history = [{"step": s, agent_ab.PRIMARY: value(arm, seed)} for s in range(1, steps + 1)]
+                (folder / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+
+    def verdict() -> str:
+        return agent_ab.analyse(tmp_path).split("Verdict: ")[1].split("\n")[0]
+
+    write(3)
+    assert verdict().startswith("no data: gdpo-seed0 (3), gdpo-seed1 (3)") and "protocol's 200" in verdict()
+    write(200, lambda arm, seed: math.nan if (arm, seed) == ("gdpo", 2) else 0.5)
+    assert verdict() == f"no data: `{agent_ab.PRIMARY}` is missing or NaN in gdpo-seed2."
+    write(200)
+    assert verdict() == "MRTPO helps (positive on every seed)."

@@ -122,3 +122,10 @@ def test_every_extension_surface_names_a_test_that_exists():
     for file, name in named:
         tree = ast.parse((root / "tests" / file).read_text())
         assert name in {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}, (file, name)
+
+
+def test_the_kits_page_names_the_demos_default_task():
+    from trl_mrtpo.scripts import DEMO_SETTINGS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kits.md").read_text()
+    assert f"(`--task {DEMO_SETTINGS['task']}`, the default," in text

@@ -179,3 +179,29 @@ def test_the_model_card_names_the_environment_tools_and_template(tokenizer, tmp_
     assert "environment (TRL's `environment_factory`): `Ledger`" in card
     assert "tools: `lookup`" in card
     assert "chat template: TRL's `qwen3` (`chat_template_path: qwen3`)" in card
+
+
+def test_a_get_reward_that_is_not_a_method_is_refused_naming_the_environment(tokenizer, tmp_path):
+    """TRL takes an environment's reward from a plain ``get_reward`` method only: a property would drop the reward
+    without a word."""
+
+    class Scored(Atlas):
+        @property
+        def get_reward(self) -> float:
+            return 1.0
+
+    with pytest.raises(TypeError, match=r"Scored.get_reward is a property; TRL reads .* would be dropped"):
+        scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
+                         reward_funcs=[answered], info_blocks=None, environment_factory=Scored)  # fmt: skip
+
+
+def test_a_reset_returning_a_list_of_strings_is_refused_naming_the_environment(tokenizer, tmp_path):
+    class Listing(Ledger):
+        def reset(self, **kwargs):
+            super().reset()
+            return ["What is the code of Paris?"]
+
+    trainer = scripted_trainer(tokenizer, tmp_path, Dataset.from_list([{"prompt": QUESTION}] * 8),
+                               reward_funcs=[answered], info_blocks=None, environment_factory=Listing)  # fmt: skip
+    with pytest.raises(TypeError, match=r"Listing.reset\(\) returned a list of strings; it returns None or the text"):
+        trainer.train()

@@ -519,3 +519,44 @@ def test_inspect_replays_recorded_tool_trajectories_through_trls_tool_loop(tmp_p
     with pytest.raises(ValueError, match="recorded tool trajectories are replayed through TRL's tool loop"):
         inspect_credit(model=str(model_dir), reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                        completions=str(path))  # fmt: skip
+
+
+def test_tokens_that_share_a_characters_bytes_show_it_whole():
+    """A byte-level vocabulary splits 日 and 本 into three tokens each: each character shows whole on its last token
+    (the others empty), not as U+FFFD pieces; a token that is a whole character is itself."""
+    from trl_mrtpo.observability.summaries import token_strings
+
+    class Bytes:
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    ids = list("日本a".encode())
+    assert token_strings(Bytes(), ids) == ["", "", "日", "", "", "本", "a"]
+    assert "".join(token_strings(Bytes(), ids)) == "日本a"
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [
+        (['{"prompt": "a", "completion": "x"}', '{"prompt": "a", "completion": '], r"r.jsonl line 2 is not JSON \("),
+        (['["a", "x"]'], r"r.jsonl line 1 is a JSON list, not an object"),
+        (
+            ['{"prompt": "a", "completion": [{"role": "assistant", "tool_calls": ["lookup"]}]}'],
+            r"r.jsonl line 1: a tool call is 'lookup'; it is \{'function'",
+        ),
+        (
+            ['{"prompt": "a", "completion": "x"}', '{"prompt": "b", "completion": "y"}'],
+            r"one completion per prompt; .* at least 2",
+        ),
+    ],
+    ids=["not-json", "not-an-object", "tool-call-shape", "one-per-prompt"],
+)
+def test_recorded_completions_are_named_by_file_and_line(tmp_path, lines, message):
+    """What inspect reads is refused where it is wrong, naming the file and the line (TRL's errors, a bare
+    JSONDecodeError or "GRPO requires at least 2 generations", came from deep inside before)."""
+    from trl_mrtpo.scripts.inspection import load_completions
+
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_completions(str(path))

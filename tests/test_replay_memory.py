@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_mrtpo.ops import device_rule, divergence
 from trl_mrtpo.ops.device_rule import check_projection, chunk_logits, ieee_fp32
-from trl_mrtpo.replay import forward_bytes_per_token, refuse_tensor_parallel, replay_relevance, replay_streams
+from trl_mrtpo.replay import refuse_tensor_parallel, replay_relevance, replay_streams
 
 GIB = 2**30
 
@@ -123,8 +123,9 @@ def test_q_is_the_same_whatever_the_budget(monkeypatch, tiny_model):
     contexts += [[prompt, prompt[:12] + prompt[16:]] for _ in range(2)]
     completions = [torch.randint(3, 200, (n,)).tolist() for n in (7, 9, 3, 11, 5, 8)]
     whole = replay_relevance(tiny_model, contexts, completions, 0.8)
-    per_token = forward_bytes_per_token(tiny_model)
-    tight = replay_relevance(tiny_model, contexts, completions, 0.8, usable_bytes=40 * per_token)
+    usable = 40 * 4 * (3 * 64 + 4 * 32 + 2 * 2 * 16)  # 40 tokens of the tiny model's forward (fp32): 4 per forward
+    assert device_rule.budget_forward_tokens(usable, tiny_model.config, 4) == 4
+    tight = replay_relevance(tiny_model, contexts, completions, 0.8, usable_bytes=usable)
     assert [q.shape for q in whole] == [q.shape for q in tight] == [(len(c) - 1, len(x)) for c, x in
                                                                     zip(contexts, completions)]  # fmt: skip
     for a, b in zip(whole, tight):

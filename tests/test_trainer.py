@@ -540,3 +540,58 @@ def test_a_warm_up_below_1_is_a_fraction_of_max_steps_and_a_short_run_is_warned(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         short._beta()  # once
+
+
+def test_the_card_compiles_for_any_output_dir_and_escapes_reward_names(tiny_model, tiny_tokenizer, tmp_path):
+    """An output_dir holding a quote and a backslash still gives a quick start that compiles and names it; a reward
+    whose name holds a `|` keeps the rewards table's columns."""
+    import ast
+    import re
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+
+    def piped(completions, **_):
+        return [1.0] * len(completions)
+
+    piped.__name__ = "format|strict"
+    output_dir = tmp_path / 'run "a"\\b'
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=[piped, *BASIC.rewards[1:]],
+        info_blocks=[None, *BASIC.info_blocks[1:]],
+        args=make_args(output_dir),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.create_model_card()
+    card = (output_dir / "README.md").read_text()
+    (quick_start,) = re.findall(r"```python\n(.*?)```", card, re.DOTALL)
+    ast.parse(quick_start)
+    assert str(output_dir) in [
+        node.value for node in ast.walk(ast.parse(quick_start)) if isinstance(node, ast.Constant)
+    ]
+    assert "| `format\\|strict` | 1 | none (uniform credit) |" in card
+
+
+def test_a_model_trained_once_in_bf16_is_accepted_by_a_second_trainer(tiny_model, tiny_tokenizer, tmp_path):
+    """accelerate leaves a bf16 run's autocast wrapper on the model's forward; a second trainer given the same model
+    object (an fp32 run) takes the model's own forward, not that run's, and its logit probe passes (it called the
+    model soft-capping before)."""
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+
+    def trainer(folder, **overrides):
+        return MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path / folder, max_steps=1, **overrides),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+        )
+
+    trainer("bf16", bf16=True).train()
+    assert hasattr(tiny_model.forward, "__wrapped__")  # the first run's autocast, left behind
+    trainer("fp32")
+    assert not hasattr(tiny_model.forward, "__wrapped__")

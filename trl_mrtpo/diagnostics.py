@@ -3,7 +3,6 @@ per response the completions table shows."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,8 +198,3 @@ class CreditRecord:
             reward_betas=reward_betas.float().cpu(),
             groups=batch.information_groups,
         )
-
-
-def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
-    """One display string per token (each id decoded alone)."""
-    return [tokenizer.decode([int(i)]) for i in ids]

@@ -80,8 +80,9 @@ class _Guarded:
     def relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: Any) -> torch.Tensor:
         adjusted = self.part.relevance(relevance, replayed, batch)
         check_tensor(self.label, "relevance()", adjusted, batch.shape, "float", batch.mask.device)
-        below = (adjusted < -NEGATIVE_Q_TOLERANCE) & _read(replayed, batch)
-        self.guard.current.note(f"q_negative:{self.label}", below, per_reward=True)
+        read = _read(replayed, batch)
+        self.guard.current.note_non_finite(f"q:{self.label}", adjusted, read, per_reward=True)
+        self.guard.current.note(f"q_negative:{self.label}", (adjusted < -NEGATIVE_Q_TOLERANCE) & read, per_reward=True)
         return adjusted
 
 
@@ -116,19 +117,16 @@ class GuardedTerm(_Guarded):
         return added
 
     def finish(self, credit: TokenCredit, inputs: CreditInputs) -> TokenCredit:
-        return _checked_credit(self.label, self.part.finish(credit, inputs), inputs.batch, "finish()")
+        finished = _checked_credit(self.label, self.part.finish(credit, inputs), inputs.batch, "finish()")
+        mask = inputs.batch.mask
+        self.guard.current.note_non_finite(f"finish:{self.name}", finished.advantages, mask, per_reward=False)
+        return finished
 
 
 class GuardedRule(_Guarded):
     """The credit rule, its step-5 weights checked where they enter steps 6-8 and its advantages where they return."""
 
     kind = "the credit rule"
-
-    def relevance(self, relevance: torch.Tensor, replayed: torch.Tensor, batch: Any) -> torch.Tensor:
-        """The rule reads q last: what reaches it after every adjustment is finite."""
-        adjusted = super().relevance(relevance, replayed, batch)
-        self.guard.current.note_non_finite("q_adjusted", adjusted, _read(replayed, batch), per_reward=True)
-        return adjusted
 
     def advantages(self, inputs: CreditInputs) -> TokenCredit:
         combine, batch = inputs.combine or weighted_token_advantages, inputs.batch

@@ -91,8 +91,9 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         shared = f", shared with {', '.join(twins)}: one piece of information (one information group)" if twins else ""
         return f"`{function_name(builders[k])}`{shared}"
 
-    rewards = [
-        (name, f"{weight:g}", block(k)) for k, (name, weight) in enumerate(zip(names, trainer.reward_weights.tolist()))
+    rewards = [  # a `|` in a name would split its table row
+        (name.replace("|", "\\|"), f"{weight:g}", block(k).replace("|", "\\|"))
+        for k, (name, weight) in enumerate(zip(names, trainer.reward_weights.tolist()))
     ]
     agent = []
     if getattr(trainer, "tools", None):  # a tool-calling run: its environments, tools and template

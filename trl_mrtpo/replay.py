@@ -22,14 +22,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers.utils import logging
 
 from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
 from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from .info_blocks import removed_groups
 from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
-
-logger = logging.get_logger(__name__)
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
@@ -377,20 +374,6 @@ def lm_head_parameters(model: nn.Module):
         yield weight, bias
 
 
-def forward_bytes_per_token(model: nn.Module) -> int:
-    """What one new token of a replay forward holds at its widest, from the model's config: the MLP's gate, up and
-    their product, four hidden-sized activations, and its key/value cache in every layer."""
-    _, head = causal_lm_parts(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    config = base.config.get_text_config()
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    kv_width = (getattr(config, "num_key_value_heads", None) or heads) * (
-        getattr(config, "head_dim", None) or hidden // heads
-    )
-    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
-    return (3 * mlp + 4 * hidden + 2 * config.num_hidden_layers * kv_width) * head.weight.element_size()
-
-
 def usable_bytes_problem(usable: Any, num_rewards: int) -> str | None:
     """The replay's memory entry: None (not decided: off CUDA, or before the first replay) or a count of bytes."""
     return None if usable is None or (type(usable) is int and usable > 0) else repr(usable)
@@ -408,21 +391,12 @@ class ReplayMemory:
         self.usable: int | None = None
 
     def decide(self, device: torch.device, model: nn.Module) -> int | None:
-        """The run's usable bytes on ``device``, measured now if not yet (and logged with the chunk and the streams
-        they give at ``model``'s vocabulary); None off CUDA (the CPU rule)."""
-        if device.type != "cuda":
-            return None
-        if self.usable is None:
-            from .ops.device_rule import budget_chunk_rows, budget_states_bytes, usable_memory
+        """The run's usable bytes on ``device``, measured (and logged) now if not yet; None off CUDA."""
+        if device.type == "cuda" and self.usable is None:
+            from .ops.device_rule import run_usable_memory
 
-            self.usable = usable_memory(device)
-            vocab = causal_lm_parts(model)[1].out_features
-            logger.info(
-                f"MRTPO's replay is sized from {self.usable / 2**30:.1f} GiB usable on {device}: divergence chunks of "
-                f"{budget_chunk_rows(self.usable, vocab)} fp32 vocabulary rows, streams of at most "
-                f"{budget_states_bytes(self.usable) / 2**30:.2f} GiB of hidden states, for the whole run."
-            )
-        return self.usable
+            self.usable = run_usable_memory(device, causal_lm_parts(model)[1].out_features)
+        return self.usable if device.type == "cuda" else None
 
     def identity(self) -> dict:
         return {}
@@ -502,8 +476,9 @@ def replay_relevance(
     if usable_bytes is not None:
         from .ops.device_rule import budget_chunk_rows, budget_forward_tokens, budget_states_bytes
 
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
         states_bytes = budget_states_bytes(usable_bytes)
-        forward_tokens = budget_forward_tokens(usable_bytes, forward_bytes_per_token(model))
+        forward_tokens = budget_forward_tokens(usable_bytes, base.config.get_text_config(), head.weight.element_size())
     for stream in replay_streams(sizes, states_bytes):
         buffers = stream_states(model, contexts, completions, stream, batch_size, min_shared_prefix, forward_tokens)
         with lm_head_parameters(model) as (weight, bias):

@@ -253,6 +253,7 @@ def terms_by_name(terms: Sequence[CreditTerm]) -> dict[str, CreditTerm]:
                 "(trl_mrtpo.rules.CreditTerm)."
             )
         name = term.name or type(term).__name__
+        _checked_reads(f"the term {name!r}", term.reads)
         if name in named:
             raise ValueError(f"two credit terms are named {name!r}; give one another `name`.")
         named[name] = term
@@ -277,9 +278,16 @@ class RegisteredRule:
 _RULES: dict[str, RegisteredRule] = {}
 
 
+def _checked_reads(owner: str, reads: Any) -> None:
+    """``reads`` is a tuple of names (a string, its comma forgotten, would read as its letters)."""
+    if not isinstance(reads, tuple) or not all(isinstance(name, str) for name in reads):
+        raise TypeError(f"{owner}: reads must be a tuple of names, such as ('relevance',); got {reads!r}.")
+
+
 def _checked_rule(name: str, rule: Any) -> type[CreditRule]:
     if not (isinstance(rule, type) and issubclass(rule, CreditRule)):
         raise TypeError(f"credit rule {name!r} must be a CreditRule subclass, got {rule!r}.")
+    _checked_reads(f"credit rule {name!r}", rule.reads)
     if rule.removal not in (None, "each", "all"):
         raise ValueError(f"credit rule {name!r}: removal must be 'each', 'all' or None, got {rule.removal!r}.")
     if rule.removal is None and rule.reads:
@@ -326,9 +334,13 @@ def resolve_credit_rule(config: Any) -> type[CreditRule]:
     names = credit_rule_names(config)
     if name in names:
         return _RULES[name].rule
-    if "." in name:
-        return _checked_rule(name, import_path(name, "credit rule"))
     entry = _RULES.get(name)
+    if "." in name:
+        rule = _checked_rule(name, import_path(name, "credit rule"))
+        # a registered rule by its path is the rule by its name: it needs the same configuration
+        entry = next((e for n, e in _RULES.items() if e.rule is rule and n not in names), None)
+        if entry is None:
+            return rule
     where = f" (it needs a {public_name(entry.config_class)})" if entry is not None else ""
     raise ValueError(
         f"credit_assignment={name!r} is unknown; choose one of {', '.join(names)}{where}, or a dotted import path."

@@ -161,7 +161,8 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         # divergence backend ("auto" included) is settled here, once, on every process.
         self._replay_temperature, self._replay_backend = self.temperature, args.divergence_backend
         if self._replays or self._policy_forwards:
-            policy = self.accelerator.unwrap_model(self.model)
+            # a model another trainer ran in mixed precision keeps that run's autocast on its forward: not this run's
+            policy = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
             removed = 1 if rule.removal == "all" else len(self.reward_funcs)  # removed contexts per response, at most
             self._replay_temperature, self._replay_backend = replay_settings(
                 policy, self.temperature, args.divergence_backend, removed

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -288,6 +289,13 @@ def check_environment_arguments(kwargs: dict[str, Any]) -> None:
                     f"{where} is an instance of {type(factory).__name__}; pass the class (or a function returning a "
                     "new environment): TRL builds one environment per rollout and resets it for each prompt."
                 )
+            declared = inspect.getattr_static(factory, "get_reward", None) if isinstance(factory, type) else None
+            if declared is not None and not inspect.isfunction(declared):  # TRL takes a plain method, else none
+                raise TypeError(
+                    f"{factory.__name__}.get_reward is a {type(declared).__name__}; TRL reads an environment's reward "
+                    "from a get_reward method (def get_reward(self) -> float) and ignores anything else, so this "
+                    "environment's reward would be dropped."
+                )
             looks_like_reward = [m for m in ("reward", "compute_reward", "get_score") if hasattr(factory, m)]
             if isinstance(factory, type) and looks_like_reward and not hasattr(factory, "get_reward"):
                 warnings.warn(
@@ -331,6 +339,8 @@ def reset_refusal(error: TypeError, environments: Sequence[Any] | None, multimod
     from ._trl import RESET_APPEND_ERROR
 
     appended = RESET_APPEND_ERROR.search(str(error))
+    if appended is None and "string indices must be integers" in str(error):  # TRL read a list of str as parts
+        appended = (None, "a list of strings")
     if appended is None or environments is None:
         return None
     classes = sorted({type(environment).__name__ for environment in environments or ()}) or ["the environment"]

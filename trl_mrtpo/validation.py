@@ -254,22 +254,38 @@ def checked_reward(func: Callable, name: str) -> Callable:
     return checked
 
 
+# Generation batches after which a reward that gave every sample one value is warned about.
+CONSTANT_REWARD_BATCHES = 10
+
+
 def _first_batch_check(name: str) -> Callable[[list], list]:
-    """Passes a reward's values through; the first time, warns when every one is None (NaN): a forgotten ``return``
-    trains as a reward that never applies."""
-    pending = [True]
+    """Passes a reward's values through, warning once when the first batch is None (NaN) throughout (a forgotten
+    ``return`` trains as a reward that never applies), and once when the first :data:`CONSTANT_REWARD_BATCHES`
+    batches gave every sample one value (a wrong path or column scores everything alike: no advantage anywhere)."""
+    seen = {"batches": 0, "values": set()}
 
     def check(values: list) -> list:
-        if pending[0]:
-            pending[0] = False
-            if values and all(v is None or v != v for v in values):
-                warnings.warn(
-                    f"The reward function '{name}' returned None for every sample of the first generation batch: "
-                    "those samples get no advantage from it. Ignore this if the reward does not apply to those "
-                    "samples (TRL's convention for None); otherwise check that it returns its scores.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+        seen["batches"] += 1
+        if seen["batches"] == 1 and values and all(v is None or v != v for v in values):
+            warnings.warn(
+                f"The reward function '{name}' returned None for every sample of the first generation batch: "
+                "those samples get no advantage from it. Ignore this if the reward does not apply to those "
+                "samples (TRL's convention for None); otherwise check that it returns its scores.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if seen["batches"] <= CONSTANT_REWARD_BATCHES:
+            seen["values"].update(v for v in values if v is not None and v == v)
+        if seen["batches"] == CONSTANT_REWARD_BATCHES and len(seen["values"]) == 1:
+            (value,) = seen["values"]
+            warnings.warn(
+                f"The reward function '{name}' gave every sample the same value, {value:g}, over the first "
+                f"{CONSTANT_REWARD_BATCHES} generation batches: a constant reward gives no advantage anywhere. Check "
+                "what it reads (a database path, a dataset column); a strict reward that is right in none of a "
+                "group's samples is normal, one that is the same for every sample of every group is not.",
+                UserWarning,
+                stacklevel=2,
+            )
         return values
 
     return check
@@ -400,6 +416,21 @@ def check_credit_settings(args: Any, rule: type) -> None:
             raise ValueError(f"divergence_backend={args.divergence_backend!r} {missing}.")
 
 
+def distinct(names: Sequence[str]) -> list[str]:
+    """Names made unique as TRL's logs make them: a name met again gets ``_2``, ``_3``, ... (two lambdas are
+    ``<lambda>`` and ``<lambda>_2``), so that no two rewards share a metric, a monitor or a checkpoint entry."""
+    taken, unique = set(names), []
+    for name in names:
+        if name in unique:
+            suffix = 2
+            while f"{name}_{suffix}" in taken:
+                suffix += 1
+            name = f"{name}_{suffix}"
+            taken.add(name)
+        unique.append(name)
+    return unique
+
+
 def checked_inputs(
     reward_funcs: Any, info_blocks: Any, train_dataset: Any, eval_dataset: Any, kwargs: dict[str, Any]
 ) -> tuple[list, list]:
@@ -418,7 +449,7 @@ def checked_inputs(
         if kwargs.get("rollout_func") is not None:
             kwargs["rollout_func"] = checked_rollout(kwargs["rollout_func"])
     funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
-    names = [f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs]
+    names = distinct([f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs])
     check_reward_columns(funcs, names, train_dataset)
     builders = info_blocks if environments else check_builders(info_blocks, names)
     tools = bool(kwargs.get("tools")) or environments

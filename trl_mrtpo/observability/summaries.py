@@ -5,7 +5,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..diagnostics import token_strings
+
+def token_strings(tokenizer, ids: Sequence[int]) -> list[str]:
+    """One display string per token (each id decoded alone); a character whose UTF-8 bytes several tokens share (日
+    in byte-level vocabularies) is shown whole on its last token, the others empty, not as U+FFFD pieces."""
+    strings, pending = [], []
+    for token in ids:
+        pending.append(int(token))
+        text = tokenizer.decode(pending)
+        if text.endswith("\ufffd") and len(pending) < 4:  # a character's bytes so far (at most 4 in UTF-8)
+            strings.append("")
+            continue
+        strings.append(text)
+        pending = []
+    return strings
 
 
 def credit_summary(

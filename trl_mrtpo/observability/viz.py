@@ -7,8 +7,9 @@ import math
 import statistics
 from collections.abc import Sequence
 
-from ..diagnostics import CreditRecord, token_strings
+from ..diagnostics import CreditRecord
 from ..outputs import GENERATOR_META
+from .summaries import token_strings
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1200px}

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 from packaging.version import Version
+from transformers.utils import logging
 
 from ..constants import (
     LN2,
@@ -22,6 +23,8 @@ from ..constants import (
     REPLAY_STATES_SHARE,
 )
 from .divergence import softcapped_
+
+logger = logging.get_logger(__name__)
 
 
 def out_dtype_gemm_exists(version: str) -> bool:
@@ -88,6 +91,17 @@ def usable_memory(device: torch.device) -> int:
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
+def run_usable_memory(device: torch.device, vocab: int) -> int:
+    """:func:`usable_memory` when a run first replays, logged with the chunk and the streams it gives them."""
+    usable = usable_memory(device)
+    logger.info(
+        f"MRTPO's replay is sized from {usable / 2**30:.1f} GiB usable on {device}: divergence chunks of "
+        f"{budget_chunk_rows(usable, vocab)} fp32 vocabulary rows, streams of at most "
+        f"{budget_states_bytes(usable) / 2**30:.2f} GiB of hidden states, for the whole run."
+    )
+    return usable
+
+
 def budget_chunk_rows(usable: int, vocab: int) -> int:
     """fp32 vocabulary rows per divergence chunk: :data:`~trl_mrtpo.constants.REPLAY_CHUNK_ROWS`, fewer where they
     would take more than :data:`~trl_mrtpo.constants.REPLAY_CHUNK_SHARE` of ``usable`` bytes; at least 1."""
@@ -100,10 +114,16 @@ def budget_states_bytes(usable: int) -> int:
     return int(REPLAY_STATES_SHARE * usable)
 
 
-def budget_forward_tokens(usable: int, bytes_per_token: int) -> int:
+def budget_forward_tokens(usable: int, config, element_size: int) -> int:
     """New tokens per replay forward: a share of ``usable`` (:data:`~trl_mrtpo.constants.REPLAY_FORWARD_SHARE`) over
-    what one token holds in the forward; at least 1."""
-    return max(1, int(REPLAY_FORWARD_SHARE * usable) // bytes_per_token)
+    what one token holds at a forward's widest, from the decoder's ``config``: the MLP's gate, up and their product,
+    four hidden-sized activations, and its key/value cache in every layer; at least 1."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_width = kv_heads * (getattr(config, "head_dim", None) or hidden // heads)
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = (3 * mlp + 4 * hidden + 2 * config.num_hidden_layers * kv_width) * element_size
+    return max(1, int(REPLAY_FORWARD_SHARE * usable) // per_token)
 
 
 def chunk_tokens(chunk_rows: int, rows_per_token: int) -> int:

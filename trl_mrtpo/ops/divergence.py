@@ -6,7 +6,6 @@ its ``BACKEND``), which computes the same q and is imported only when a run name
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +17,6 @@ from ..constants import (
     LN2,
     MAX_LOG_RATIO,
     MIN_CHUNK_TOKENS,
-    VOCAB_TILE,
 )
 
 # Tests run the device rule on CPU by setting this (everything but the fp32-output GEMM of low-precision operands,
@@ -195,9 +193,12 @@ def _torch_divergence(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """The chunked torch path of :func:`stacked_divergence` off CUDA: fp32 lm_head and JS over token chunks (a weight
-    in another dtype goes to :func:`_tiled_divergence`, which never holds an fp32 copy of the whole lm_head)."""
+    in another dtype goes to :func:`~trl_mrtpo.ops.tiled_divergence.tiled_divergence`, which never holds an fp32 copy
+    of the whole lm_head)."""
     if lm_head_weight.dtype != torch.float32:
-        return _tiled_divergence(stacked, lm_head_weight, lm_head_bias, temperature, softcap)
+        from .tiled_divergence import tiled_divergence  # a low-precision head off CUDA: loaded only there
+
+        return tiled_divergence(stacked, lm_head_weight, lm_head_bias, temperature, softcap)
     num_tokens, contexts = stacked.shape[:2]
     vocab = lm_head_weight.shape[0]
     if chunk_size is None:
@@ -212,39 +213,3 @@ def _torch_divergence(
         del logits
         out[:, start:end] = js_divergence(logprobs[0], logprobs[1:])
     return out
-
-
-def _tiled_divergence(
-    stacked: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    lm_head_bias: torch.Tensor | None,
-    temperature: float,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """The torch path for a low-precision lm_head (bf16, fp16): fp32 logits from vocabulary tiles of
-    :data:`VOCAB_TILE` rows cast to fp32 one at a time, in two passes over the tiles (each context's log-normaliser,
-    then the JS terms tile by tile, which add up over the vocabulary). The extra memory is one fp32 tile and
-    ``[M + 1, tokens, tile]`` logits, never ``V x H`` in fp32; each tile is cast twice per call. Logits are never
-    rounded to the weight's dtype."""
-    num_tokens, contexts = stacked.shape[:2]
-    vocab, device = lm_head_weight.shape[0], stacked.device
-    tokens = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_ELEMENTS // (contexts * VOCAB_TILE))
-
-    def tiled_logits():
-        """``(token rows, [M + 1, rows, tile] fp32 logits)``, one tile's weight cast at a time, one chunk alive."""
-        for start in range(0, vocab, VOCAB_TILE):
-            weight = lm_head_weight[start : start + VOCAB_TILE].float()
-            bias = None if lm_head_bias is None else lm_head_bias[start : start + VOCAB_TILE].float()
-            for first in range(0, num_tokens, tokens):
-                rows = slice(first, min(first + tokens, num_tokens))
-                chunk = stacked[rows].transpose(0, 1).contiguous().float()
-                yield rows, softcapped_(torch.nn.functional.linear(chunk, weight, bias), softcap, temperature)
-
-    normaliser = torch.full((contexts, num_tokens), -math.inf, device=device)
-    for rows, logits in tiled_logits():
-        normaliser[:, rows] = torch.logaddexp(normaliser[:, rows], torch.logsumexp(logits, dim=-1))
-    total = torch.zeros(contexts - 1, num_tokens, dtype=torch.float32, device=device)
-    for rows, logits in tiled_logits():
-        logprobs = logits.sub_(normaliser[:, rows, None])
-        total[:, rows] += _js_terms(logprobs[0], logprobs[1:])
-    return ((0.5 / LN2) * total).clamp_(0.0, 1.0)

@@ -21,9 +21,10 @@ import torch
 
 from .._trl import tokenize_prompts
 from ..config import MRTPOConfig
-from ..diagnostics import CreditRecord, token_strings
+from ..diagnostics import CreditRecord
 from ..info_blocks import InfoBlock
 from ..kits import KIT_NAMES, Kit, get_kit
+from ..observability.summaries import token_strings
 
 CONTROL_SENTENCE = "The museum on the corner opens at nine on Sundays."
 CONTROL_NAME = "control_irrelevant_sentence"
@@ -88,7 +89,12 @@ def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            entry = json.loads(line)
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number} is not JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(entry, dict):
+                raise ValueError(f"{path} line {number} is a JSON {type(entry).__name__}, not an object")
             completion = entry.get("completion")
             trajectory = isinstance(completion, list) and all(isinstance(m, dict) and "role" in m for m in completion)
             if "prompt" not in entry or not (isinstance(completion, str) or trajectory):
@@ -98,10 +104,22 @@ def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int
                 )
             if trajectory and not any(m["role"] == "assistant" for m in completion):
                 raise ValueError(f"{path} line {number}: the trajectory holds no assistant turn")
+            for call in (c for m in completion if trajectory for c in m.get("tool_calls") or ()):
+                function = call.get("function", call) if isinstance(call, dict) else None
+                if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+                    raise ValueError(
+                        f"{path} line {number}: a tool call is {call!r:.80}; it is {{'function': {{'name': ..., "
+                        "'arguments': {...}}}} (or the function's name and arguments alone), as TRL records them"
+                    )
             groups.setdefault(json.dumps(entry["prompt"], sort_keys=True), []).append(entry)
     sizes = {len(g) for g in groups.values()}
     if len(sizes) != 1:
         raise ValueError(f"{path}: every prompt needs the same number of completions, found {sorted(sizes)}")
+    if sizes == {1}:
+        raise ValueError(
+            f"{path}: one completion per prompt; credit compares the responses to a prompt, so give each prompt at "
+            "least 2 (the same prompt on several lines)"
+        )
     rows = [{k: v for k, v in group[0].items() if k != "completion"} for group in groups.values()]
     completions = [entry["completion"] for group in groups.values() for entry in group]
     return rows, completions, sizes.pop()

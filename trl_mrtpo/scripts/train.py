@@ -11,9 +11,11 @@ their readers of published data) and one info-block builder per reward.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from trl import ScriptArguments
 
@@ -278,21 +280,39 @@ def recipe_model(model_args) -> str:
     model = model_args.model_name_or_path
     if model is None:
         raise ValueError("model_name_or_path is required (a hub id, a local folder, 'embedded' or 'embedded-agent')")
+    written_as_path = model.startswith(("/", "./", "../", "~"))
+    if written_as_path and not os.path.isdir(os.path.expanduser(model)):
+        raise FileNotFoundError(f"model_name_or_path {model!r} is a path, and no such folder exists")
     return local_model(model)
 
 
-def build_trainer(
-    script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None, recipe: str | None = None
-):
-    """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2). Model
-    loading follows TRL's script: revision, attention implementation, dtype, ``trust_remote_code`` and the
-    quantization config (QLoRA) reach ``from_pretrained``; ``model_init_kwargs`` of the recipe win."""
-    from trl import get_peft_config, get_quantization_config
+class RecipeInputs(NamedTuple):
+    """What a recipe names, resolved and checked before the model loads (:func:`recipe_inputs`)."""
 
-    from ..observability.callbacks import CreditPlotCallback
+    trainer_class: type | None
+    template: str | None
+    kit: Any
+    rewards: list
+    blocks: list
+    boundaries: list | None
+    process_rewards: list
+    model: str
+    train_dataset: Any
+    eval_dataset: Any
+
+
+def recipe_inputs(script_args: MRTPOScriptArguments, training_args, model_args, dataset_args=None) -> RecipeInputs:
+    """Everything a recipe names that is known before the model loads, resolved: its trainer and chat template
+    (:func:`check_recipe`), its rewards and info blocks (one block or None per reward), its failure boundaries and
+    process rewards, its model (a local folder must exist) and its data. A mistake raises ``TypeError``,
+    ``ValueError``, ``ImportError`` or ``FileNotFoundError`` naming it, which ``train`` shows after its usage line."""
+    from ..info_blocks import check_builders
+    from ..utils import function_name
 
     trainer_class, template = check_recipe(script_args, training_args)
     kit, rewards, blocks = recipe_rewards(script_args)
+    if kit is None or kit.environment is None:  # an environment's reward is added by TRL, with its own block
+        check_builders(blocks, [function_name(f) for f in rewards])
     boundaries = None
     if script_args.failure_masking:
         if kit is None or not kit.failure_boundaries or script_args.reward_funcs:
@@ -311,6 +331,29 @@ def build_trainer(
     }
     training_args.model_init_kwargs = {**model_init_kwargs, **(training_args.model_init_kwargs or {})}
     train_dataset, eval_dataset = load_datasets(script_args, training_args, dataset_args)
+    return RecipeInputs(trainer_class, template, kit, rewards, blocks, boundaries, process_rewards, model,
+                        train_dataset, eval_dataset)  # fmt: skip
+
+
+def build_trainer(
+    script_args: MRTPOScriptArguments,
+    training_args,
+    model_args,
+    dataset_args=None,
+    recipe: str | None = None,
+    inputs: RecipeInputs | None = None,
+):
+    """The MRTPOTrainer a recipe describes (``model_name_or_path: embedded`` is the embedded SmolLM2), from its
+    :func:`recipe_inputs` (resolved here unless given). Model loading follows TRL's script: revision, attention
+    implementation, dtype, ``trust_remote_code`` and the quantization config (QLoRA) reach ``from_pretrained``;
+    ``model_init_kwargs`` of the recipe win."""
+    from trl import get_peft_config, get_quantization_config
+
+    from ..observability.callbacks import CreditPlotCallback
+
+    inputs = inputs or recipe_inputs(script_args, training_args, model_args, dataset_args)
+    trainer_class, template, kit, rewards, blocks, boundaries, process_rewards, model = inputs[:8]
+    train_dataset, eval_dataset = inputs.train_dataset, inputs.eval_dataset
     if script_args.trainer == "opsd":
         return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
     processing_class = None
@@ -378,15 +421,22 @@ def data_source(script_args: MRTPOScriptArguments, dataset_args=None) -> str | N
     return None
 
 
-def main(script_args, training_args, model_args, dataset_args=None, recipe: str | None = None):
-    """Build, train, save, write the model card, (with ``push_to_hub``) push and end the process group; returns the
-    trainer."""
+def main(
+    script_args,
+    training_args,
+    model_args,
+    dataset_args=None,
+    recipe: str | None = None,
+    inputs: RecipeInputs | None = None,
+):
+    """Build (from ``inputs`` when ``train`` resolved them already), train, save, write the model card, (with
+    ``push_to_hub``) push and end the process group; returns the trainer."""
     import torch
 
     from . import default_threads
 
     torch.set_num_threads(script_args.threads or default_threads())
-    trainer = build_trainer(script_args, training_args, model_args, dataset_args, recipe)
+    trainer = build_trainer(script_args, training_args, model_args, dataset_args, recipe, inputs)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json: the run's logged metrics, beside the model (benchmarks/agent_ab.py)
@@ -454,17 +504,20 @@ def launch_train(argv: Sequence[str]) -> None:
 
 
 def run(argv: Sequence[str]):
-    """``trl-mrtpo train ARGV``: a value the recipe gets wrong is refused after the usage line with exit status 2,
-    as argparse refuses a flag, before the model loads."""
+    """``trl-mrtpo train ARGV``: a value the recipe gets wrong (its YAML, a reward or block path, the blocks' count, a
+    data file, a model folder, ...) is refused after the usage line with exit status 2, as argparse refuses a flag,
+    before the model loads (:func:`recipe_inputs`)."""
+    import yaml
+
     argv = list(argv)
     parser = make_parser()
     try:
         parsed = parse_recipe(argv)
-        check_recipe(*parsed[:2])
-    except (TypeError, ValueError, FileNotFoundError) as error:
-        parser.error(str(error))
+        inputs = recipe_inputs(*parsed)
+    except (TypeError, ValueError, ImportError, FileNotFoundError, yaml.YAMLError) as error:
+        parser.error(f"the recipe is not valid YAML: {error}" if isinstance(error, yaml.YAMLError) else str(error))
     recipe = argv[argv.index("--config") + 1] if "--config" in argv else None
-    return main(*parsed, recipe=recipe)
+    return main(*parsed, recipe=recipe, inputs=inputs)
 
 
 if __name__ == "__main__":  # what `trl-mrtpo train --accelerate_config ...` launches
