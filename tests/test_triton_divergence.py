@@ -21,6 +21,7 @@ import torch
 from tests.reference import js_float64
 from trl_mrtpo.ops import device_rule, divergence, replay_divergence, triton_divergence
 from trl_mrtpo.ops.divergence import stacked_states
+from trl_mrtpo.ops.js import js_divergence
 
 pytestmark = pytest.mark.skipif(not triton_divergence.is_available(), reason="Triton is not installed")
 RUNS_KERNELS = triton_divergence.interpreting() or torch.cuda.is_available()
@@ -208,7 +209,7 @@ def _rounds_logits_to_bf16(stacked, weight, bias, temperature, softcap=None, chu
     z = (z + (0 if bias is None else bias.float())).bfloat16().float()
     z = (softcap * torch.tanh(z / softcap) if softcap else z) / temperature
     logprobs = torch.log_softmax(z, -1)
-    return divergence.js_divergence(logprobs[0], logprobs[1:])
+    return js_divergence(logprobs[0], logprobs[1:])
 
 
 def _torch_rule(stacked, weight, bias, temperature, softcap=None):

@@ -263,7 +263,7 @@ class _Decoder:
     def hidden(self, cache, cached: int, rows: Sequence[Sequence[int]]) -> torch.Tensor:
         """``[len(rows), width, H]`` last hidden states of right-padded ``rows`` after the shared cached prefix."""
         input_ids, attention_mask = padded(rows, self.device)
-        kwargs = {}
+        kwargs = {"use_cache": False}  # without a prefix, a cache of the batch would be built and thrown away
         if cache is not None:
             batch_cache = copy.deepcopy(cache)
             batch_cache.batch_repeat_interleave(len(rows))

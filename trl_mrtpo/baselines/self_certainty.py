@@ -13,7 +13,7 @@ import torch
 
 from .._trl import tokenize_prompts
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE, VOCAB_TILE
-from ..ops.divergence import softcapped_
+from ..ops.js import softcapped_
 from ..replay import final_logit_softcap, lm_head_parameters, replayed_hidden_states
 
 

@@ -22,7 +22,7 @@ from ..constants import (
     REPLAY_FORWARD_SHARE,
     REPLAY_STATES_SHARE,
 )
-from .divergence import softcapped_
+from .js import softcapped_
 
 logger = logging.get_logger(__name__)
 
@@ -246,8 +246,8 @@ def device_divergence(
     of the memory usable now), or of ``chunk_size`` tokens when given; the whole vocabulary at once, one pass.
 
     Each chunk is one GEMM of :func:`chunk_logits` (the temperature in its epilogue unless a softcap comes first),
-    one ``log_softmax`` and the JS of :func:`_js_terms_in_place` in place: about 24 aten operators and one GEMM per
-    chunk, whatever the vocabulary.
+    one ``log_softmax`` and the JS of :func:`_js_terms_in_place` in place: about 24 aten operators
+    and one GEMM per chunk, whatever the vocabulary.
     """
     num_tokens, contexts = stacked.shape[:2]
     num_removed, vocab = contexts - 1, lm_head_weight.shape[0]
@@ -268,11 +268,11 @@ def device_divergence(
 
 
 def _js_terms_in_place(logprobs_p: torch.Tensor, logprobs_q: torch.Tensor) -> torch.Tensor:
-    """:func:`_js_terms` over the last dimension, overwriting ``logprobs_q`` (``[n, M, V]``, with ``logprobs_p``
-    ``[n, 1, V]``): ``[n, M]``. Two ``[n, M, V]`` temporaries; ``-u a`` is written ``u log u`` (``u = exp(-a)``), so
-    ``a`` need not be kept beside ``u``."""
+    """:func:`~trl_mrtpo.ops.js.js_terms` over the last dimension, overwriting ``logprobs_q`` (``[n, M, V]``, with
+    ``logprobs_p`` ``[n, 1, V]``): ``[n, M]``. Two ``[n, M, V]`` temporaries; ``-u a`` is written ``u log u``
+    (``u = exp(-a)``), so ``a`` need not be kept beside ``u``."""
     larger = torch.maximum(logprobs_p, logprobs_q)
-    gap = logprobs_q.sub_(logprobs_p).abs_().nan_to_num_(MAX_LOG_RATIO).clamp_(max=MAX_LOG_RATIO)  # as _js_terms
+    gap = logprobs_q.sub_(logprobs_p).abs_().nan_to_num_(MAX_LOG_RATIO).clamp_(max=MAX_LOG_RATIO)  # as js_terms
     share = gap.neg_().exp_()  # u = min(p, q) / max(p, q), in the gap's buffer
     terms = torch.log1p(share).neg_().add_(LN2)  # log b - log m
     terms.addcmul_(terms, share).add_(share.xlogy_(share))  # (1 + u)(log b - log m) - u a

@@ -8,7 +8,7 @@ import math
 import torch
 
 from ..constants import DEFAULT_CHUNK_ELEMENTS, LN2, MIN_CHUNK_TOKENS, VOCAB_TILE
-from .divergence import _js_terms, softcapped_
+from .js import js_terms, softcapped_
 
 
 def tiled_divergence(
@@ -43,5 +43,5 @@ def tiled_divergence(
     total = torch.zeros(contexts - 1, num_tokens, dtype=torch.float32, device=device)
     for rows, logits in tiled_logits():
         logprobs = logits.sub_(normaliser[:, rows, None])
-        total[:, rows] += _js_terms(logprobs[0], logprobs[1:])
+        total[:, rows] += js_terms(logprobs[0], logprobs[1:])
     return ((0.5 / LN2) * total).clamp_(0.0, 1.0)
