@@ -465,7 +465,7 @@ def replay_relevance(
     if len(contexts) != len(completions):
         raise ValueError(f"{len(contexts)} context lists for {len(completions)} completions")
     _, head = causal_lm_parts(model)
-    state_bytes = head.weight.shape[1] * head.weight.element_size()  # per token and context
+    state_bytes = head.in_features * head.weight.element_size()  # per token and context (a ZeRO-3 weight is empty)
     sizes = [
         (j, len(ctx) * len(completion) * state_bytes)
         for j, (ctx, completion) in enumerate(zip(contexts, completions))

@@ -232,8 +232,9 @@ def own_copies(kwargs: dict[str, Any]) -> dict[str, Any]:
 def checked_reward(func: Callable, name: str) -> Callable:
     """``func`` with its return value checked by :func:`check_reward_values` (sync or async, name kept). It gets
     copies of the prompts and completions: a function that edits them changes nothing the next reward, the info
-    blocks or the replay see. A first batch scored None throughout is warned about (:func:`_first_batch_check`)."""
-    first_batch = _first_batch_check(name)
+    blocks or the replay see. A first batch scored None throughout, or early batches giving one value, is warned about
+    (:func:`_early_batches_check`)."""
+    early_batches = _early_batches_check(name)
     # one value per completion (per environment, for an environment's reward called with ``environments`` alone)
     owed = lambda kwargs: len(kwargs.get("completions", kwargs.get("environments")))  # noqa: E731
     if inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__):
@@ -241,14 +242,14 @@ def checked_reward(func: Callable, name: str) -> Callable:
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
             values = await func(*args, **own_copies(kwargs))
-            return first_batch(check_reward_values(name, values, owed(kwargs)))
+            return early_batches(check_reward_values(name, values, owed(kwargs)))
 
         checked_async.__name__ = name  # TRL names a reward by it (a callable object's class name otherwise)
         return checked_async
 
     @functools.wraps(func)
     def checked(*args, **kwargs):
-        return first_batch(check_reward_values(name, func(*args, **own_copies(kwargs)), owed(kwargs)))
+        return early_batches(check_reward_values(name, func(*args, **own_copies(kwargs)), owed(kwargs)))
 
     checked.__name__ = name
     return checked
@@ -258,7 +259,7 @@ def checked_reward(func: Callable, name: str) -> Callable:
 CONSTANT_REWARD_BATCHES = 10
 
 
-def _first_batch_check(name: str) -> Callable[[list], list]:
+def _early_batches_check(name: str) -> Callable[[list], list]:
     """Passes a reward's values through, warning once when the first batch is None (NaN) throughout (a forgotten
     ``return`` trains as a reward that never applies), and once when the first :data:`CONSTANT_REWARD_BATCHES`
     batches gave every sample one value (a wrong path or column scores everything alike: no advantage anywhere)."""

@@ -352,8 +352,8 @@ def build_trainer(
     from ..observability.callbacks import CreditPlotCallback
 
     inputs = inputs or recipe_inputs(script_args, training_args, model_args, dataset_args)
-    trainer_class, template, kit, rewards, blocks, boundaries, process_rewards, model = inputs[:8]
-    train_dataset, eval_dataset = inputs.train_dataset, inputs.eval_dataset
+    (trainer_class, template, kit, rewards, blocks, boundaries, process_rewards, model, train_dataset,
+     eval_dataset) = inputs  # fmt: skip
     if script_args.trainer == "opsd":
         return _opsd_trainer(script_args, training_args, model_args, model, rewards, blocks, train_dataset)
     processing_class = None
