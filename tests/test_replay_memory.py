@@ -157,12 +157,13 @@ def _bf16_product(rows, weight_t, bias, scale, fp32_weight_t):
 
 def test_the_projection_check_refuses_tf32_and_a_bf16_product(monkeypatch):
     """IEEE fp32 passes within 1e-3 of the median q (measured 6e-5 of it at H 3,584, V 32,768); both planted faults
-    are refused, naming the cause."""
+    are refused, naming the cause. Here IEEE fp32 reads 0.08 of the bound on AVX2 and 0.11 on ATen's default float
+    path (CI runs both; the summation order differs), TF32 48x it."""
     torch.set_num_threads(1)
     weight = torch.randn(8_192, 512, generator=torch.Generator().manual_seed(1)) / 16
     bias = torch.randn(8_192, generator=torch.Generator().manual_seed(2))
     figures = check_projection(weight, bias, 0.7, 30.0)
-    assert figures["max_error"] <= 0.1 * figures["bound"], figures  # a wide margin, not a near miss
+    assert figures["max_error"] <= 0.25 * figures["bound"], figures  # a wide margin, not a near miss
     for fault in (_tf32_logits, _bf16_product):
         monkeypatch.setattr(device_rule, "fp32_logits", fault)
         with pytest.raises(ValueError, match="projection is not fp32-exact on this device: .* TF32 matmuls"):
