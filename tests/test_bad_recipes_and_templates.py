@@ -419,7 +419,7 @@ RECIPE_FIELDS = [
     (
         "process_rewards",
         "process_rewards: [tests.test_bad_recipes_and_templates.says_red_process]\n",
-        lambda t: [f.__name__ for f in t.credit_terms["steps"].process_rewards] == ["says_red_process"],
+        lambda t: [f.__name__ for f in t.credit_terms["process"].process_rewards] == ["says_red_process"],
     ),
     (
         "trainer: research",

@@ -56,13 +56,13 @@ class SquaredRelevance(CreditRule):
 
 
 class LaterTokens(CreditTerm):
-    """A term that adds 0.05 per position to every model token, logged as mrtpo/later_tokens."""
+    """A term that adds 0.05 per position to every model token; it logs a figure named like the trainer's own beta."""
 
     name = "later_tokens"
 
     def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
         positions = torch.arange(batch.mask.shape[1], dtype=torch.float32, device=batch.mask.device)
-        return Contribution(process=0.05 * positions * batch.mask, logged=[("later_tokens", 1.0)])
+        return Contribution(process=0.05 * positions * batch.mask, logged=[("added", 1.0), ("beta", 7.0)])
 
 
 @pytest.fixture
@@ -115,8 +115,11 @@ def test_a_term_defined_in_a_test_file_adds_to_the_rule(tiny_model, tiny_tokeniz
     term = LaterTokens()
     trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[term])
     assert trainer.credit_terms == {"later_tokens": term}
-    logged = [h for h in trainer.state.log_history if "mrtpo/later_tokens" in h]
+    logged = [h for h in trainer.state.log_history if "mrtpo/later_tokens/added" in h]
     assert len(logged) == 2
+    # a term's figures are namespaced under its name: its "beta" is not averaged into the trainer's
+    assert [h["mrtpo/later_tokens/beta"] for h in logged] == [7.0, 7.0]
+    assert [h["mrtpo/beta"] for h in logged] == [c.beta for c in trainer.credits] == [0.5, 0.5]
     for credit in trainer.credits:
         positions = torch.arange(credit.mask.shape[1], dtype=torch.float64)
         expected = reference_step_credit_advantages(

@@ -65,25 +65,22 @@ class CreditSetup:
 class Contribution:
     """What a term adds to one local batch: token advantages added after the cap (``process``, ``[B, C]``), where a
     reward's negative credit is dropped (``failure_suffix``, ``[B, K, C]`` bool), and ``(name, value)`` pairs logged
-    as ``mrtpo/<name>``."""
+    as ``mrtpo/<term>/<name>`` under the term's own name."""
 
     process: torch.Tensor | None = None
     failure_suffix: torch.Tensor | None = None
     logged: Sequence[tuple[str, float]] = ()
 
     def joined(self, other: Contribution) -> Contribution:
-        """Two terms' additions: process advantages add up, failure suffixes unite."""
+        """Two terms' additions: process advantages add up, failure suffixes unite (each term's figures are logged
+        before they are joined)."""
 
         def join(a, b):
             if a is None or b is None:
                 return b if a is None else a
             return a | b if a.dtype == torch.bool else a + b
 
-        return Contribution(
-            join(self.process, other.process),
-            join(self.failure_suffix, other.failure_suffix),
-            [*self.logged, *other.logged],
-        )
+        return Contribution(join(self.process, other.process), join(self.failure_suffix, other.failure_suffix))
 
 
 @dataclass

@@ -312,14 +312,15 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         return ScoredBatch.local(scored, local, group_adv, varying, reward_weights, output)
 
     def _contributions(self, batch: ScoredBatch, mode: str) -> Contribution:
-        """What the terms add to the local batch, joined; their figures logged as ``mrtpo/<name>``."""
+        """What the terms add to the local batch, joined; a term's figures logged as ``mrtpo/<term>/<figure>``."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         added = Contribution()
         for term in self._checked_terms:
-            added = added.joined(term(batch, tokenizer, num_generations, self.accelerator.process_index, self.state))
-        for metric, value in added.logged:
-            _trl.log_metric(self, mode, f"mrtpo/{metric}", value)
+            own = term(batch, tokenizer, num_generations, self.accelerator.process_index, self.state)
+            for metric, value in own.logged:
+                _trl.log_metric(self, mode, f"mrtpo/{term.name}/{metric}", value)
+            added = added.joined(own)
         return added
 
     def _token_credit(

@@ -385,7 +385,7 @@ class StepCredit(CreditTerm):
     """A run's step-level credit term: its process rewards (with their names and weights) and each reward's failure
     boundary builder (or None); built from the trainer's ``process_rewards`` and ``failure_boundaries``."""
 
-    name: ClassVar[str] = "steps"
+    name: ClassVar[str] = "process"
     process_rewards: list[Callable]
     process_weights: list[float]
     failure_builders: list[Callable | None]
@@ -447,4 +447,4 @@ class StepCredit(CreditTerm):
                 batch.mask.shape[1],
                 batch.views,
             ).to(batch.mask.device)
-        return Contribution(process, suffix, [(f"process/{name}", mean) for name, mean in means])
+        return Contribution(process, suffix, means)
