@@ -252,7 +252,7 @@ def recording_step_rules(trainer, tokenizer) -> list[dict]:
             }
         )
 
-    observe_term(trainer.credit_terms["steps"], recording)
+    observe_term(trainer.credit_terms["process"], recording)
     return records
 
 

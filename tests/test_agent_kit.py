@@ -43,6 +43,12 @@ def shop() -> ShopEnvironment:
     return env
 
 
+def test_a_row_without_its_stock_is_refused_not_an_empty_store():
+    """TRL passes the row to reset(): one lacking 'stock' was an empty store, where every call failed unnamed."""
+    with pytest.raises(ValueError, match=r"starts from the row's 'stock' .* this row has only \['prompt'\]"):
+        ShopEnvironment().reset(prompt="a row of another task")
+
+
 def state(env: ShopEnvironment):
     return dict(env.stock), dict(env.cart), env.paid
 
@@ -221,7 +227,7 @@ def test_the_agent_kit_on_trls_tool_loop_ends_blame_at_the_failing_turn(tiny_tok
         processing_class=tokenizer,
     )
     observe_term(
-        trainer.credit_terms["steps"],
+        trainer.credit_terms["process"],
         lambda batch, credit: recorded.append((batch, credit.failure_suffix, credit.process)),
     )
     trainer.train()

@@ -398,9 +398,12 @@ def test_inspect_gives_the_q_training_gives_on_the_same_responses(tmp_path, tiny
 
 
 def test_inspect_config_replays_with_the_recipes_separator(tmp_path, tiny_tokenizer, monkeypatch):
-    """The contexts inspect --config replays are the training run's for the recipe: its info_block_separator joins
-    the appended blocks (they were joined with the default blank line)."""
+    """The contexts inspect --config replays are the training run's for the recipe, the control's too: its
+    info_block_separator joins the appended blocks (they were joined with the default blank line, and the control's
+    always were), its chat_template_kwargs render the prompts, and its rollout settings (max_tool_calling_iterations,
+    top_p) reach the trainer (they were dropped)."""
     from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.scripts import inspection
     from trl_mrtpo.scripts.cli import main
 
     recipe = tiny_recipe(
@@ -409,21 +412,28 @@ def test_inspect_config_replays_with_the_recipes_separator(tmp_path, tiny_tokeni
         2,
         "reward_funcs: [tests.test_inspection.says_red, tests.test_inspection.says_red]\n"
         "info_blocks: [tests.test_inspection.red_block, tests.test_inspection.red_block]\n"
-        "info_block_separator: ' || '\n",
+        "info_block_separator: ' || '\nmax_tool_calling_iterations: 1\ntop_p: 0.9\n"
+        "chat_template_kwargs: {reasoning_effort: low}\n",
     )
-    contexts = []
-    replay_record = MRTPOTrainer._replay_record
+    contexts, configs = [], []
+    replay_record, sample_credit = MRTPOTrainer._replay_record, inspection.sample_credit
 
     def recording(self, batch):
         record = replay_record(self, batch)
-        if self.reward_func_names[0] == "says_red":  # the recipe's trainer, not the control's
-            contexts.extend(self.processing_class.decode(ids[0]) for ids in record.context_ids if ids)
+        contexts.extend(self.processing_class.decode(ids[0]) for ids in record.context_ids if ids)
         return record
 
+    def sampling(trainer, rows, num_generations):
+        configs.append(trainer.args)
+        return sample_credit(trainer, rows, num_generations)
+
     monkeypatch.setattr(MRTPOTrainer, "_replay_record", recording)
+    monkeypatch.setattr(inspection, "sample_credit", sampling)
     main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "4",
           "--output", str(tmp_path / "credit.html"), "--threads", "1"])  # fmt: skip
-    assert contexts and all(" || " in context for context in contexts), contexts[:1]
+    assert len(contexts) > 2 and all(" || " in context for context in contexts), contexts[:1]
+    assert [c.chat_template_kwargs for c in configs] == [{"reasoning_effort": "low"}] * 2  # the recipe's, the control
+    assert (configs[0].max_tool_calling_iterations, configs[0].top_p) == (1, 0.9)
 
 
 @pytest.mark.parametrize(
@@ -560,3 +570,88 @@ def test_recorded_completions_are_named_by_file_and_line(tmp_path, lines, messag
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=message):
         load_completions(str(path))
+
+
+class Counter:
+    """A one-tool environment whose result depends on the row (``start``): a short schema, so a tool trajectory
+    replays in well under a second on the tiny model."""
+
+    def reset(self, **row):
+        self.start = int(row["start"])
+
+    def add(self, n: int) -> str:
+        """Add n to the counter.
+
+        Args:
+            n: how much to add.
+        """
+        return str(self.start + n)
+
+
+def said_total(completions, start, **kwargs):
+    """1 when the last turn names start + 2 (the recorded trajectories add 2)."""
+    return [float(f"is {s + 2}." in c[-1]["content"]) for c, s in zip(completions, start)]
+
+
+def counter_trajectory(result: str, answer: str, rounds: int = 1) -> list[dict]:
+    add = {"type": "function", "function": {"name": "add", "arguments": {"n": 2}}}
+    call = {"role": "assistant", "tool_calls": [add]}
+    return [*[m for _ in range(rounds) for m in (call, {"role": "tool", "name": "add", "content": result})],
+            {"role": "assistant", "content": answer}]  # fmt: skip
+
+
+@pytest.fixture
+def counter_model(tmp_path, tiny_tokenizer):
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import tiny_llama_config
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny"
+    LlamaForCausalLM(tiny_llama_config(tiny_tokenizer, max_position_embeddings=4096)).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    return str(model_dir)
+
+
+def replay_recorded(tmp_path, model, trajectories, **settings):
+    import json
+
+    path = tmp_path / "recorded.jsonl"
+    row = {"prompt": [{"role": "user", "content": "Add 2 to the counter."}], "start": 3}
+    path.write_text("\n".join(json.dumps({**row, "completion": c}) for c in trajectories))
+    return inspect_credit(model=model, reward_funcs=[said_total], info_blocks=[None], completions=str(path),
+                          environment_factory=Counter, chat_template="qwen3", beta=0.5, **settings)  # fmt: skip
+
+
+def test_a_recorded_trajectory_is_scored_whole_whatever_its_length(tmp_path, counter_model, monkeypatch):
+    """A trajectory longer than 1,024 tokens keeps its last turn (it was cut there without a word, and its answer
+    reward fell from 1 to 0)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    long_answer = "Let me think. " * 300 + "The counter is 5."
+    record, _ = replay_recorded(tmp_path, counter_model, [counter_trajectory("5", long_answer)] * 2)
+    assert record.rewards[:2, 0].tolist() == [1.0, 1.0]
+
+
+def test_a_recorded_tool_result_the_environment_does_not_give_is_refused_by_line(tmp_path, counter_model, monkeypatch):
+    """A recorded result is the trajectory's evidence: one that the row's environment does not return (a recorded
+    error, or a row lacking what reset() reads) is refused naming the line, not scored on the environment's."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    recorded = [counter_trajectory("5", "The counter is 5."), counter_trajectory("error: no counter", "It failed.")]
+    with pytest.raises(ValueError, match=r"recorded.jsonl line 2: its tool result 1 is recorded as 'error: no counter'"
+                                         r" but the row's environment returns '5'"):  # fmt: skip
+        replay_recorded(tmp_path, counter_model, recorded)
+
+
+def test_a_trajectory_the_recipes_tool_rounds_would_cut_is_refused_by_line(tmp_path, counter_model, monkeypatch):
+    """The recipe's max_tool_calling_iterations reaches inspect's trainer: a recorded trajectory with more tool rounds
+    than training allows is refused, naming the line and the setting (it was replayed with 3 rounds whatever the
+    recipe said)."""
+    from trl_mrtpo import MRTPOConfig
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    recorded = [counter_trajectory("5", "The counter is 5.", rounds=2)] * 2
+    recipe = MRTPOConfig(str(tmp_path), max_tool_calling_iterations=1, bf16=False, use_cpu=True)
+    with pytest.raises(ValueError, match=r"recorded.jsonl line 1: 2 of its 3 assistant turns were replayed: .*"
+                                         r"max_tool_calling_iterations \(1\)"):  # fmt: skip
+        replay_recorded(tmp_path, counter_model, recorded, recipe_args=recipe)

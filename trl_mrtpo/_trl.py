@@ -49,6 +49,8 @@ GRPO_TRAINER_NAMES = {
     "_push_from_checkpoint": "overridden (transformers Trainer, inside _save_checkpoint): MRTPO's state is written "
     "before the checkpoint is uploaded",
     "_save": "overridden (transformers Trainer): an adapter of a local model copy is saved without a Hub lookup",
+    "_generate_single_turn": "overridden by inspect's replay of recorded tool trajectories: serves their turns",
+    "_tool_call_loop": "overridden by inspect's replay of recorded tool trajectories: reads the tool results",
 }
 # Python's error when GRPOTrainer._generate_and_score_completions appends what an environment's reset() returned to
 # the prompt's text and it is not a string (TRL 1.16 appends with +): the returned type is its group 1.

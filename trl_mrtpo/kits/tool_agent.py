@@ -73,8 +73,12 @@ class ShopEnvironment:
         self.paid: int | None = None
 
     def reset(self, **row) -> None:
-        """Start from the row's store (``stock``: a JSON object of item -> count); the catalogue's prices."""
-        stock = json.loads(row["stock"]) if isinstance(row.get("stock"), str) else dict(row.get("stock") or {})
+        """Start from the row's store (``stock``: a JSON object of item -> count); the catalogue's prices. A row
+        without ``stock`` is refused: it would be a silently empty store, where every call fails."""
+        if "stock" not in row:
+            raise ValueError(f"The agent kit's store starts from the row's 'stock' (item -> count); this row has only "
+                             f"{sorted(row)}.")  # fmt: skip
+        stock = json.loads(row["stock"]) if isinstance(row["stock"], str) else dict(row["stock"] or {})
         self.stock = {str(item): int(count) for item, count in stock.items()}
         self.prices = {item: ITEMS[item] for item in self.stock if item in ITEMS}
         self.cart, self.paid = {}, None

@@ -78,12 +78,12 @@ def model_token_ids(record: CreditRecord) -> list[list[int]]:
     return ids
 
 
-def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int]:
+def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int, list[str]]:
     """Existing completions from a JSONL file: one line per response with ``prompt``, ``completion`` and the row
     fields the task's rewards read. A completion is a string, or a recorded tool trajectory: the list of messages
     TRL's tool loop produces (assistant turns, with their ``tool_calls``, and ``tool`` results). Returns ``(rows,
-    completions, group_size)``; every prompt needs the same number of responses, and completions come back grouped by
-    prompt in order of first appearance."""
+    completions, group_size, lines)``, ``lines`` naming each completion's file and line; every prompt needs the same
+    number of responses, and completions come back grouped by prompt in order of first appearance."""
     groups: dict[str, list[dict]] = {}
     with open(path) as f:
         for number, line in enumerate(f, 1):
@@ -111,7 +111,7 @@ def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int
                         f"{path} line {number}: a tool call is {call!r:.80}; it is {{'function': {{'name': ..., "
                         "'arguments': {...}}}} (or the function's name and arguments alone), as TRL records them"
                     )
-            groups.setdefault(json.dumps(entry["prompt"], sort_keys=True), []).append(entry)
+            groups.setdefault(json.dumps(entry["prompt"], sort_keys=True), []).append((entry, f"{path} line {number}"))
     sizes = {len(g) for g in groups.values()}
     if len(sizes) != 1:
         raise ValueError(f"{path}: every prompt needs the same number of completions, found {sorted(sizes)}")
@@ -120,9 +120,9 @@ def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int
             f"{path}: one completion per prompt; credit compares the responses to a prompt, so give each prompt at "
             "least 2 (the same prompt on several lines)"
         )
-    rows = [{k: v for k, v in group[0].items() if k != "completion"} for group in groups.values()]
-    completions = [entry["completion"] for group in groups.values() for entry in group]
-    return rows, completions, sizes.pop()
+    rows = [{k: v for k, v in group[0][0].items() if k != "completion"} for group in groups.values()]
+    completions = [entry["completion"] for group in groups.values() for entry, _ in group]
+    return rows, completions, sizes.pop(), [line for group in groups.values() for _, line in group]
 
 
 def recorded_turns(tokenizer, trajectories: list[list[dict]]):
@@ -131,7 +131,7 @@ def recorded_turns(tokenizer, trajectories: list[list[dict]]):
     template as the model would have written it (an empty reasoning block the template adds is left out). TRL's
     tool loop parses the calls, runs them in the row's environment (so the tool results are the environment's) and
     masks them, as in training. Sequences are matched to their trajectory by the ids served so far; one asking
-    beyond its recorded turns gets the end of turn."""
+    beyond its recorded turns gets the end of turn. Returns it and each trajectory's count of turns served."""
     turns = [[m for m in trajectory if m["role"] == "assistant"] for trajectory in trajectories]
     served: list[list[int] | None] = [None] * len(trajectories)  # each trajectory's ids so far (prompt + turns)
     taken = [0] * len(trajectories)
@@ -169,7 +169,48 @@ def recorded_turns(tokenizer, trajectories: list[list[dict]]):
             replies.append(reply)
         return replies, None
 
-    return generate_single_turn
+    return generate_single_turn, taken
+
+
+def replaying_class(trainer_class: type, trajectories: list[list[dict]], tokenizer) -> tuple[type, list, list[int]]:
+    """``trainer_class`` with the recorded ``trajectories``' turns served in place of sampling (see
+    :func:`recorded_turns`); returns it, the list that the message lists TRL's tool loop ends with are appended to,
+    and the turns served."""
+    serve, served = recorded_turns(tokenizer, trajectories)
+    replayed: list[list[dict]] = []
+
+    def tool_call_loop(self, *args):
+        result = super(replaying, self)._tool_call_loop(*args)
+        replayed.extend(result[1])  # each sample's messages, the environment's tool results among them
+        return result
+
+    methods = {"_generate_single_turn": serve, "_tool_call_loop": tool_call_loop}
+    replaying = type(f"Replaying{trainer_class.__name__}", (trainer_class,), methods)
+    return replaying, replayed, served
+
+
+def check_as_recorded(trajectories: list, replayed: list, served: list[int], lines: list[str], args) -> None:
+    """Refuses a recorded trajectory that TRL's tool loop did not replay as recorded, naming its line: one stopped
+    before its last turn (the recipe's ``max_tool_calling_iterations``, or its length), or one whose tool results the
+    row's environment does not return (a recorded error, a row lacking what ``reset()`` reads): inspect would score
+    another trajectory than the one recorded."""
+    for trajectory, messages, taken, line in zip(trajectories, replayed, served, lines):
+        turns = sum(m["role"] == "assistant" for m in trajectory)
+        if taken < turns:
+            raise ValueError(
+                f"{line}: {taken} of its {turns} assistant turns were replayed: TRL's tool loop stops it at "
+                f"max_tool_calling_iterations ({args.max_tool_calling_iterations}) or max_completion_length "
+                f"({args.max_completion_length} tokens), as training would; inspect scores a trajectory as recorded."
+            )
+        returned = [str(m.get("content")) for m in messages if m["role"] == "tool"]
+        recorded = [str(m.get("content")) for m in trajectory if m["role"] == "tool"]
+        for i, (kept, given) in enumerate(zip(recorded, returned), 1):
+            if kept != given:
+                raise ValueError(
+                    f"{line}: its tool result {i} is recorded as {kept!r:.80} but the row's environment returns "
+                    f"{given!r:.80}; inspect runs the calls again in the row's environment and would score its "
+                    "result. Give the row the fields the environment's reset() reads, or record against it."
+                )
 
 
 def fixed_rollout(completions: list[str] | list[list[int]]):
@@ -392,9 +433,9 @@ def inspect_credit(
         info_blocks = info_blocks if info_blocks is not None else [None] * len(reward_funcs)
         if dataset is None and not completions:
             raise ValueError("inspect_credit with your own reward_funcs needs a dataset (rows with a 'prompt').")
-    rollout, trainer_class = None, trainer_class or MRTPOTrainer
+    rollout, trainer_class, recorded = None, trainer_class or MRTPOTrainer, []
     if completions:
-        rows, texts, num_generations = load_completions(completions)
+        rows, texts, num_generations, lines = load_completions(completions)
         recorded = [text for text in texts if isinstance(text, list)]
         if recorded and (len(recorded) < len(texts) or environment_factory is None):
             raise ValueError(
@@ -402,11 +443,9 @@ def inspect_credit(
                 "mixed with strings) and with the task's environment (a kit's, or environment_factory=)."
             )
         if recorded:  # the recorded turns served in place of sampling; the environment runs the calls again
-            serve = recorded_turns(tokenizer, recorded)
-            trainer_class = type(
-                f"Replaying{trainer_class.__name__}", (trainer_class,), {"_generate_single_turn": serve}
-            )
-            max_new_tokens = max(max_new_tokens, 1024)
+            trainer_class, replayed, served = replaying_class(trainer_class, recorded, tokenizer)
+            # as long as the model reads: a recorded trajectory is scored whole, or refused (check_as_recorded)
+            max_new_tokens = max(max_new_tokens, getattr(policy.config, "max_position_embeddings", 0))
         else:
             rollout = fixed_rollout(texts)
     else:
@@ -447,9 +486,12 @@ def inspect_credit(
         )
         print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...")
         record = sample_credit(trainer, rows, num_generations)
+        if recorded:
+            check_as_recorded(recorded, replayed, served, lines, trainer.args)
         # the control: the same responses, the training prompt against it with an irrelevant sentence appended
-        control_config = MRTPOConfig(
-            **{"temperature": credit["temperature"], "credit_beta": credit["credit_beta"], **inspecting},
+        control_config = MRTPOConfig(  # the recipe's context: its prompt rendering and its blocks' separator
+            **{name: credit[name] for name in ("temperature", "credit_beta", *CONTEXT_FIELDS) if name in credit},
+            **inspecting,
             output_dir=scratch,
             reward_strength_floor=None,
         )
@@ -638,16 +680,22 @@ def format_verdicts(verdicts: list[Verdict]) -> str:
     return "\n".join([*lines, "", *note, *VERDICT_COLUMNS])
 
 
+# GRPOConfig's fields that shape a rollout, and those of the context it is replayed in (the control's too)
+ROLLOUT_FIELDS = ("reward_weights", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                  "generation_kwargs", "max_tool_calling_iterations")  # fmt: skip
+CONTEXT_FIELDS = ("chat_template_kwargs", "info_block_separator")
+
+
 def recipe_credit_settings(args: MRTPOConfig) -> dict:
-    """The fields of a recipe's config that decide its credit: those its config class adds to GRPOConfig (MRTPO's
-    and the research room's), its reward weights and its sampling temperature."""
+    """The fields of a recipe's config that decide its rollouts and credit: those its config class adds to
+    GRPOConfig (MRTPO's and the research room's) and GRPOConfig's :data:`ROLLOUT_FIELDS` and :data:`CONTEXT_FIELDS`."""
     import dataclasses
 
     from trl import GRPOConfig
 
     grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
     names = [f.name for f in dataclasses.fields(args) if f.init and f.name not in grpo]
-    return {name: getattr(args, name) for name in [*names, "reward_weights", "temperature"]}
+    return {name: getattr(args, name) for name in dict.fromkeys([*names, *ROLLOUT_FIELDS, *CONTEXT_FIELDS])}
 
 
 def recipe_inspection(config: str) -> dict:
