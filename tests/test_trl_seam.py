@@ -52,7 +52,8 @@ def test_every_hook_is_called_and_every_attribute_is_set_by_trl(tiny_model, tiny
     assert all(hasattr(first, name) for name in _trl.GRPO_TRAINER_ATTRIBUTES)
     first.train()
     trainer(3).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    expected = set(_trl.GRPO_TRAINER_NAMES) - {"_push_from_checkpoint"}  # only when pushing: tests/test_sharing.py
+    # only when pushing (tests/test_sharing.py), and with tools (tests/test_inspection.py's recorded trajectories)
+    expected = set(_trl.GRPO_TRAINER_NAMES) - {"_push_from_checkpoint", "_tool_call_loop"}
     assert called == expected, expected - called
     logged = first.state.log_history[0]
     assert "mrtpo/replay_share" in logged  # written through the seam's log_metric

@@ -194,7 +194,7 @@ def check_as_recorded(trajectories: list, replayed: list, served: list[int], lin
     before its last turn (the recipe's ``max_tool_calling_iterations``, or its length), or one whose tool results the
     row's environment does not return (a recorded error, a row lacking what ``reset()`` reads): inspect would score
     another trajectory than the one recorded."""
-    for trajectory, messages, taken, line in zip(trajectories, replayed, served, lines):
+    for trajectory, messages, taken, line in zip(trajectories, replayed, served, lines, strict=True):
         turns = sum(m["role"] == "assistant" for m in trajectory)
         if taken < turns:
             raise ValueError(
