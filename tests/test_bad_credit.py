@@ -10,8 +10,8 @@ import torch
 
 from tests.helpers import RecordingTrainer, make_args
 from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.checks.finite_credit import NonFiniteCredit
 from trl_mrtpo.credit import replayed_token_weights
-from trl_mrtpo.finite_credit import NonFiniteCredit
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.relevance import Relevance, ReplayRelevance
@@ -434,3 +434,13 @@ def test_a_research_rule_by_its_path_needs_the_research_configuration_as_by_name
         needs = r"it needs a trl_mrtpo.research.ResearchConfig"
         with pytest.raises(ValueError, match=rf"credit_assignment='{name}' is unknown; .*{needs}"):
             resolve_credit_rule(config)
+
+
+def test_the_checked_parts_are_the_parts_the_refusal_words():
+    """The keys a run checks (loaded by every run) and the refusal's words (loaded when a batch is refused) name the
+    same parts in the same order, which decides the part a refusal names first."""
+    from trl_mrtpo.checks.credit_messages import credit_parts
+    from trl_mrtpo.checks.finite_credit import part_keys
+
+    for terms in ([], ["steps"], ["a", "b"]):
+        assert part_keys("mrtpo", terms) == list(credit_parts("the replay", "mrtpo", terms))

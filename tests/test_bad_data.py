@@ -5,8 +5,8 @@ from datasets import Dataset, IterableDataset
 
 from tests.helpers import make_args
 from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.checks.validation import check_dataset
 from trl_mrtpo.kits.basic import KIT as BASIC
-from trl_mrtpo.validation import check_dataset
 
 
 # ---------------------------------------------------------------- prompts and datasets, before the first step

@@ -258,8 +258,8 @@ def test_good_input_of_every_checked_family_passes(tmp_path):
 
     from datasets import Dataset
 
+    from trl_mrtpo.checks.validation import check_reward_values
     from trl_mrtpo.steps.process_rewards import checked_steps
-    from trl_mrtpo.validation import check_reward_values
 
     assert check_reward_values("r", [0.0, 3e38, None], 3) == [0.0, 3e38, None]
     assert make_args(tmp_path, reward_weights=[1, 2.5], credit_beta=1).credit_beta == 1

@@ -10,9 +10,9 @@ import torch
 
 from tests.helpers import graded_length, make_args, recording_trainer
 from tests.test_loss_options import LOSS_TYPES
+from trl_mrtpo.checks.validation import check_loss_keeps_token_credit
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.validation import check_loss_keeps_token_credit
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / "docs" / "compatibility.md"

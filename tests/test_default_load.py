@@ -33,7 +33,7 @@ PACKAGE = ROOT / "trl_mrtpo"
 DEFAULT_RUN_LINES_CEILING = 4660
 # Each default-loaded module's part: what `python tests/test_default_load.py` and the test report, by part.
 PARTS = {
-    "guards": ("validation", "guards", "finite_credit"),
+    "checks": ("checks", "checks.validation", "checks.guards", "checks.finite_credit"),
     "persistence and card": ("credit_state", "model_card", "hub_ids"),
     "observability": ("diagnostics",),
 }  # every other module of the core: the method (the trainer, the config, the credit, the replay, TRL's seam)

@@ -6,12 +6,11 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mrtpo"
-ROOMS = ("steps", "observability", "baselines", "research", "gym", "kits", "scripts", "ops")
+ROOMS = ("checks", "steps", "observability", "baselines", "research", "gym", "kits", "scripts", "ops")
 CORE = {
-    "__init__", "_trl", "batch", "config", "constants", "credit", "credit_state", "diagnostics", "finite_credit",
-    "guards",
-    "hub_ids", "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "strength", "trainer",
-    "trajectories", "utils", "validation",
+    "__init__", "_trl", "batch", "config", "constants", "credit", "credit_state", "diagnostics", "hub_ids",
+    "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "strength", "trainer", "trajectories",
+    "utils",
 }  # fmt: skip
 
 

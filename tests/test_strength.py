@@ -195,8 +195,8 @@ def test_floor_range(tmp_path, floor):
 @pytest.mark.parametrize("mode", ["gdpo", "grpo"])
 def test_a_floor_that_would_do_nothing_is_refused(tmp_path, mode):
     """Where the trainer resolves the rule, before the model loads (the configuration does not know the rules)."""
+    from trl_mrtpo.checks.validation import check_credit_settings
     from trl_mrtpo.rules import resolve_credit_rule
-    from trl_mrtpo.validation import check_credit_settings
 
     def check(**fields):
         args = make_args(tmp_path, credit_assignment=mode, **fields)

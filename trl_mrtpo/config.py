@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
+from .checks.validation import check_field_types, check_finite_fields
 from .constants import DIVERGENCE_BACKENDS, REPLAY_BATCH_SIZE
-from .validation import check_field_types, check_finite_fields
 
 # whether the installed transformers reads activation_checkpointing (5.17 and older: only gradient_checkpointing)
 RENAMED_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}

@@ -17,13 +17,14 @@ from accelerate.utils import gather_object
 from transformers.utils import logging
 from trl import GRPOTrainer
 
-from . import _trl, validation
+from . import _trl
 from ._trl import CreditCheckpoints
 from .batch import Scored, ScoredBatch, local_slice
+from .checks import validation
+from .checks.guards import guarded
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, short_run_warning, warmup_beta, warmup_steps
 from .diagnostics import CollapseMonitor, CreditRecord, credit_metrics, process_means
-from .guards import guarded
 from .hub_ids import local_copies, write_hub_ids
 from .info_blocks import (
     InfoBlock,

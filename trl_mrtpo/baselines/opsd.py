@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from .._trl import log_metric
+from ..checks.validation import checked_reward
 from ..info_blocks import build_block, check_builders
 from ..steps.process_rewards import reward_columns
 from ..utils import function_name
-from ..validation import checked_reward
 
 # MRTPOConfig fields that mean the same in SDFTConfig: what a recipe or benchmark sets for every arm.
 SHARED_FIELDS = (

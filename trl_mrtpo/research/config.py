@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ..checks.validation import options_beyond
 from ..config import MRTPOConfig
 from ..constants import MIN_SHARED_PREFIX
-from ..validation import options_beyond
 
 RESEARCH_CREDIT_ASSIGNMENTS = ("joint", "shuffled", "cort")  # the rules research/rules.py registers
 REWARD_WEIGHTINGS = ("static", "saw", "concur")

@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 from trl import ScriptArguments
 
+from ..checks.validation import check_field_types
 from ..kits import KIT_NAMES, data_loaders, get_kit, resolve
-from ..validation import check_field_types
 
 
 @dataclass
@@ -457,8 +457,8 @@ def check_recipe(script_args: MRTPOScriptArguments, training_args) -> tuple[type
     imported from the working directory too, as the trainer resolves it), its trainer against its settings (a
     research-only option without ``trainer: research``) and its chat template (a file that is missing, empty or
     does not parse). Returns ``(trainer class, chat template text or None)``."""
+    from ..checks.validation import check_credit_settings
     from ..rules import resolve_credit_rule
-    from ..validation import check_credit_settings
 
     check_credit_settings(training_args, resolve_credit_rule(training_args))
     trainer_class = recipe_trainer_class(script_args, training_args)

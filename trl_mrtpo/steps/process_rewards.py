@@ -25,11 +25,11 @@ import torch
 from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
+from ..checks.validation import own_copies, within_float32
 from ..info_blocks import Prompt, call_builder, check_builders
 from ..rules import Contribution, CreditSetup, CreditTerm, resolve_credit_rule
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name
-from ..validation import own_copies, within_float32
 from .credit import failure_suffix_mask, process_advantages
 
 NO_BOUNDARY = -1

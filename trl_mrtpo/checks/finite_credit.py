@@ -10,11 +10,11 @@ the same batch, naming the part, the reward and the first sample, with one host 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from .credit import ReduceSum
+from ..credit import ReduceSum
 
 NEGATIVE_Q_TOLERANCE = 1e-6  # q from a provider in [-1e-6, 0) is rounding and reads as 0; below it is refused
 
@@ -23,63 +23,22 @@ class NonFiniteCredit(ValueError):
     """A generation batch's credit holds NaN or infinity (or q below 0); raised before the optimizer step."""
 
 
-def credit_parts(provider: str, rule: str, terms: Sequence[str]) -> dict[str, tuple[str, str]]:
-    """The parts of a batch's credit that are checked: key -> (what it is, what to do). ``provider`` names the
-    relevance provider (``"the replay"``: the built-in one), ``rule`` the credit rule, ``terms`` the credit terms."""
-    replay = provider == "the replay"
-    hint_q = (
-        "The policy's logits are not finite: the policy has diverged, or fp16 overflowed (train in bf16)."
-        if replay
-        else f"Check what {provider} returns."
-    )
-    term_hint = "Check the term's inputs (its reward functions' values) and its arithmetic."
+def part_keys(rule: str, terms: Sequence[str]) -> list[str]:
+    """The checked parts of a batch's credit, in the order the trainer meets them (the first part flagged is named;
+    what follows inherits its NaN); their words are :func:`~trl_mrtpo.checks.credit_messages.credit_parts`'s, loaded
+    when a batch is refused."""
     labels = [*(f"the term '{t}'" for t in terms), f"the credit rule '{rule}'"]  # in the order q passes them
-    own_hint = {label: term_hint for label in labels[:-1]} | {labels[-1]: "Check the rule's relevance()."}
-    # in the order the trainer meets them: the first part flagged is named (what follows inherits its NaN)
-    return {
-        "q": (f"non-finite q (NaN or inf) from {provider}", hint_q),
-        "q_negative": (f"q below -{NEGATIVE_Q_TOLERANCE:g} from {provider}", "q is a divergence in [0, 1]."),
-        "weighting": (
-            "non-finite per-reward advantages or reward weights",
-            "Check the configuration's reward_weights.",
-        ),
-        **{
-            f"weighting:{t}": (f"non-finite per-reward advantages or reward weights from the term '{t}'", term_hint)
-            for t in terms
-        },
-        **{f"added:{t}": (f"non-finite added token advantages from the term '{t}'", term_hint) for t in terms},
-        **{
-            key: value
-            for part in labels
-            for key, value in (
-                (f"q:{part}", (f"non-finite q (NaN or inf) returned by relevance() of {part}", own_hint[part])),
-                (
-                    f"q_negative:{part}",
-                    (
-                        f"{part}: relevance() returned q below 0",
-                        "q is a divergence in [0, 1]; below 0 "
-                        "it would push token weights under the floor 1 - beta, or make every pair uniform.",
-                    ),
-                ),
-            )
-        },
-        "rule": (f"non-finite token weights from the credit rule '{rule}'", "Check the rule's weights()."),
-        **{
-            f"finish:{t}": (f"non-finite token advantages returned by finish() of the term '{t}'", term_hint)
-            for t in terms
-        },  # fmt: skip
-        "final": (
-            "non-finite token advantages after steps 5-8",
-            "Check the credit rule's advantages() and any combine a term gives it.",
-        ),
-    }
+    own = [f"{kind}:{label}" for label in labels for kind in ("q", "q_negative")]
+    return ["q", "q_negative", "weighting", *(f"{kind}:{t}" for kind in ("weighting", "added") for t in terms), *own,
+            "rule", *(f"finish:{t}" for t in terms), "final"]  # fmt: skip
 
 
 class CreditGuard:
     """One generation batch's check (see the module's docstring).
 
     Args:
-        parts: per part's key (:func:`credit_parts`), what it is in words and what to do.
+        parts: the parts' keys (:func:`part_keys`).
+        named: the relevance provider's, the rule's and the terms' names, which word the refusal.
         reward_names: the reward functions' names, K of them.
         rank, num_processes: this process and the data-parallel size.
         reduce_sum: sums a tensor over the processes (None on one process).
@@ -87,13 +46,14 @@ class CreditGuard:
 
     def __init__(
         self,
-        parts: Mapping[str, tuple[str, str]],
+        parts: Sequence[str],
+        named: tuple[str, str, Sequence[str]],
         reward_names: Sequence[str],
         rank: int,
         num_processes: int,
         reduce_sum: ReduceSum | None,
     ):
-        self.parts, self.reward_names = dict(parts), list(reward_names)
+        self.parts, self.named, self.reward_names = list(parts), named, list(reward_names)
         self.rank, self.num_processes = rank, num_processes
         self._reduce_sum = reduce_sum
         self.sum_over_processes = None if reduce_sum is None else self.reduce_sum  # what steps 7-8 sum with
@@ -114,7 +74,7 @@ class CreditGuard:
         self._flags(bad.device)
         if bad.shape[0] == 0:
             return
-        index = list(self.parts).index(part)
+        index = self.parts.index(part)
         if per_reward:
             bad = bad.reshape(*bad.shape[:2], -1).any(-1)
             self._counts[index, :-1] += bad.sum(0).to(self._counts)
@@ -153,10 +113,13 @@ class CreditGuard:
         first = [
             values[size + r * len(self.parts) : size + (r + 1) * len(self.parts)] for r in range(self.num_processes)
         ]
-        for index, (part, hint) in enumerate(self.parts.values()):
+        for index, key in enumerate(self.parts):
             per_reward = counts[index]
             if not any(per_reward):
                 continue
+            from .credit_messages import credit_parts  # the words, loaded when a batch is refused
+
+            part, hint = credit_parts(*self.named)[key]
             rewards = [
                 f"reward '{name}' ({int(n)} sample{'s' * (n != 1)})"
                 for name, n in zip(self.reward_names, per_reward)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .info_blocks import check_builders, check_builders_on_first_row
-from .rules import credit_rule_names, registered_rules
-from .utils import function_name
+from ..info_blocks import check_builders, check_builders_on_first_row
+from ..rules import credit_rule_names, registered_rules
+from ..utils import function_name
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -361,7 +361,7 @@ def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: An
     """Before the model loads: each reward function's required keyword arguments are what TRL passes it, the
     dataset's columns (TRL withholds ``prompt``, ``completion`` and ``completion_ids``) and the arguments TRL
     supplies; one the data lacks is named with the function (TRL's bare ``TypeError`` came after a generation)."""
-    from ._trl import REWARD_SUPPLIED_ARGUMENTS, REWARD_WITHHELD_COLUMNS
+    from .._trl import REWARD_SUPPLIED_ARGUMENTS, REWARD_WITHHELD_COLUMNS
 
     columns = getattr(dataset, "column_names", None)
     if not isinstance(columns, list):  # no dataset (an environment's data), or one streamed without a schema
@@ -410,7 +410,7 @@ def check_credit_settings(args: Any, rule: type) -> None:
             f"profile); got credit_assignment={args.credit_assignment!r}. Remove it."
         )
     if args.divergence_backend not in ("auto", "torch"):
-        from .ops.divergence import divergence_backend
+        from ..ops.divergence import divergence_backend
 
         missing = divergence_backend(args.divergence_backend).missing()
         if missing:
@@ -444,7 +444,7 @@ def checked_inputs(
     check_dataset(train_dataset, "train", environments)
     check_dataset(eval_dataset, "eval", environments)
     if environments or kwargs.get("tools") or kwargs.get("rollout_func") is not None:
-        from .trajectories import check_environment_arguments, checked_rollout  # loaded by the runs that have them
+        from ..trajectories import check_environment_arguments, checked_rollout  # loaded by the runs that have them
 
         check_environment_arguments(kwargs)
         if kwargs.get("rollout_func") is not None:

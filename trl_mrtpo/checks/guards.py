@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from .credit import TokenCredit, weighted_token_advantages
-from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, credit_parts
-from .rules import Contribution, CreditInputs, CreditRule, CreditTerm
-from .utils import function_name
+from ..credit import TokenCredit, weighted_token_advantages
+from ..rules import Contribution, CreditInputs, CreditRule, CreditTerm
+from ..utils import function_name
+from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, part_keys
 
 
 def _kind(value: Any) -> str:
@@ -51,12 +51,12 @@ def _read(replayed: torch.Tensor, batch: Any) -> torch.Tensor:
 class BatchGuard:
     """The current generation batch's :class:`CreditGuard`, shared by the adapters (set by :meth:`start`)."""
 
-    def __init__(self, parts: dict, reward_names: list[str]):
-        self.parts, self.reward_names = parts, reward_names
+    def __init__(self, named: tuple[str, str, list[str]], reward_names: list[str]):
+        self.parts, self.named, self.reward_names = part_keys(*named[1:]), named, reward_names
         self.current: CreditGuard | None = None
 
     def start(self, rank: int, num_processes: int, reduce_sum: Callable | None) -> CreditGuard:
-        self.current = CreditGuard(self.parts, self.reward_names, rank, num_processes, reduce_sum)
+        self.current = CreditGuard(self.parts, self.named, self.reward_names, rank, num_processes, reduce_sum)
         return self.current
 
     def weighting(self, part: str, advantages: torch.Tensor, reward_weights: torch.Tensor) -> None:
@@ -169,13 +169,13 @@ def guarded(
 ) -> tuple[BatchGuard, GuardedRule, list[GuardedTerm], GuardedProvider]:
     """A run's rule, terms (by name) and relevance provider wrapped once, sharing one :class:`BatchGuard`. The
     provider is named "the replay" when it is the built-in one, in the errors and the finiteness hints."""
-    from .relevance import ReplayRelevance
+    from ..relevance import ReplayRelevance
 
     label = (
         "the replay"
         if isinstance(provider, ReplayRelevance)
         else f"the relevance provider {function_name(provider)!r}"
     )
-    guard = BatchGuard(credit_parts(label, rule_name, list(terms)), list(reward_names))
+    guard = BatchGuard((label, rule_name, list(terms)), list(reward_names))
     checked_terms = [GuardedTerm(term, name, guard) for name, term in terms.items()]
     return guard, GuardedRule(rule, rule_name, guard), checked_terms, GuardedProvider(provider, label, guard)
