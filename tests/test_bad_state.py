@@ -199,31 +199,14 @@ def test_sample_credit_leaves_the_mode_and_the_strength_state_as_they_were(tiny_
     assert not trainer.model.training and torch.isnan(trainer.reward_strength.specificity).all()
 
 
-@pytest.mark.parametrize("version", [4, 5])
-def test_a_version_4_or_5_state_is_read_into_its_parts(tmp_path, caplog, version):
-    """Versions 4 and 5 held every entry in one flat dict: each is read into the part that declares it (version 4's
-    generation buffer, which the trainer leaves to TRL since version 5, is ignored with one logged line)."""
-    import logging
-
-    from transformers.utils import logging as transformers_logging
-
+@pytest.mark.parametrize("version", [3, 4, 5])
+def test_a_state_of_a_version_no_release_wrote_is_refused_naming_the_versions_read(tmp_path, version):
+    """Versions 4 and 5 held every entry in one flat dict and were written only by development builds (no release
+    shipped them): their readers are gone, and such a file is refused with the versions this release reads."""
     path = tmp_path / "mrtpo_state_0.pt"
-    buffer = {"generation_buffer": {"step": 3, "processes": 1, "inputs": []}} if version == 4 else {}
-    trust = {"1": {"count": 3, "total": 1.0, "total_squares": 1.0, "min_readings": 4}}
-    torch.save(_flat_state(version, concur_trust=trust, **buffer), path)
-    transformers_logging.get_logger("trl_mrtpo").setLevel(logging.INFO)
-    with caplog.at_level(logging.INFO):
-        state = read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
-    assert state["the term 'reward_weighting'"]["concur_trust"] == trust
-    assert state["the collapse monitor"] == {"collapse_streaks": {}}
-    ignored = [r.getMessage() for r in caplog.records if "generation buffer is ignored" in r.getMessage()]
-    assert len(ignored) == (version == 4)
-    torch.save(_flat_state(5, stray=1), path)
-    with pytest.raises(ValueError, match="holds the entry stray"):
-        read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
-    torch.save(_flat_state(3), path)
+    torch.save(_flat_state(version), path)
     with pytest.raises(
-        ValueError, match=f"has MRTPO state version 3, this release reads versions 5 to {STATE_VERSION}"
+        ValueError, match=f"has MRTPO state version {version}, this release reads versions 6 and {STATE_VERSION}"
     ):
         read_credit_state(str(path), IDENTITY, STATE_ENTRIES)
 

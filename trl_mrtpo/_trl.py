@@ -9,14 +9,12 @@ helpers only through this module, so a TRL upgrade that moves one fails here, in
 from __future__ import annotations
 
 import inspect
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 # TRL's own detection of ZeRO-3 / FSDP and its context for generating with a ZeRO-3 model gathered whole (TRL 1.16).
@@ -79,7 +77,6 @@ SDFT_TRAINER_ATTRIBUTES = ("_metrics",)
 SDFT_BATCH_KEYS = ("completion_ids", "raw_completion_lengths")  # read from sample_rollouts' batch
 
 __all__ = [
-    "CreditCheckpoints",
     "compile_chat_template",
     "get_comet_experiment_url",
     "get_config_model_id",
@@ -251,45 +248,3 @@ def missing_names() -> list[str]:
     if len(forward.parameters) != 10:  # ctx and the nine arguments above
         missing.append(f"ChunkedLogProbFunction.forward with 9 arguments (found {len(forward.parameters) - 1})")
     return missing
-
-
-class CreditCheckpoints:
-    """The trainer's checkpoint hooks for MRTPO's state (:mod:`trl_mrtpo.credit_state`), mixed into
-    :class:`~trl_mrtpo.MRTPOTrainer` (which gives ``_stateful()``): transformers' private ``_save_checkpoint``,
-    ``_push_from_checkpoint`` and ``_load_optimizer_and_scheduler`` (``GRPO_TRAINER_NAMES``), where TRL writes and
-    reads its own extra state."""
-
-    def _credit_state(self):
-        """MRTPO's state in a checkpoint, for the run it was written by (a resume under another setup is refused);
-        :mod:`trl_mrtpo.credit_state` is loaded by the runs that checkpoint or resume."""
-        from .credit_state import CheckpointedState
-
-        run = {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
-        return CheckpointedState(run, self._stateful())
-
-    def _save_checkpoint(self, model, trial) -> None:
-        """Checked and serialised first: a state that cannot be saved stops before transformers writes the
-        checkpoint. With ``push_to_hub``, :meth:`_push_from_checkpoint` writes it, before the upload."""
-        self._state_payload = None if self.args.save_only_model else self._credit_state().serialised()
-        super()._save_checkpoint(model, trial)
-        if not self.args.push_to_hub:
-            step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self._write_credit_state(os.path.join(self._get_output_dir(trial=trial), step))
-
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Every process writes its state inside ``_save_checkpoint``, before transformers uploads the checkpoint
-        (``hub_strategy`` ``"checkpoint"`` or ``"all_checkpoints"``), so that a resume from the Hub continues it."""
-        self._write_credit_state(checkpoint_folder)
-        super()._push_from_checkpoint(checkpoint_folder)
-
-    def _write_credit_state(self, folder: str) -> None:
-        if self._state_payload is not None:  # None with save_only_model: no optimizer either, never resumed from
-            from .credit_state import write_credit_state
-
-            write_credit_state(folder, self.accelerator.process_index, self._state_payload)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self._credit_state().read(checkpoint, self.accelerator.process_index)
