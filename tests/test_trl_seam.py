@@ -59,17 +59,36 @@ def test_every_hook_is_called_and_every_attribute_is_set_by_trl(tiny_model, tiny
     assert "mrtpo/replay_share" in logged  # written through the seam's log_metric
 
 
-def test_only_the_seam_reaches_trl_private_helpers():
-    private = re.compile(
+def private_reaches(text: str) -> list[str]:
+    """What a module's text reaches of TRL's private names: its private modules and helpers, and a private method
+    of TRL's trainers (``GRPO_TRAINER_NAMES``, ``SDFT_TRAINER_NAMES``) called on anything but ``self`` or ``super()``
+    (an override calling its own, as the trainer does)."""
+    helpers = re.compile(
         r"from trl\.(kernels|trainer\.utils)|\._tokenize_prompts\(|ChunkedLogProbFunction\.apply"
         r"|\._metrics\[|\._logs\["
     )
-    offenders = [
-        str(path.relative_to(PACKAGE))
+    methods = "|".join(map(re.escape, [*_trl.GRPO_TRAINER_NAMES, *_trl.SDFT_TRAINER_NAMES]))
+    calls = re.finditer(rf"(\w+(?:\([^()]*\))?)\.({methods})\(", text)
+    own = [f"{m[1]}.{m[2]}(" for m in calls if m[1] != "self" and not m[1].startswith("super(")]
+    return [m.group(0) for m in helpers.finditer(text)] + own
+
+
+def test_only_the_seam_reaches_trl_private_helpers():
+    """Outside the seam, nothing calls TRL's private helpers or a trainer's private method (inspect sampled credit
+    through ``trainer._generate_and_score_completions`` before; it calls the trainer's public ``sample_credit``)."""
+    offenders = {
+        str(path.relative_to(PACKAGE)): reached
         for path in PACKAGE.rglob("*.py")
-        if path.name != "_trl.py" and private.search(path.read_text())
-    ]
+        if path.name != "_trl.py" and (reached := private_reaches(path.read_text()))
+    }
     assert not offenders, offenders
+    # planted: the calls this test exists to catch, and the overrides' own calls it lets through
+    assert private_reaches("trainer._generate_and_score_completions(inputs)") == [
+        "trainer._generate_and_score_completions("
+    ]
+    assert private_reaches("from trl.trainer.utils import pad") and private_reaches("x._calculate_rewards(a)")
+    assert not private_reaches("super()._save_checkpoint(model, trial); self._get_output_dir(trial=trial)")
+    assert not private_reaches("super(replaying, self)._tool_call_loop(*args)")
 
 
 def test_sampled_token_logprobs_match_log_softmax():

@@ -304,6 +304,23 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self._log_credit(mode, credit, relevance, replayed, batch.mask, beta, self._replay_seconds, total_seconds)
         return output
 
+    def sample_credit(self, inputs: list[dict]) -> CreditRecord:
+        """Samples, scores and assigns credit to ``inputs`` (dataset rows, each as many times as it has generations)
+        as a training step does, without training, and returns the batch's :class:`CreditRecord` (``trl-mrtpo
+        inspect``): the module's mode and what credit keeps across batches (per-reward strength, the collapse
+        monitor, the rule's and terms' state) are as they were."""
+        import copy
+
+        was_training, states = self.model.training, [(p, copy.deepcopy(p.state())) for p in self._stateful().values()]
+        self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
+        try:
+            self._generate_and_score_completions(inputs)
+        finally:
+            self.model.train(was_training)
+            for part, state in states:
+                part.restore(state)
+        return self.last_credit
+
     def _announce_first_generation(self, inputs) -> None:
         """One line before training's first generation (once, on the main process, unless progress bars are off):
         the progress bar only moves when a step ends, which on a CPU can take minutes."""

@@ -334,22 +334,9 @@ def format_report(report: list[LocalisationRow]) -> str:
 
 
 def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditRecord:
-    """Generate ``num_generations`` responses per row with ``trainer``'s policy, score, replay, and return the batch's
-    :class:`~trl_mrtpo.diagnostics.CreditRecord`, without training: the module's mode and the state of the collapse
-    monitor, per-reward strength, the rule and the terms are as they were."""
-    import copy
-
-    inputs = [dict(row) for row in rows for _ in range(num_generations)]
-    was_training = trainer.model.training
-    states = [(part, copy.deepcopy(part.state())) for part in trainer._stateful().values()]
-    trainer.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
-    try:
-        trainer._generate_and_score_completions(inputs)
-    finally:
-        trainer.model.train(was_training)
-        for part, state in states:
-            part.restore(state)
-    return trainer.last_credit
+    """``num_generations`` responses per row with ``trainer``'s policy, scored and replayed without training
+    (:meth:`~trl_mrtpo.MRTPOTrainer.sample_credit`)."""
+    return trainer.sample_credit([dict(row) for row in rows for _ in range(num_generations)])
 
 
 def inspect_credit(
