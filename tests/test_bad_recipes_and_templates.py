@@ -9,10 +9,10 @@ import torch
 
 from tests.helpers import make_args
 from trl_mrtpo import MRTPOTrainer
+from trl_mrtpo.chat_templates import chat_template
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.scripts.cli import main
-from trl_mrtpo.scripts.train import chat_template
 
 NAN, INF = float("nan"), float("inf")
 

@@ -240,7 +240,7 @@ def test_chat_template_path_takes_a_shipped_name_a_file_or_a_tokenizer(tmp_path,
     from tests.conftest import CHAT_TEMPLATE
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the unknown name is not looked up
-    from trl_mrtpo.scripts.train import chat_template
+    from trl_mrtpo.chat_templates import chat_template
 
     assert "<tool_call>" in chat_template("qwen3")  # trl/chat_templates/qwen3.jinja
     own = tmp_path / "own.jinja"

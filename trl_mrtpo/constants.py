@@ -36,6 +36,7 @@ CREDIT_ASSIGNMENTS = ("mrtpo", "gdpo", "grpo")
 # whose strength is 0 is still replayed, so that its reading can recover.
 STRENGTH_MOMENTUM = 0.9
 STRENGTH_PROBE_INTERVAL = 10
+NEGATIVE_Q_TOLERANCE = 1e-6  # q from a provider in [-1e-6, 0) is rounding and reads as 0; below it is refused
 
 # A local model folder that is a copy of a Hub model names its id in this file (the embedded model's conversion writes
 # it): adapters and model cards then name the Hub id, which whoever downloads them can load.

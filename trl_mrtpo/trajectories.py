@@ -197,23 +197,11 @@ def agent_card_lines(trainer) -> list[str]:
         lines.append(f"environment (TRL's `environment_factory`): {', '.join(f'`{n}`' for n in names)}")
     lines.append("tools: " + ", ".join(f"`{getattr(tool, '__name__', tool)}`" for tool in tools))
     tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+    from .chat_templates import shipped_template_name
+
     named = shipped_template_name(getattr(tokenizer, "chat_template", None))
     lines.append(f"chat template: {named or 'the tokenizer’s own, saved with the model'}")
     return lines
-
-
-def shipped_template_name(template: str | None) -> str | None:
-    """``trl/chat_templates/<name>.jinja``'s name when ``template`` is that file's text, else None."""
-    from pathlib import Path
-
-    import trl
-
-    if not template:
-        return None
-    for path in sorted((Path(trl.__file__).parent / "chat_templates").glob("*.jinja")):
-        if path.read_text() == template:
-            return f"TRL's `{path.stem}` (`chat_template_path: {path.stem}`)"
-    return None
 
 
 def _rows(value: Any) -> list | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .finite_credit import NEGATIVE_Q_TOLERANCE
+from ..constants import NEGATIVE_Q_TOLERANCE
 
 
 def credit_parts(provider: str, rule: str, terms: Sequence[str]) -> dict[str, tuple[str, str]]:

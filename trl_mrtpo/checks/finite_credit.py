@@ -16,8 +16,6 @@ import torch
 
 from ..credit import ReduceSum
 
-NEGATIVE_Q_TOLERANCE = 1e-6  # q from a provider in [-1e-6, 0) is rounding and reads as 0; below it is refused
-
 
 class NonFiniteCredit(ValueError):
     """A generation batch's credit holds NaN or infinity (or q below 0); raised before the optimizer step."""

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
+from ..constants import NEGATIVE_Q_TOLERANCE
 from ..credit import TokenCredit, weighted_token_advantages
 from ..rules import Contribution, CreditInputs, CreditRule, CreditTerm
 from ..utils import function_name
-from .finite_credit import NEGATIVE_Q_TOLERANCE, CreditGuard, part_keys
+from .finite_credit import CreditGuard, part_keys
 
 
 def _kind(value: Any) -> str:

@@ -164,9 +164,9 @@ def train_adapter(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from ..chat_templates import chat_template
     from ..hub_ids import local_copies, write_hub_ids
     from .embedded import embedded_model_path
-    from .train import chat_template
 
     torch.manual_seed(seed)
     rows = demonstrations(num, seed)

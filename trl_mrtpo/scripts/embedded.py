@@ -107,7 +107,7 @@ def embedded_agent_path(trained_on: str | None = None) -> str:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .train import chat_template
+    from ..chat_templates import chat_template
 
     base = embedded_model_path()
 

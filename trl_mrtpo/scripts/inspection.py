@@ -404,7 +404,7 @@ def inspect_credit(
     print(f"Loading {model}{f' with adapter {adapter}' if adapter else ''}...", flush=True)
     policy, tokenizer = load_policy(model, adapter)
     if chat_template is not None:
-        from .train import chat_template as named_template
+        from ..chat_templates import chat_template as named_template
 
         is_text = "{%" in chat_template or "{{" in chat_template
         tokenizer.chat_template = chat_template if is_text else named_template(chat_template)
