@@ -106,7 +106,7 @@ with tempfile.TemporaryDirectory() as folder:
 
     cli_trainer = run(["--config", str(root / "recipe.yaml")])
     assert cli_trainer.state.global_step == 2 and [
-        function_name(f) for f in cli_trainer.credit_terms["steps"].process_rewards
+        function_name(f) for f in cli_trainer.credit_terms["process"].process_rewards
     ] == ["word_steps"]
     assert not [m for m in extras if m in sys.modules], "resolving dotted paths imported a kit's extra"
 print("core install OK: trl-mrtpo train with a dotted-path reward, info block and process reward")

@@ -45,7 +45,6 @@ from .rules import (
     CreditTerm,
     built_terms,
     given_terms,
-    resolve_credit_rule,
     steps_6_to_8,
 )
 from .strength import RewardStrength, generation_batch_index
@@ -148,14 +147,9 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         data_source: str | None = None,
         **kwargs,
     ):
-        validation.check_model_argument(model)
-        if args is None:
-            model_name = model if isinstance(model, str) else _trl.get_config_model_id(model.config)
-            args = self.config_class(f"{model_name.split('/')[-1]}-{self._name}")
-        validation.check_config_class(args, self.config_class, type(self).__name__)
-        rule = resolve_credit_rule(args)  # a name or a dotted path, resolved once, before the model loads
-        validation.check_credit_settings(args, rule)
-        funcs, checked = validation.checked_inputs(reward_funcs, info_blocks, train_dataset, eval_dataset, kwargs)
+        args, rule, funcs, checked = validation.before_model(
+            model, args, reward_funcs, info_blocks, (train_dataset, eval_dataset), kwargs, self
+        )
         super().__init__(
             model,
             None if reward_funcs is None else checked,
@@ -165,6 +159,17 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
             processing_class=processing_class,
             **kwargs,
         )
+        named = self._set_up_credit(args, rule, funcs, info_blocks, process_rewards, failure_boundaries, credit_terms)
+        self._set_up_replay(args, rule, named, relevance_provider)
+        self.recipe = recipe  # the recipe file a run came from, for the model card
+        self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
+
+    def _set_up_credit(
+        self, args, rule, funcs, info_blocks, process_rewards, failure_boundaries, credit_terms
+    ) -> list:
+        """The parts of credit built once TRL has loaded the model and its rewards: the info-block builders (an
+        environment's reward included), the rule, the terms, and what binds to the policy. Returns the user's
+        functions and the terms' by name."""
         rewards = (len(funcs), len(self.reward_funcs))  # TRL adds environments' get_reward after the functions
         for k in range(len(funcs), len(self.reward_funcs)):  # checked where they return, as the user's functions are
             name = f"{self.reward_func_names[k]}.get_reward"
@@ -186,8 +191,12 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         for func in [*term_functions, *own]:  # one that samples from or reads the policy binds
             if callable(getattr(func, "bind", None)):
                 func.bind(self)
+        return [*zip((function_name(f) for f in own), own), *((type(f).__name__, f) for f in term_functions)]
+
+    def _set_up_replay(self, args, rule, named: list, relevance_provider) -> None:
+        """What replays and how (its temperature, backend and memory), the provider, and the one guard layer around
+        the rule, the terms and the provider (the trainer's second point of checks); the state kept across batches."""
         blocks = any(b is not None for b in self.info_block_builders)
-        named = [*zip((function_name(f) for f in own), own), *((type(f).__name__, f) for f in term_functions)]
         self._replays, self._policy_forwards = validation.check_credit_use(
             args, rule, self.credit_terms, named, relevance_provider, blocks, _trl.sharding_engine(self)
         )
@@ -223,8 +232,6 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self._replay_memory = ReplayMemory()
         floor = args.reward_strength_floor if self._replays and rule.removal == "each" else None  # each reward's q
         self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
-        self.recipe = recipe  # the recipe file a run came from, for the model card
-        self.data_source = data_source  # the training data in words when it is not a Hub dataset, for the card
 
     def _replay_relevance(self, args: MRTPOConfig) -> RelevanceProvider:
         """The built-in provider of q: the replay (the research room's replays with its prefix option)."""
@@ -305,20 +312,9 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         return output
 
     def sample_credit(self, inputs: list[dict]) -> CreditRecord:
-        """Samples, scores and assigns credit to ``inputs`` (dataset rows, each as many times as it has generations)
-        as a training step does, without training, and returns the batch's :class:`CreditRecord` (``trl-mrtpo
-        inspect``): the module's mode and what credit keeps across batches (per-reward strength, the collapse
-        monitor, the rule's and terms' state) are as they were."""
-        import copy
-
-        was_training, states = self.model.training, [(p, copy.deepcopy(p.state())) for p in self._stateful().values()]
-        self.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
-        try:
-            self._generate_and_score_completions(inputs)
-        finally:
-            self.model.train(was_training)
-            for part, state in states:
-                part.restore(state)
+        """Samples, scores and assigns credit to ``inputs`` (rows, each once per generation) as a training step does,
+        without its optimizer step; returns the batch's :class:`CreditRecord` (``trl-mrtpo inspect``)."""
+        self._generate_and_score_completions(inputs)
         return self.last_credit
 
     def _announce_first_generation(self, inputs) -> None:
@@ -460,6 +456,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         """What the relevance provider reads: step 2's contexts and the replay's settings."""
         joint = self.credit_rule.removal == "all"
         step_two, context_ids, completion_ids = self._replay_inputs(batch, joint)
+        batch.info_blocks = step_two.blocks  # for the batch's CreditRecord (the heatmap shows them)
         policy = self.accelerator.unwrap_model(self.model)
         return ReplayRecord(
             completions=[completion_text(c) for c in batch.completions],

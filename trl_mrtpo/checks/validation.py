@@ -432,6 +432,26 @@ def distinct(names: Sequence[str]) -> list[str]:
     return unique
 
 
+def before_model(
+    model: Any, args: Any, reward_funcs: Any, info_blocks: Any, datasets: tuple, kwargs: dict, trainer: Any
+) -> tuple[Any, type, list, list]:
+    """Everything checked before the model loads (the trainer's first point): the model argument, the config's class
+    (``trainer``'s default one when None), the credit rule it names and the settings it asks of it, the datasets,
+    environments, reward columns and builders (:func:`checked_inputs`). Returns ``(args, rule, reward functions as
+    given, as TRL gets them)``."""
+    from .._trl import get_config_model_id
+    from ..rules import resolve_credit_rule
+
+    check_model_argument(model)
+    if args is None:
+        model_name = model if isinstance(model, str) else get_config_model_id(model.config)
+        args = trainer.config_class(f"{model_name.split('/')[-1]}-{trainer._name}")
+    check_config_class(args, trainer.config_class, type(trainer).__name__)
+    rule = resolve_credit_rule(args)  # a name or a dotted path, resolved once
+    check_credit_settings(args, rule)
+    return (args, rule, *checked_inputs(reward_funcs, info_blocks, *datasets, kwargs))
+
+
 def checked_inputs(
     reward_funcs: Any, info_blocks: Any, train_dataset: Any, eval_dataset: Any, kwargs: dict[str, Any]
 ) -> tuple[list, list]:

@@ -66,6 +66,12 @@ def with_control(record: CreditRecord, control: CreditRecord) -> CreditRecord:
         else torch.cat(
             [record.groups, record.groups.new_tensor([[record.groups.shape[1]]]).expand(record.groups.shape[0], 1)], 1
         ),
+        info_blocks=None
+        if record.info_blocks is None
+        else [
+            own + (control.info_blocks[j] if control.info_blocks else [None])
+            for j, own in enumerate(record.info_blocks)
+        ],
     )
 
 
@@ -334,9 +340,21 @@ def format_report(report: list[LocalisationRow]) -> str:
 
 
 def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditRecord:
-    """``num_generations`` responses per row with ``trainer``'s policy, scored and replayed without training
-    (:meth:`~trl_mrtpo.MRTPOTrainer.sample_credit`)."""
-    return trainer.sample_credit([dict(row) for row in rows for _ in range(num_generations)])
+    """Generate ``num_generations`` responses per row with ``trainer``'s policy, score, replay, and return the batch's
+    :class:`~trl_mrtpo.diagnostics.CreditRecord` (:meth:`~trl_mrtpo.MRTPOTrainer.sample_credit`), without training:
+    the module's mode and the state of the collapse monitor, per-reward strength, the rule and the terms are as they
+    were."""
+    import copy
+
+    was_training = trainer.model.training
+    states = [(part, copy.deepcopy(part.state())) for part in trainer._stateful().values()]
+    trainer.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
+    try:
+        return trainer.sample_credit([dict(row) for row in rows for _ in range(num_generations)])
+    finally:
+        trainer.model.train(was_training)
+        for part, state in states:
+            part.restore(state)
 
 
 def inspect_credit(
