@@ -254,7 +254,11 @@ def test_inspect_a_recipe_with_dotted_path_rewards(tmp_path, tiny_tokenizer, cap
     main(["inspect", "--config", str(recipe), "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "6",
           "--output", str(tmp_path / "credit.html"), "--threads", "1"])  # fmt: skip
     out = capsys.readouterr().out
-    assert (tmp_path / "credit.html").read_text().count('class="resp"') == 4
+    page = (tmp_path / "credit.html").read_text()
+    assert page.count('class="resp"') == 4
+    # hovering a reward's name shows its info block; a reward without one has no hover
+    assert page.count('class="label" title="info block: The answer must contain the word red."') == 4
+    assert re.search(r'class="label">lowercase_reward', page)
     lines = [line for line in out.splitlines() if line.startswith(("says_red", "lowercase_reward"))]
     verdicts = ("token credit will move", "never varies", "under twice the control's", "would rest it",
                 "replayed for no response")  # fmt: skip

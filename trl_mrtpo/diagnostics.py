@@ -176,6 +176,7 @@ class CreditRecord:
     beta: float  # beta_n of step 9
     reward_betas: torch.Tensor  # [K] each reward's beta in step 5 (beta_n * g_k with per-reward strength)
     groups: torch.Tensor | None = None  # [B, K] information groups (None: each reward its own)
+    info_blocks: list[list[str | None]] | None = None  # per response, each reward's info block text (None: not built)
 
     @classmethod
     def of(
@@ -197,4 +198,7 @@ class CreditRecord:
             beta=beta,
             reward_betas=reward_betas.float().cpu(),
             groups=batch.information_groups,
+            info_blocks=None
+            if batch.info_blocks is None
+            else [[b and b.text for b in row] for row in batch.info_blocks],
         )

@@ -99,7 +99,7 @@ def credit_heatmap_html(
     In a reward's row each token's background is that reward's signed token advantage ``A_k * w_k,t`` (green
     positive, red negative) and, when the reward was replayed, a blue bar under the token is its q: where that
     reward looks, visible even when its advantage is 0. Every row is scaled to its own largest value, stated by the
-    row's colour bars; hover a token for the exact q, w and ``A * w``.
+    row's colour bars; hover a token for the exact q, w and ``A * w``, and a reward's label for its info block.
     """
     count = len(record.completions) if max_responses is None else min(max_responses, len(record.completions))
     per_reward = record.group_advantages[:, :, None] * record.weights  # [B, K, C]
@@ -111,7 +111,8 @@ def credit_heatmap_html(
         "Background: signed token credit A·w (green "
         "positive, red negative). Blue bar under a token: that reward's q (where its information changes the "
         "policy's prediction), shown for replayed rewards even when their advantage is 0. Each row is scaled to its "
-        "own largest value (colour bars on the right). Hover a token for q, w and A·w.</p>",
+        "own largest value (colour bars on the right). Hover a token for q, w and A·w, a reward's name for its info "
+        "block.</p>",
     ]
     for j in range(count):
         length = int(mask[j].sum())
@@ -134,7 +135,9 @@ def credit_heatmap_html(
             hovers = [f"q={qi:.4f} w={wi:.3f} A*w={vi:+.4f}" for qi, wi, vi in zip(q, w, values)]
             row, credit_scale, q_scale = _token_row(tokens, values, hovers, q if replayed else None)
             bars = _colour_bars(credit_scale, q_scale if replayed else None)
-            parts.append(f'<div class="row"><div class="label">{label}{bars}</div>{row}</div>')
+            block = record.info_blocks[j][k] if record.info_blocks else None
+            hover = "" if block is None else f' title="{html.escape(f"info block: {block}")}"'
+            parts.append(f'<div class="row"><div class="label"{hover}>{label}{bars}</div>{row}</div>')
         final = record.advantages[j, :length].tolist()
         row, credit_scale, _ = _token_row(tokens, final, [f"A_t={v:+.4f}" for v in final])
         label = f"<b>summed token advantage (to the loss)</b>{_colour_bars(credit_scale, None)}"
