@@ -30,13 +30,10 @@ CHECKS = (
     {  # (module file, function) of MRTPO's checks on the step's path
         ("validation.py", name) for name in ("check_reward_values", "check_finite_rewards", "checked", "_rows")
     }
-    | {("info_blocks.py", name) for name in ("check_blocks", "check_appendable", "build_block")}
-    | {
-        ("trajectories.py", "check_tool_results"),
-        ("replay.py", "check_context_length"),
-    }
+    | {("blocks.py", name) for name in ("check_blocks", "check_context_length")}
+    | {("info_blocks.py", "build_block"), ("environments.py", "check_tool_results")}
 )
-COPY_CALLERS = ("validation.py", "info_blocks.py", "process_rewards.py", "step_labels.py")
+COPY_CALLERS = ("validation.py", "blocks.py", "info_blocks.py", "process_rewards.py", "step_labels.py")
 
 
 def profiled(train) -> tuple[float, float, float, float]:

@@ -293,7 +293,7 @@ def test_a_character_offset_in_a_tool_rollout_is_refused_by_name():
     ],
 )
 def test_a_rollout_funcs_env_mask_that_does_not_fit_its_ids_is_refused_by_name(env_mask, message):
-    from trl_mrtpo.trajectories import checked_rollout
+    from trl_mrtpo.checks.environments import checked_rollout
 
     def my_rollout(prompts, trainer):
         return {

@@ -68,7 +68,7 @@ def _ids_and_masks(kind: str):
 def test_a_rollouts_env_mask_in_array_form_is_read_as_trl_reads_it(kind):
     """Item 11: TRL accepts completion ids as one padded tensor and env_mask rows as arrays or tensors; the rollout
     check crashed on the first and refused the others ("found ndarray: None")."""
-    from trl_mrtpo.trajectories import checked_rollout
+    from trl_mrtpo.checks.environments import checked_rollout
 
     ids, masks = _ids_and_masks(kind)
     output = {"prompt_ids": [[1], [1]], "completion_ids": ids, "logprobs": None, "env_mask": masks}
@@ -78,7 +78,7 @@ def test_a_rollouts_env_mask_in_array_form_is_read_as_trl_reads_it(kind):
 def test_an_array_env_mask_of_the_wrong_length_is_refused_naming_the_completion():
     import numpy
 
-    from trl_mrtpo.trajectories import checked_rollout
+    from trl_mrtpo.checks.environments import checked_rollout
 
     def rollout(prompts, trainer):
         return {"completion_ids": [[5, 6, 7], [8, 9]], "env_mask": [numpy.array([1, 0, 1]), numpy.array([1])]}
@@ -104,7 +104,7 @@ ROLLOUT_OUTPUTS = {
 @pytest.mark.parametrize("case", list(ROLLOUT_OUTPUTS), ids=list(ROLLOUT_OUTPUTS))
 def test_a_rollout_output_trl_cannot_train_on_is_refused_naming_the_rollout(case):
     """Item 14: TRL blamed the first reward for a missing completion and failed on `.keys()` of a list."""
-    from trl_mrtpo.trajectories import checked_rollout
+    from trl_mrtpo.checks.environments import checked_rollout
 
     make, error, message = ROLLOUT_OUTPUTS[case]
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, check_builders
+from trl_mrtpo.checks.blocks import check_builders
+from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi. Use lowercase."}]
 

@@ -11,15 +11,9 @@ from datasets import Dataset
 
 from tests.helpers import make_args, recording_trainer
 from tests.reference import reference_specificity
+from trl_mrtpo.checks.blocks import check_spans
 from trl_mrtpo.credit import relevance_specificity
-from trl_mrtpo.info_blocks import (
-    InfoBlock,
-    build_contexts,
-    check_spans,
-    information_groups,
-    leaked_information,
-    removed_groups,
-)
+from trl_mrtpo.info_blocks import InfoBlock, build_contexts, information_groups, leaked_information, removed_groups
 from trl_mrtpo.replay import placed_relevance
 from trl_mrtpo.research.credit import null_corrected_relevance
 from trl_mrtpo.strength import RewardStrength, specificity_problem

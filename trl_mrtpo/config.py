@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .checks.validation import check_field_types, check_finite_fields
-from .constants import DIVERGENCE_BACKENDS, REPLAY_BATCH_SIZE
+from .checks.validation import check_config_ranges, check_field_types, check_finite_fields
+from .constants import REPLAY_BATCH_SIZE
 
 # whether the installed transformers reads activation_checkpointing (5.17 and older: only gradient_checkpointing)
 RENAMED_CHECKPOINTING = "activation_checkpointing" in {f.name for f in fields(TrainingArguments)}
@@ -164,51 +164,4 @@ class MRTPOConfig(GRPOConfig):
         if not RENAMED_CHECKPOINTING:
             self.gradient_checkpointing = self.activation_checkpointing
         super().__post_init__()
-        iterations = self.max_tool_calling_iterations
-        # TRL compares it with a counter: -1 runs no tool at all and 2.5 runs three rounds, without a word
-        if iterations is not None and (
-            isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0
-        ):
-            raise ValueError(
-                f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {iterations!r}."
-            )
-        if not isinstance(self.credit_assignment, str) or not self.credit_assignment:
-            raise ValueError(f"credit_assignment must name a rule, got {self.credit_assignment!r}.")
-        if not 0.0 <= self.credit_beta <= 1.0:
-            raise ValueError(f"credit_beta must be in [0, 1], got {self.credit_beta}.")
-        if self.credit_warmup_steps < 0:
-            raise ValueError(f"credit_warmup_steps must be >= 0, got {self.credit_warmup_steps}.")
-        if self.credit_warmup_steps >= 1 and self.credit_warmup_steps != int(self.credit_warmup_steps):
-            raise ValueError(
-                f"credit_warmup_steps must be a whole number of steps, or a share of max_steps below 1, got "
-                f"{self.credit_warmup_steps}."
-            )
-        if self.max_second_moment_ratio < 1.0:
-            raise ValueError(
-                "max_second_moment_ratio must be >= 1 (1 forbids any redistribution), "
-                f"got {self.max_second_moment_ratio}."
-            )
-        if self.credit_assignment != "grpo":
-            # MRTPO's pipeline normalises each reward per group itself (method step 1) and rescales by the
-            # token-weighted batch std (step 8): TRL's own aggregation and scaling never run.
-            for name, default in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"{name}={getattr(self, name)!r} only applies to credit_assignment='grpo' (plain "
-                        f"GRPOTrainer). In {self.credit_assignment!r} mode every reward is normalised per group and "
-                        f"the token advantages are rescaled by the batch std; leave {name} at {default!r}, or use "
-                        "credit_assignment='grpo' for TRL's own behaviour."
-                    )
-        floor = self.reward_strength_floor
-        if floor is not None and not 0.0 < floor <= 0.5:
-            raise ValueError(f"reward_strength_floor must be in (0, 0.5] or None, got {floor}.")
-        if self.replay_batch_size < 1:
-            raise ValueError(f"replay_batch_size must be >= 1, got {self.replay_batch_size}.")
-        if self.collapse_warning_steps < 0:
-            raise ValueError(f"collapse_warning_steps must be >= 0, got {self.collapse_warning_steps}.")
-        if self.divergence_backend not in DIVERGENCE_BACKENDS:
-            raise ValueError(
-                f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {self.divergence_backend!r}."
-            )
-        if self.replay_chunk_size is not None and self.replay_chunk_size < 1:
-            raise ValueError(f"replay_chunk_size must be >= 1 or None, got {self.replay_chunk_size}.")
+        check_config_ranges(self)

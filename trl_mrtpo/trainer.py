@@ -21,21 +21,13 @@ from trl import GRPOTrainer
 from . import _trl
 from .batch import Scored, ScoredBatch, local_slice
 from .checks import validation
+from .checks.blocks import assistant_header, check_blocks, check_builders, check_context_length, special_tokens
 from .checks.guards import guarded
 from .config import MRTPOConfig
 from .credit import TokenCredit, group_advantages, short_run_warning, warmup_beta, warmup_steps
 from .diagnostics import CollapseMonitor, CreditRecord, credit_metrics, process_means
 from .hub_ids import local_copies, write_hub_ids
-from .info_blocks import (
-    InfoBlock,
-    ReplayContexts,
-    assistant_header,
-    check_builders,
-    check_context_length,
-    for_environment_rewards,
-    replay_contexts,
-    special_tokens,
-)
+from .info_blocks import InfoBlock, ReplayContexts, build_blocks, for_environment_rewards, replay_contexts
 from .relevance import RelevanceProvider, ReplayRecord, ReplayRelevance
 from .replay import ReplayMemory, causal_lm_parts, replay_settings
 from .rules import (
@@ -262,7 +254,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         if self.tools or self.environments:  # what tools and environments brought, refused before a reward reads it
-            from .trajectories import check_observations, check_tool_results
+            from .checks.environments import check_observations, check_tool_results
 
             check_tool_results(completions, multimodal=self._is_vlm)
             if self.environments and not self._is_vlm:
@@ -285,7 +277,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         try:
             output = super()._generate_and_score_completions(inputs)
         except TypeError as error:  # an environment's reset() returned what TRL cannot append to the prompt
-            from .trajectories import reset_refusal
+            from .checks.environments import reset_refusal
 
             refusal = reset_refusal(error, self.environments, self._is_vlm) if self.environment_factories else None
             if refusal is None:
@@ -411,31 +403,33 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         return credit, relevance, rule.part.replayed(inputs)
 
     def _replay_inputs(self, batch: ScoredBatch, joint: bool) -> tuple[ReplayContexts, list, list[list[int]]]:
-        """Step 2 on the local batch, tokenised as TRL tokenises prompts. Returns ``(step_two, context_ids,
-        completion_ids)``: :func:`~trl_mrtpo.info_blocks.replay_contexts`'s output, per response the contexts' token
-        ids ``[P_all, P_removed...]`` (empty when nothing is replayed) and the completion's token ids."""
+        """Step 2 on the local batch, its blocks checked, tokenised as TRL tokenises prompts. Returns ``(step_two,
+        context_ids, completion_ids)``: :func:`~trl_mrtpo.info_blocks.replay_contexts`'s output, per response the
+        contexts' token ids ``[P_all, P_removed...]`` (empty when nothing is replayed) and the completion's ids."""
         args, strength = self.args, self.reward_strength
         batch_index = generation_batch_index(
             self.state.global_step, args.gradient_accumulation_steps, args.steps_per_generation, self.num_iterations
         )
+        names = self.reward_func_names
+        scores = batch.rewards.tolist()  # one host sync for step 2
+        blocks = build_blocks(self.info_block_builders, names, batch, scores)
+        check_blocks(batch.prompts, blocks, names, *self._context_format)
         step_two = replay_contexts(
-            self.info_block_builders,
-            self.reward_func_names,
+            blocks,
+            names,
             batch,
+            scores,
             joint=joint,
             only_varying=args.replay_only_varying,
             resting=strength.resting(self.state.global_step, self._warmup_steps, batch_index),
             separator=args.info_block_separator,
-            header=self._context_format[0],
-            special_tokens=self._context_format[1],
         )
         self._warn_leaks(step_two.leaks)
         context_ids = _trl.tokenize_contexts(self, step_two.contexts)
         completion_ids = batch.completion_ids
         prompt_lengths = batch.output["prompt_mask"].sum(-1).tolist()
         limit = getattr(self.accelerator.unwrap_model(self.model).config, "max_position_embeddings", None)
-        names = self.reward_func_names
-        check_context_length(context_ids, completion_ids, step_two.blocks, prompt_lengths, names, limit)
+        check_context_length(context_ids, completion_ids, blocks, prompt_lengths, names, limit)
         return step_two, context_ids, completion_ids
 
     def _warn_leaks(self, leaks: dict[str, str]) -> None:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from .._trl import log_metric
+from ..checks.blocks import check_builders
 from ..checks.validation import checked_reward
-from ..info_blocks import build_block, check_builders
+from ..info_blocks import build_block
 from ..steps.process_rewards import reward_columns
 from ..utils import function_name
 

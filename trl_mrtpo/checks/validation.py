@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
-from ..info_blocks import check_builders, check_builders_on_first_row
-from ..rules import credit_rule_names, registered_rules
+from .._trl import get_config_model_id
+from ..constants import DIVERGENCE_BACKENDS
+from ..rules import credit_rule_names, registered_rules, resolve_credit_rule
 from ..utils import function_name
+from .blocks import check_builders, check_builders_on_first_row
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
@@ -71,6 +73,57 @@ def check_field_types(config: Any, names: Sequence[str]) -> None:
         if not _has_type(value, hints[name]):
             kind = hints[name].__name__ if isinstance(hints[name], type) else str(hints[name]).replace("typing.", "")
             raise TypeError(f"{name} must be {kind}, got {type(value).__name__} {value!r:.60}.")
+
+
+def check_config_ranges(config: Any) -> None:
+    """Each MRTPO setting in its range, and TRL's settings that credit assignment replaces at their defaults (after
+    GRPOConfig's own ``__post_init__``, which normalises them)."""
+    iterations = config.max_tool_calling_iterations
+    # TRL compares it with a counter: -1 runs no tool at all and 2.5 runs three rounds, without a word
+    if iterations is not None and (isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0):
+        raise ValueError(
+            f"max_tool_calling_iterations must be None (no limit) or an integer >= 0, got {iterations!r}."
+        )
+    if not isinstance(config.credit_assignment, str) or not config.credit_assignment:
+        raise ValueError(f"credit_assignment must name a rule, got {config.credit_assignment!r}.")
+    if not 0.0 <= config.credit_beta <= 1.0:
+        raise ValueError(f"credit_beta must be in [0, 1], got {config.credit_beta}.")
+    if config.credit_warmup_steps < 0:
+        raise ValueError(f"credit_warmup_steps must be >= 0, got {config.credit_warmup_steps}.")
+    if config.credit_warmup_steps >= 1 and config.credit_warmup_steps != int(config.credit_warmup_steps):
+        raise ValueError(
+            f"credit_warmup_steps must be a whole number of steps, or a share of max_steps below 1, got "
+            f"{config.credit_warmup_steps}."
+        )
+    if config.max_second_moment_ratio < 1.0:
+        raise ValueError(
+            "max_second_moment_ratio must be >= 1 (1 forbids any redistribution), "
+            f"got {config.max_second_moment_ratio}."
+        )
+    if config.credit_assignment != "grpo":
+        # MRTPO's pipeline normalises each reward per group itself (method step 1) and rescales by the
+        # token-weighted batch std (step 8): TRL's own aggregation and scaling never run.
+        for name, default in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
+            if getattr(config, name) != default:
+                raise ValueError(
+                    f"{name}={getattr(config, name)!r} only applies to credit_assignment='grpo' (plain "
+                    f"GRPOTrainer). In {config.credit_assignment!r} mode every reward is normalised per group and "
+                    f"the token advantages are rescaled by the batch std; leave {name} at {default!r}, or use "
+                    "credit_assignment='grpo' for TRL's own behaviour."
+                )
+    floor = config.reward_strength_floor
+    if floor is not None and not 0.0 < floor <= 0.5:
+        raise ValueError(f"reward_strength_floor must be in (0, 0.5] or None, got {floor}.")
+    if config.replay_batch_size < 1:
+        raise ValueError(f"replay_batch_size must be >= 1, got {config.replay_batch_size}.")
+    if config.collapse_warning_steps < 0:
+        raise ValueError(f"collapse_warning_steps must be >= 0, got {config.collapse_warning_steps}.")
+    if config.divergence_backend not in DIVERGENCE_BACKENDS:
+        raise ValueError(
+            f"divergence_backend must be one of {', '.join(DIVERGENCE_BACKENDS)}, got {config.divergence_backend!r}."
+        )
+    if config.replay_chunk_size is not None and config.replay_chunk_size < 1:
+        raise ValueError(f"replay_chunk_size must be >= 1 or None, got {config.replay_chunk_size}.")
 
 
 def check_finite_fields(config: Any, names: Sequence[str]) -> None:
@@ -439,9 +492,6 @@ def before_model(
     (``trainer``'s default one when None), the credit rule it names and the settings it asks of it, the datasets,
     environments, reward columns and builders (:func:`checked_inputs`). Returns ``(args, rule, reward functions as
     given, as TRL gets them)``."""
-    from .._trl import get_config_model_id
-    from ..rules import resolve_credit_rule
-
     check_model_argument(model)
     if args is None:
         model_name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -464,7 +514,7 @@ def checked_inputs(
     check_dataset(train_dataset, "train", environments)
     check_dataset(eval_dataset, "eval", environments)
     if environments or kwargs.get("tools") or kwargs.get("rollout_func") is not None:
-        from ..trajectories import check_environment_arguments, checked_rollout  # loaded by the runs that have them
+        from .environments import check_environment_arguments, checked_rollout  # loaded by the runs that have them
 
         check_environment_arguments(kwargs)
         if kwargs.get("rollout_func") is not None:

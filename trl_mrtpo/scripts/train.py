@@ -248,7 +248,7 @@ def recipe_inputs(script_args: MRTPOScriptArguments, training_args, model_args, 
     (:func:`check_recipe`), its rewards and info blocks (one block or None per reward), its failure boundaries and
     process rewards, its model (a local folder must exist) and its data. A mistake raises ``TypeError``,
     ``ValueError``, ``ImportError`` or ``FileNotFoundError`` naming it, which ``train`` shows after its usage line."""
-    from ..info_blocks import check_builders
+    from ..checks.blocks import check_builders
     from ..utils import function_name
 
     trainer_class, template = check_recipe(script_args, training_args)

@@ -25,8 +25,9 @@ import torch
 from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
+from ..checks.blocks import check_builders
 from ..checks.validation import own_copies, within_float32
-from ..info_blocks import Prompt, call_builder, check_builders
+from ..info_blocks import Prompt, call_builder
 from ..rules import Contribution, CreditSetup, CreditTerm, resolve_credit_rule
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name
