@@ -10,7 +10,7 @@ FUNCTIONS=(
   "trl_mrtpo.credit.*"
   "trl_mrtpo.weighting.*"
   "trl_mrtpo.replay.x__padded*" "trl_mrtpo.replay.x_context_tree*" "trl_mrtpo.replay.xǁContextNodeǁ*"
-  "trl_mrtpo.replay.xǁ_Decoderǁ*" "trl_mrtpo.replay.x_replayed_hidden_states*"
+  "trl_mrtpo.replay.xǁ_Decoderǁ*" "trl_mrtpo.replay.x_packed_rows*" "trl_mrtpo.replay.x_packed_mask*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_calculate_rewards*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_reduce_sum*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_beta*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_weighted_batch*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_relevance_credit*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_cort_credit*"

@@ -12,12 +12,21 @@ first step. The first step (start-up) is dropped from the means. Writes
 
 ``mrtpo`` is the published rule; a method ``mrtpo+<option>`` is MRTPO with an option on: ``strength`` (per-reward
 strength, the default of ``MRTPOConfig``), ``null``, ``preserve``.
+
+``--variable-length`` measures the replay alone, packed (the default: sequences of one context side by side in one
+row) against one sequence per row right-padded (what a model without a custom mask runs), in one run: decoder
+positions per needed position at a GPU step's shape (64 completions of 256-1,024 tokens after 512-token prompts,
+three blocks each removed, every pair replayed; counted on a tiny model, the count does not depend on its size; its
+seconds are not a CPU step's), and
+CPU seconds per replayed token on a SmolLM2-135M-shaped random model at a CPU step's shape (16 completions of 32-128
+tokens after 128-token prompts). Writes ``benchmarks/results/replay_packing_cpu.csv`` and prints a table.
+
+    OMP_NUM_THREADS=1 python benchmarks/replay_overhead.py --variable-length --threads 1
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -27,6 +36,9 @@ import tempfile
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+sys.path.insert(0, str(Path(__file__).parent))
+from js_kernel import write_csv  # noqa: E402
+
 OPTIONS = {
     "strength": "reward_strength",
     "null": "relevance_null_correction",
@@ -93,6 +105,91 @@ def run_method(task: str, method: str, steps: int, seed: int, args: argparse.Nam
     ]
 
 
+def variable_length_batch(prompts: int, group: int, prompt_tokens: int, block: int, lengths: tuple[int, int],
+                          seed: int) -> tuple[list, list]:  # fmt: skip
+    """Per response, ``[P_all, P_not_1, P_not_2, P_not_3]`` (three appended blocks of ``block`` tokens, each removed
+    once; identical across a prompt's ``group`` responses) and a completion of ``lengths`` tokens (uniform)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = lambda n: torch.randint(3, 300, (n,), generator=gen).tolist()  # noqa: E731
+    contexts, completions = [], []
+    for _ in range(prompts):
+        prompt, blocks = ids(prompt_tokens - 3 * block), [ids(block) for _ in range(3)]
+        full = prompt + [t for b in blocks for t in b]
+        removed = [prompt + [t for i, b in enumerate(blocks) if i != k for t in b] for k in range(3)]
+        for length in torch.randint(lengths[0], lengths[1] + 1, (group,), generator=gen).tolist():
+            contexts.append([full, *removed])
+            completions.append(ids(length))
+    return contexts, completions
+
+
+def replay_cost(model, contexts, completions, packed: bool, repeats: int) -> tuple[int, float]:
+    """``(decoder positions computed, best seconds of repeats)`` of one replay of the batch, packed or padded."""
+    import functools
+    import time
+
+    from trl_mrtpo import replay
+
+    decoder, _ = replay.causal_lm_parts(model)
+    original, positions = decoder.forward, []
+
+    @functools.wraps(original)
+    def counted(*a, input_ids, **kw):
+        positions.append(input_ids.numel())
+        return original(*a, input_ids=input_ids, **kw)
+
+    decoder.forward = counted
+    packs = replay._Decoder.packs
+    if not packed:
+        replay._Decoder.packs = lambda self, cached, width: False
+    try:
+        seconds = []
+        for _ in range(repeats):
+            positions.clear()
+            start = time.perf_counter()
+            replay.replay_relevance(model, contexts, completions, 1.0, min_shared_prefix=1, backend="torch")
+            seconds.append(time.perf_counter() - start)
+    finally:
+        replay._Decoder.packs, decoder.forward = packs, original
+    return sum(positions), min(seconds)
+
+
+def variable_length(args: argparse.Namespace) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.set_num_threads(args.threads)
+    shapes = {  # case -> (model shape, batch, replays timed)
+        "gpu_step_positions": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=512), (8, 8, 512, 32, (256, 1024)), 1),
+        "cpu_step_seconds": (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, vocab_size=49152), (4, 4, 128, 16, (32, 128)), args.repeats),
+    }  # fmt: skip
+    rows = []
+    for case, (shape, batch, repeats) in shapes.items():
+        torch.manual_seed(args.seed)
+        config = LlamaConfig(max_position_embeddings=4096, tie_word_embeddings=True, **shape)
+        model = LlamaForCausalLM(config).eval()
+        contexts, completions = variable_length_batch(*batch, seed=args.seed)
+        sequences = [(c, comp) for ctx, comp in zip(contexts, completions) for c in ctx]
+        distinct = {tuple(c[:n]) for c, _ in sequences for n in range(1, len(c))}
+        needed = len(distinct) + sum(1 + len(comp) for _, comp in sequences)
+        replayed = sum(len(comp) * len(ctx) for ctx, comp in zip(contexts, completions))
+        for path in ("padded", "packed"):
+            computed, seconds = replay_cost(model, contexts, completions, path == "packed", repeats)
+            per_token = round(1e6 * seconds / replayed, 2)
+            rows.append({"case": case, "path": path, "positions": computed, "needed": needed,
+                         "positions_per_needed": round(computed / needed, 4), "seconds": round(seconds, 4),
+                         "replayed_tokens": replayed, "us_per_replayed_token": per_token})  # fmt: skip
+            print(rows[-1], flush=True)
+    write_csv(rows, RESULTS / "replay_packing_cpu.csv" if args.output is None else Path(args.output))
+    print("| case | path | positions / needed | s per replay | µs per replayed token |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['path']} | {r['positions_per_needed']:.3f} | {r['seconds']:.3f} | "
+              f"{r['us_per_replayed_token']:.2f} |")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", nargs="+", default=["basic", "if"])
@@ -108,9 +205,14 @@ def main() -> None:
         "--model", default=None, help="a model folder instead of the embedded SmolLM2 (same tokenizer)"
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--output", default=str(RESULTS / "replay_overhead_cpu.csv"))
+    parser.add_argument("--output", default=None, help="the CSV written (default: results/replay_overhead_cpu.csv)")
+    parser.add_argument("--variable-length", action="store_true", help="the replay alone, packed against padded")
+    parser.add_argument("--repeats", type=int, default=2, help="replays timed per path (--variable-length; best)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.variable_length:
+        return variable_length(args)
+    args.output = args.output or str(RESULTS / "replay_overhead_cpu.csv")
     if args.child:
         print(json.dumps(run_method(*args.child, args.steps, args.seed, args)))
         return
@@ -131,12 +233,7 @@ def main() -> None:
                 f"(replay {statistics.mean(r['replay_seconds'] for r in timed):5.2f} s)",
                 flush=True,
             )
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.output, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"written to {args.output}\n")
+    write_csv(rows, Path(args.output))
     print("| task | method | s/step (mean over steps 2..n) | replay s/step | pairs replayed | vs GDPO |")
     print("|---|---|---|---|---|---|")
     for task in args.tasks:

@@ -2,7 +2,7 @@ import math
 
 import torch
 
-from trl_mrtpo.diagnostics import mass_share
+from trl_mrtpo.scripts.inspection import mass_share
 
 
 def test_mass_share_concentrated_spread_and_empty():

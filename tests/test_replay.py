@@ -77,7 +77,8 @@ def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch)
     @functools.wraps(original)  # keeps the signature the replay reads its cache argument's name from
     def forward(*args, input_ids, attention_mask=None, **kwargs):
         mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else input_ids
-        counts.append(int((mask != 0).sum()))
+        # a packed row (its 4D mask) holds no padding: one packed row per forward, as wide as it is full
+        counts.append(input_ids.numel() if mask.dim() == 4 else int((mask != 0).sum()))
         return original(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     monkeypatch.setattr(decoder, "forward", forward)

@@ -90,12 +90,6 @@ class ScoredBatch:
         return tool_views(self.output, self.completions)
 
 
-def completion_token_lists(output: dict) -> list[list[int]]:
-    """Each completion's token ids without padding, from TRL's generation output."""
-    lengths = output["completion_mask"].sum(-1).tolist()
-    return [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
-
-
 def local_slice(scored: Scored, process_index: int) -> slice:
     """This process's rows of a batch gathered over processes (TRL gathers rewards in process order)."""
     size = len(scored.prompts)

@@ -51,7 +51,7 @@ class MRTPOConfig(GRPOConfig):
         > Parameters that control the replay
 
         replay_batch_size (`int`, *optional*, defaults to `8`):
-            Sequences per no-grad replay forward.
+            Sequences per padded replay forward (packed rows run alone).
         replay_only_varying (`bool`, *optional*, defaults to `True`):
             Replay only the (response, reward) pairs whose reward varies within the group; the others cannot
             change the advantage. `False` replays every pair that has an info block (for analysis).
@@ -116,7 +116,7 @@ class MRTPOConfig(GRPOConfig):
     )
     # Parameters that control the replay
     replay_batch_size: int = field(
-        default=REPLAY_BATCH_SIZE, metadata={"help": "Sequences per no-grad replay forward."}
+        default=REPLAY_BATCH_SIZE, metadata={"help": "Sequences per padded replay forward (packed rows run alone)."}
     )
     replay_only_varying: bool = field(
         default=True,

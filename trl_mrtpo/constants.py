@@ -27,6 +27,9 @@ VOCAB_TILE = 4096
 # Replay defaults: sequences per forward, and the fewest new tokens a shared context prefix needs to run once.
 REPLAY_BATCH_SIZE = 8
 MIN_SHARED_PREFIX = 16  # a shorter shared prefix is not worth its own forward
+# Tokens of a packed replay row (unless one sequence is longer): the dense mask makes every token of a row attend over
+# the whole row, so the attention's work per token grows with it, while a shorter row leaves more forwards.
+PACKED_ROW_TOKENS = 512
 
 # what divergence_backend may name: "triton" is ops/triton_divergence.py, imported only by a run that names it
 DIVERGENCE_BACKENDS = ("auto", "torch", "triton")

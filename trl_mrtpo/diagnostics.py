@@ -26,12 +26,6 @@ def mass_shares(relevance: torch.Tensor, mask: torch.Tensor, mass: float = 0.8) 
     return torch.where((total > 0) & (lengths > 0), shares, torch.nan)
 
 
-def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
-    """:func:`mass_shares` of one profile."""
-    values = relevance.flatten()[None]
-    return mass_shares(values, torch.ones_like(values, dtype=torch.bool), mass).item()
-
-
 def process_means(gathered: list[dict[str, float]]) -> dict[str, float]:
     """Each metric's mean over the processes that logged it, from one dict per process (what ``gather_object``
     returns), so that every process logs the same values, as TRL logs its own metrics. A process can lack a key
@@ -42,14 +36,6 @@ def process_means(gathered: list[dict[str, float]]) -> dict[str, float]:
         for key in keys
         for values in [[metrics[key] for metrics in gathered if key in metrics]]
     }
-
-
-def model_positions(mask: torch.Tensor) -> list[torch.Tensor]:
-    """Per response, the positions of the model's own tokens: where ``mask`` (``[B, C]``: the completion mask, times
-    TRL's tool mask in tool rollouts) is 1. Never the first ``mask.sum()`` positions, which on a tool rollout hold
-    tool results and miss the later turns. Two host syncs for the whole batch."""
-    columns = mask.bool().nonzero(as_tuple=True)[1]
-    return list(columns.split(mask.bool().sum(-1).tolist()))
 
 
 def credit_metrics(

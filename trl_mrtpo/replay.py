@@ -22,9 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
-from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
+from .constants import MIN_SHARED_PREFIX, PACKED_ROW_TOKENS, REPLAY_BATCH_SIZE
 from .info_blocks import removed_groups
 from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
 
@@ -241,8 +242,47 @@ def padded(
     return input_ids, attention_mask
 
 
+def packed_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Consecutive indices of ``lengths`` in rows of at most ``capacity`` tokens (a longer sequence alone)."""
+    rows, room = [], 0
+    for i, length in enumerate(lengths):
+        if not rows or length > room:
+            rows.append([])
+            room = capacity
+        rows[-1].append(i)
+        room -= length
+    return rows
+
+
+def packed_mask(lengths: Sequence[int], cached: int, additive: bool) -> torch.Tensor:
+    """``[1, 1, n, cached + n]`` mask of one row packing sequences of ``lengths`` (``n`` tokens in all) after a
+    cached prefix: a token sees the prefix and its own sequence up to itself. Boolean (True: seen) for SDPA, additive
+    (0 or float32's lowest) for eager attention."""
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    local = torch.cat([torch.arange(n) for n in lengths])
+    seen = (segment[:, None] == segment[None]) & (local[:, None] >= local[None])
+    seen = torch.cat([seen.new_ones(len(seen), cached), seen], dim=1)[None, None]
+    return seen if not additive else torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
+
+
+def shared_cache(cache, rows: int):
+    """A cache of ``rows`` rows over ``cache``'s key/value tensors, without copying them: a dynamic layer appends by
+    concatenation, so a forward on it leaves ``cache`` as it was. Other caches are copied and repeated."""
+    if any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) for layer in cache.layers):
+        shared = copy.deepcopy(cache)
+        shared.batch_repeat_interleave(rows)
+        return shared
+    shared = copy.copy(cache)
+    shared.layers = [copy.copy(layer) for layer in cache.layers]
+    for layer in (layer for layer in shared.layers if layer.is_initialized):
+        layer.keys, layer.values = layer.keys.expand(rows, -1, -1, -1), layer.values.expand(rows, -1, -1, -1)
+    return shared
+
+
 class _Decoder:
-    """The decoder of a causal LM, run on new tokens after an optional cached prefix of ``cached`` tokens."""
+    """The decoder of a causal LM, run on new tokens after an optional cached prefix of ``cached`` tokens (shared,
+    never copied: :func:`shared_cache`). Where its attention takes a custom mask (SDPA, eager) and no sliding window
+    is reached, one row packs several sequences (:meth:`packs`)."""
 
     def __init__(self, model: nn.Module):
         self.decoder, _ = causal_lm_parts(model)
@@ -250,26 +290,39 @@ class _Decoder:
         # transformers >= 5.2x renamed `past_key_values` to `cache`
         parameters = inspect.signature(self.decoder.forward).parameters
         self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        config = model.config.get_text_config()
+        self.mask = {"sdpa": "bool", "eager": "additive"}.get(config._attn_implementation)
+        slides = "sliding_attention" in (getattr(config, "layer_types", None) or ("sliding_attention",))
+        self.window = getattr(config, "sliding_window", None) if slides else None
+
+    def packs(self, cached: int, width: int) -> bool:
+        """Whether rows of ``width`` tokens after ``cached`` may pack several sequences: the attention takes a custom
+        mask and every position is within the sliding window, if any (beyond it, the window's own mask is needed).
+        Flash attention and other kernels without a dense mask run one sequence per row."""
+        return self.mask is not None and (self.window is None or cached + width < self.window)
 
     def extend(self, cache, cached: int, tokens: Sequence[int]):
         """The cache after running ``tokens`` on top of ``cache`` (which holds ``cached`` tokens; None: empty)."""
         kwargs = {}
         if cache is not None:
             positions = torch.arange(cached, cached + len(tokens), device=self.device)
-            kwargs = {self.cache_arg: copy.deepcopy(cache), "position_ids": positions[None]}
+            kwargs = {self.cache_arg: shared_cache(cache, 1), "position_ids": positions[None]}
         out = self.decoder(input_ids=torch.tensor([list(tokens)], device=self.device), use_cache=True, **kwargs)
         return out[self.cache_arg] if self.cache_arg in out else out.past_key_values
 
-    def hidden(self, cache, cached: int, rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """``[len(rows), width, H]`` last hidden states of right-padded ``rows`` after the shared cached prefix."""
-        input_ids, attention_mask = padded(rows, self.device)
-        kwargs = {"use_cache": False}  # without a prefix, a cache of the batch would be built and thrown away
+    def hidden(self, cache, cached: int, rows: Sequence[Sequence[int]], packed: bool = False) -> torch.Tensor:
+        """``[len(rows), width, H]`` last hidden states of right-padded ``rows`` after the shared cached prefix; with
+        ``packed``, ``[1, width, H]`` of the rows side by side in one row, each seeing only the prefix and itself."""
+        lengths = [len(row) for row in rows]
+        input_ids, attention_mask = padded([[t for row in rows for t in row]] if packed else rows, self.device)
+        kwargs, (count, width) = {"use_cache": False}, input_ids.shape  # no cache without a prefix: it is thrown away
         if cache is not None:
-            batch_cache = copy.deepcopy(cache)
-            batch_cache.batch_repeat_interleave(len(rows))
-            positions = torch.arange(cached, cached + input_ids.shape[1], device=self.device)
-            kwargs = {self.cache_arg: batch_cache, "position_ids": positions.expand(len(rows), -1), "use_cache": True}
-            attention_mask = torch.cat([attention_mask.new_ones(len(rows), cached), attention_mask], dim=1)
+            positions = torch.arange(cached, cached + width, device=self.device).expand(count, -1)
+            kwargs = {self.cache_arg: shared_cache(cache, count), "position_ids": positions, "use_cache": True}
+            attention_mask = torch.cat([attention_mask.new_ones(count, cached), attention_mask], dim=1)
+        if packed:  # each sequence restarts its positions after the prefix
+            kwargs["position_ids"] = cached + torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
+            attention_mask = packed_mask(lengths, cached, self.mask == "additive").to(self.device)
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
 
 
@@ -285,30 +338,40 @@ def completion_hidden_states(
 ) -> list[torch.Tensor] | None:
     """Last hidden states ``[L_i, H]`` predicting each completion token, for each (context_i, completion_i) pair;
     with ``store``, each pair's states are handed to ``store(i, states)`` as a view of the forward's output (to copy
-    where it keeps them) and nothing is returned. A forward takes at most ``batch_size`` sequences and, with
-    ``max_tokens``, at most that many padded new tokens (one sequence at least).
+    where it keeps them) and nothing is returned.
 
     With ``min_shared_prefix`` set, the contexts form a prefix tree (:func:`context_tree`) walked depth first: a
     prefix that at least two forwards continue from and that has at least ``min_shared_prefix`` new tokens is run
     once and its key/value cache reused below it; shorter ones are carried into the forwards below. Sequences with
-    the same context run together from its cache, ``batch_size`` at a time. ``None`` runs every sequence whole,
-    sorted by length, in mini-batches.
+    the same context run together from its cache. Where the attention allows (:meth:`_Decoder.packs`) they are packed
+    (:func:`packed_rows`) into rows of :data:`PACKED_ROW_TOKENS` (or the longest sequence, or ``max_tokens`` when
+    fewer), one row per forward, so that no position is computed for padding; otherwise a forward takes at most
+    ``batch_size`` sequences, right-padded, and with ``max_tokens`` at most that many tokens (one sequence at least).
+    ``None`` runs every sequence whole, one per row, sorted by length, in mini-batches (the reference the tree is
+    tested against).
     """
     decoder = _Decoder(model)
     out: list[torch.Tensor | None] = [None] * len(contexts)
 
-    def run(indices: Sequence[int], cache, cached: int, pending: Sequence[int]) -> None:
-        """Sequences whose context is ``cache``'s prefix + ``pending`` + their own rest, batched."""
+    def run(indices: Sequence[int], cache, cached: int, pending: Sequence[int], pack: bool = True) -> None:
+        """Sequences whose context is ``cache``'s prefix + ``pending`` + their own rest, packed or batched."""
         order = sorted(indices, key=lambda i: -(len(contexts[i]) + len(completions[i])))
-        width = len(contexts[order[0]]) + len(completions[order[0]]) - cached if order else 0  # the widest row's
-        per_forward = min(batch_size, max(1, max_tokens // max(width, 1))) if max_tokens is not None else batch_size
-        for start in range(0, len(order), per_forward):
-            chunk = order[start : start + per_forward]
-            rows = [list(pending) + list(contexts[i][cached + len(pending) :]) + list(completions[i]) for i in chunk]
-            hidden = decoder.hidden(cache, cached, rows)
-            for row, i in enumerate(chunk):
-                first = len(contexts[i]) - cached - 1  # the state after the last context token predicts token 0
-                states = hidden[row, first : first + len(completions[i])]
+        rest = {i: [*pending, *contexts[i][cached + len(pending) :], *completions[i]] for i in order}
+        width = len(rest[order[0]]) if order else 0  # the widest row's
+        # packed where rows would pad (one length pads nothing), one row per forward (rows of one forward would pad)
+        packed = pack and len({len(r) for r in rest.values()}) > 1 and decoder.packs(cached, width)
+        if packed:
+            capacity = max(width, min(PACKED_ROW_TOKENS, max_tokens or PACKED_ROW_TOKENS))
+            chunks = [[order[k] for k in row] for row in packed_rows([len(rest[i]) for i in order], capacity)]
+        else:
+            per_forward = min(batch_size, max(1, max_tokens // max(width, 1))) if max_tokens else batch_size
+            chunks = [order[start : start + per_forward] for start in range(0, len(order), per_forward)]
+        for chunk in chunks:
+            hidden = decoder.hidden(cache, cached, [rest[i] for i in chunk], packed)
+            starts = itertools.accumulate((len(rest[i]) for i in chunk), initial=0) if packed else itertools.repeat(0)
+            for row, (i, offset) in enumerate(zip(chunk, starts)):
+                first = len(contexts[i]) - cached - 1 + offset  # the last context token's state predicts token 0
+                states = hidden[0 if packed else row, first : first + len(completions[i])]
                 if store is not None:
                     store(i, states)
                 else:  # a copy: a view would keep the whole batch's [rows, width, H] states alive until the JS
@@ -329,36 +392,10 @@ def completion_hidden_states(
 
     with eval_mode(model):
         if min_shared_prefix is None:
-            run(range(len(contexts)), None, 0, [])
+            run(range(len(contexts)), None, 0, [], pack=False)
         else:
             walk(context_tree(contexts))
     return None if store is not None else out
-
-
-def replayed_hidden_states(
-    model: nn.Module,
-    contexts: Sequence[Sequence[Sequence[int]]],
-    completions: Sequence[Sequence[int]],
-    batch_size: int,
-    min_shared_prefix: int | None,
-    min_contexts: int,
-) -> tuple[list[torch.Tensor], list[tuple[int, int, int]]]:
-    """Hidden states of every (context, completion) sequence of the responses with at least ``min_contexts``
-    contexts and a non-empty completion, with ``(response j, number of contexts, index of its first sequence)``.
-
-    Every sequence of the batch goes through one prefix tree (:func:`completion_hidden_states`), so what the
-    contexts of a response, and the responses of a group, share is computed once.
-    """
-    if len(contexts) != len(completions):
-        raise ValueError(f"{len(contexts)} context lists for {len(completions)} completions")
-    flat_contexts, flat_completions, owners = [], [], []
-    for j, (ctx, completion) in enumerate(zip(contexts, completions)):
-        if len(ctx) >= min_contexts and len(completion) > 0:
-            owners.append((j, len(ctx), len(flat_contexts)))
-            flat_contexts.extend(ctx)
-            flat_completions.extend([completion] * len(ctx))
-    hidden = completion_hidden_states(model, flat_contexts, flat_completions, batch_size, min_shared_prefix)
-    return hidden, owners
 
 
 @contextmanager

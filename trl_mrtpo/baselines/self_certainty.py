@@ -14,7 +14,8 @@ import torch
 from .._trl import tokenize_prompts
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE, VOCAB_TILE
 from ..ops.js import softcapped_
-from ..replay import final_logit_softcap, lm_head_parameters, replayed_hidden_states
+from ..replay import final_logit_softcap, lm_head_parameters
+from ..sequence_states import replayed_hidden_states
 
 
 def self_certainty(

@@ -14,15 +14,22 @@ import torch
 from torch import nn
 
 from .._trl import whole_policy
-from ..batch import ScoredBatch, completion_token_lists
+from ..batch import ScoredBatch
 from ..constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from ..relevance import ReplayRelevance
-from ..replay import final_logit_softcap, lm_head_parameters, replayed_hidden_states
+from ..replay import final_logit_softcap, lm_head_parameters
 from ..rules import CreditTerm, given_terms
+from ..sequence_states import replayed_hidden_states
 from ..trainer import MRTPOTrainer
 from .config import ResearchConfig
 from .rules import CONFIGURED_TERMS
 from .token_scores import sampled_logprobs
+
+
+def completion_token_lists(output: dict) -> list[list[int]]:
+    """Each completion's token ids without padding, from TRL's generation output."""
+    lengths = output["completion_mask"].sum(-1).tolist()
+    return [ids[:length].tolist() for ids, length in zip(output["completion_ids"], lengths)]
 
 
 class ResearchTrainer(MRTPOTrainer):

@@ -21,7 +21,7 @@ import torch
 
 from .._trl import tokenize_prompts
 from ..config import MRTPOConfig
-from ..diagnostics import CreditRecord
+from ..diagnostics import CreditRecord, mass_shares
 from ..info_blocks import InfoBlock
 from ..kits import KIT_NAMES, Kit, get_kit
 from ..observability.summaries import token_strings
@@ -252,6 +252,20 @@ def token_mask(tokens: list[str], spans: list[tuple[int, int]]) -> torch.Tensor:
         mask[i] = any(s < end and start < e for s, e in spans)
         position = end
     return mask
+
+
+def mass_share(relevance: torch.Tensor, mass: float = 0.8) -> float:
+    """:func:`mass_shares` of one profile."""
+    values = relevance.flatten()[None]
+    return mass_shares(values, torch.ones_like(values, dtype=torch.bool), mass).item()
+
+
+def model_positions(mask: torch.Tensor) -> list[torch.Tensor]:
+    """Per response, the positions of the model's own tokens: where ``mask`` (``[B, C]``: the completion mask, times
+    TRL's tool mask in tool rollouts) is 1. Never the first ``mask.sum()`` positions, which on a tool rollout hold
+    tool results and miss the later turns. Two host syncs for the whole batch."""
+    columns = mask.bool().nonzero(as_tuple=True)[1]
+    return list(columns.split(mask.bool().sum(-1).tolist()))
 
 
 @dataclass
@@ -577,10 +591,9 @@ def reward_verdicts(
     on (an irrelevant sentence moves the policy as much). The strength is this batch's reading over the task's
     rewards (the control slot left out), not training's running mean. A reward in ``leaks`` (the trainer's
     ``information_leaks``) is told that its block's text survives its removal. Every figure reads the model's tokens
-    (:func:`~trl_mrtpo.diagnostics.model_positions`: tool results left out).
+    (:func:`model_positions`: tool results left out).
     """
     from ..credit import group_advantages, relevance_specificity, reward_strength
-    from ..diagnostics import mass_share, model_positions
 
     control = reward_names.index(CONTROL_NAME)
     positions = model_positions(record.mask)
