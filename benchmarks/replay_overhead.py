@@ -22,6 +22,7 @@ CPU seconds per replayed token on a SmolLM2-135M-shaped random model at a CPU st
 tokens after 128-token prompts). Writes ``benchmarks/results/replay_packing_cpu.csv`` and prints a table.
 
     OMP_NUM_THREADS=1 python benchmarks/replay_overhead.py --variable-length --threads 1
+    python benchmarks/replay_overhead.py --variable-length --quick --output /tmp/packing.csv   # a dry run
 """
 
 from __future__ import annotations
@@ -166,6 +167,9 @@ def variable_length(args: argparse.Namespace) -> None:
         "cpu_step_seconds": (dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                                   num_key_value_heads=3, vocab_size=49152), (4, 4, 128, 16, (32, 128)), args.repeats),
     }  # fmt: skip
+    if args.quick:  # the plumbing only (CI's benchmarks tier): one tiny model, short sequences
+        tiny = shapes["gpu_step_positions"][0]
+        shapes = {case: (tiny, (2, 4, 48, 8, (4, 40)), 1) for case in shapes}
     rows = []
     for case, (shape, batch, repeats) in shapes.items():
         torch.manual_seed(args.seed)
@@ -208,6 +212,7 @@ def main() -> None:
     parser.add_argument("--output", default=None, help="the CSV written (default: results/replay_overhead_cpu.csv)")
     parser.add_argument("--variable-length", action="store_true", help="the replay alone, packed against padded")
     parser.add_argument("--repeats", type=int, default=2, help="replays timed per path (--variable-length; best)")
+    parser.add_argument("--quick", action="store_true", help="--variable-length on a tiny model and batch (a dry run)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variable_length:

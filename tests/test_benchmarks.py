@@ -383,3 +383,23 @@ def test_the_agent_ab_analysis_says_no_data_for_short_runs_or_a_missing_metric(t
     assert verdict() == f"no data: `{agent_ab.PRIMARY}` is missing or NaN in gdpo-seed2."
     write(200)
     assert verdict() == "MRTPO helps (positive on every seed)."
+
+
+@pytest.mark.slow
+@pytest.mark.benchmarks
+def test_the_packing_case_dry_run_counts_positions_for_both_paths(tmp_path):
+    """``replay_overhead.py --variable-length --quick``: both paths of both cases in one run; the packed replay
+    computes exactly the positions needed and the padded one more."""
+    output = tmp_path / "packing.csv"
+    argv = ["--variable-length", "--quick", "--threads", "1", "--output", str(output)]
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "replay_overhead.py"), *argv], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r["case"], r["path"]): r for r in csv.DictReader(open(output))}
+    assert set(rows) == {(c, p) for c in ("gpu_step_positions", "cpu_step_seconds") for p in ("padded", "packed")}
+    for case in ("gpu_step_positions", "cpu_step_seconds"):
+        packed, padded = rows[case, "packed"], rows[case, "padded"]
+        assert int(packed["positions"]) == int(packed["needed"]) < int(padded["positions"])
+        assert float(packed["us_per_replayed_token"]) > 0
+    assert "| gpu_step_positions | packed | 1.000 |" in result.stdout
