@@ -3,16 +3,13 @@ cache is shared without copies, and q equals the float64 reference of one plain 
 families the recipes train (Llama, Qwen2, Qwen3, Gemma 2 with its softcap and sliding window) through SDPA and eager
 attention; in bf16 the packed states agree with one sequence per row within bf16's rounding."""
 
-import functools
-
 import pytest
 import torch
 
 from tests.conftest import random_ids, tiny_model_of
-from tests.test_replay import full_logits_relevance
+from tests.test_replay import decoder_tokens, full_logits_relevance
 from trl_mrtpo.replay import (
     _Decoder,
-    causal_lm_parts,
     completion_hidden_states,
     packed_mask,
     packed_rows,
@@ -34,22 +31,6 @@ def uneven_batch():
             contexts.append(group)
             completions.append(random_ids(gen, length))
     return contexts, completions
-
-
-def computed_positions(model, contexts, completions, monkeypatch, **settings) -> int:
-    """Positions the decoder computes over a whole replay, padding included (cached positions excluded)."""
-    decoder, _ = causal_lm_parts(model)
-    original, counts = decoder.forward, []
-
-    @functools.wraps(original)  # keeps the signature the replay reads its cache argument's name from
-    def forward(*args, input_ids, **kwargs):
-        counts.append(input_ids.numel())
-        return original(*args, input_ids=input_ids, **kwargs)
-
-    monkeypatch.setattr(decoder, "forward", forward)
-    replay_relevance(model, contexts, completions, 1.0, backend="torch", **settings)
-    monkeypatch.undo()
-    return sum(counts)
 
 
 def needed_positions(contexts, completions) -> int:
@@ -81,12 +62,12 @@ def test_the_replay_computes_at_most_five_percent_more_positions_than_it_needs(
 ):
     contexts, completions = uneven_batch
     needed = needed_positions(contexts, completions)
-    computed = computed_positions(tiny_model, contexts, completions, monkeypatch, min_shared_prefix=min_shared_prefix)
+    computed = decoder_tokens(tiny_model, contexts, completions, min_shared_prefix, monkeypatch, padding=True)
     if min_shared_prefix == 1:
         assert needed <= computed <= 1.05 * needed, (computed, needed)
     # one sequence per row (the path a model without a custom mask takes) pads to the longest of each forward
     monkeypatch.setattr(_Decoder, "packs", lambda self, cached, width: False)
-    padded = computed_positions(tiny_model, contexts, completions, monkeypatch, min_shared_prefix=min_shared_prefix)
+    padded = decoder_tokens(tiny_model, contexts, completions, min_shared_prefix, monkeypatch, padding=True)
     assert computed < padded and padded > 1.2 * needed, (computed, padded, needed)
 
 

@@ -69,8 +69,9 @@ def test_replay_matches_full_logits_reference(tiny_model, batch, min_shared_pref
         torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=0)
 
 
-def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch):
-    """Tokens the decoder computes over a whole replay (cached positions excluded)."""
+def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch, padding: bool = False):
+    """Tokens the decoder computes over a whole replay (cached positions excluded), with ``padding`` its padded
+    positions too."""
     decoder, _ = causal_lm_parts(model)
     original, counts = decoder.forward, []
 
@@ -78,7 +79,7 @@ def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch)
     def forward(*args, input_ids, attention_mask=None, **kwargs):
         mask = attention_mask[:, -input_ids.shape[1] :] if attention_mask is not None else input_ids
         # a packed row (its 4D mask) holds no padding: one packed row per forward, as wide as it is full
-        counts.append(input_ids.numel() if mask.dim() == 4 else int((mask != 0).sum()))
+        counts.append(input_ids.numel() if padding or mask.dim() == 4 else int((mask != 0).sum()))
         return original(*args, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
 
     monkeypatch.setattr(decoder, "forward", forward)

@@ -39,7 +39,7 @@ class ScoredBatch:
     mask: torch.Tensor  # [B, C] completion (and tool) mask
     output: dict
     groups: torch.Tensor | None = None  # [B, K] information groups, once step 2 has built the blocks
-    info_blocks: list | None = None  # per response, each reward's InfoBlock or None, once step 2 has built them
+    info_blocks: list | None = None  # per response, each reward's InfoBlock or None, once step 2 built them (heatmap)
 
     @property
     def information_groups(self) -> torch.Tensor:

@@ -323,14 +323,13 @@ def replay_contexts(
         contexts.append([full, *removed])
         if not joint:
             leaks.update(leaked_information(removed, dropped, blocks[i], groups[i], names))
-    return ReplayContexts(wanted, blocks, groups, contexts, leaks)
+    return ReplayContexts(wanted, groups, contexts, leaks)
 
 
 class ReplayContexts(NamedTuple):
     """Step 2's output for a batch (:func:`replay_contexts`)."""
 
     wanted: list[list[int]]  # per sample, the rewards whose pair is replayed
-    blocks: list[list[InfoBlock | None]]  # per sample, each reward's block
     groups: list[list[int]]  # per sample, each reward's information group (:func:`information_groups`)
     contexts: list[list[Prompt]]  # per sample, [P_all, P_removed...] (empty when nothing is replayed)
     leaks: dict[str, str]  # reward -> where its information survives its removal (:func:`leaked_information`)

@@ -317,12 +317,13 @@ class _Decoder:
         input_ids, attention_mask = padded([[t for row in rows for t in row]] if packed else rows, self.device)
         kwargs, (count, width) = {"use_cache": False}, input_ids.shape  # no cache without a prefix: it is thrown away
         if cache is not None:
-            positions = torch.arange(cached, cached + width, device=self.device).expand(count, -1)
-            kwargs = {self.cache_arg: shared_cache(cache, count), "position_ids": positions, "use_cache": True}
-            attention_mask = torch.cat([attention_mask.new_ones(count, cached), attention_mask], dim=1)
+            kwargs = {self.cache_arg: shared_cache(cache, count), "use_cache": True}
         if packed:  # each sequence restarts its positions after the prefix
             kwargs["position_ids"] = cached + torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
             attention_mask = packed_mask(lengths, cached, self.mask == "additive").to(self.device)
+        elif cache is not None:
+            kwargs["position_ids"] = torch.arange(cached, cached + width, device=self.device).expand(count, -1)
+            attention_mask = torch.cat([attention_mask.new_ones(count, cached), attention_mask], dim=1)
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
 
 

@@ -412,7 +412,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         )
         names = self.reward_func_names
         scores = batch.rewards.tolist()  # one host sync for step 2
-        blocks = build_blocks(self.info_block_builders, names, batch, scores)
+        batch.info_blocks = blocks = build_blocks(self.info_block_builders, names, batch, scores)
         check_blocks(batch.prompts, blocks, names, *self._context_format)
         step_two = replay_contexts(
             blocks,
@@ -450,7 +450,6 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         """What the relevance provider reads: step 2's contexts and the replay's settings."""
         joint = self.credit_rule.removal == "all"
         step_two, context_ids, completion_ids = self._replay_inputs(batch, joint)
-        batch.info_blocks = step_two.blocks  # for the batch's CreditRecord (the heatmap shows them)
         policy = self.accelerator.unwrap_model(self.model)
         return ReplayRecord(
             completions=[completion_text(c) for c in batch.completions],
