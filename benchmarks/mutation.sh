@@ -7,15 +7,13 @@ set -euo pipefail
 export OMP_NUM_THREADS=1
 export PYTHONPATH="$PWD/mutants${PYTHONPATH:+:$PYTHONPATH}"  # processes the tests launch (DDP) import the mutants too
 FUNCTIONS=(
-  "trl_mrtpo.credit.*"
-  "trl_mrtpo.weighting.*"
-  "trl_mrtpo.replay.x__padded*" "trl_mrtpo.replay.x_context_tree*" "trl_mrtpo.replay.xǁContextNodeǁ*"
+  "trl_mrtpo.credit.*" "trl_mrtpo.strength.*" "trl_mrtpo.rules.*"
+  "trl_mrtpo.replay.x_padded*" "trl_mrtpo.replay.x_context_tree*" "trl_mrtpo.replay.xǁContextNodeǁ*"
   "trl_mrtpo.replay.xǁ_Decoderǁ*" "trl_mrtpo.replay.x_packed_rows*" "trl_mrtpo.replay.x_packed_mask*"
-  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_calculate_rewards*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_reduce_sum*"
-  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_beta*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_weighted_batch*"
-  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_relevance_credit*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_cort_credit*"
-  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay_inputs*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay__*"
-  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_cort_contrast*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_surprisal*"
+  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_calculate_rewards*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_beta*"
+  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_weighted_batch*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_contributions*"
+  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_token_credit*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay_inputs*"
+  "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay_record*" "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_replay__*"
   "trl_mrtpo.trainer.xǁMRTPOTrainerǁ_generate_and_score_completions*"
 )
 if [[ "${1:-}" != "--report" ]]; then

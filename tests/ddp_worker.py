@@ -39,7 +39,7 @@ def main(report_dir: str, argv: list[str]) -> None:
     restore = RewardStrength.restore
 
     def restoring(strength, state):
-        restored.append(state["reward_specificity"].tolist())
+        restored.append(state["specificity"].tolist())
         return restore(strength, state)
 
     RewardStrength.restore = restoring

@@ -38,7 +38,7 @@ class SquaredRelevance(CreditRule):
 
     removal = "each"
     reads = ("relevance",)
-    state_checks = {"squared_batches": lambda value, num_rewards: None if isinstance(value, int) else repr(value)}
+    state_entries = ("batches",)
 
     def __init__(self, setup):
         super().__init__(setup)
@@ -47,12 +47,6 @@ class SquaredRelevance(CreditRule):
     def weights(self, inputs):
         self.batches += 1
         return replayed_token_weights(inputs.relevance**2, inputs.replayed, inputs.batch.mask, inputs.betas)
-
-    def state(self):
-        return {"squared_batches": self.batches}
-
-    def restore(self, state):
-        self.batches = state["squared_batches"]
 
 
 class LaterTokens(CreditTerm):
@@ -147,7 +141,7 @@ def test_a_rules_state_is_checkpointed_and_restored(tiny_tokenizer, tmp_path, sq
         save_steps=1,
     )
     state = torch.load(tmp_path / "checkpoint-1" / "mrtpo_state_0.pt", weights_only=True)
-    assert state["parts"]["the credit rule 'squared'"]["squared_batches"] == 1
+    assert state["parts"]["the credit rule 'squared'"]["batches"] == 1
     resumed = run(
         build_tiny_model(tiny_tokenizer),
         tiny_tokenizer,
@@ -208,11 +202,11 @@ def core_modules() -> list[Path]:
 def test_the_core_imports_and_names_nothing_of_the_research_room():
     from trl_mrtpo.research import ResearchConfig
     from trl_mrtpo.research.config import RESEARCH_CREDIT_ASSIGNMENTS
-    from trl_mrtpo.research.rules import RESEARCH_STATE_ENTRIES
+    from trl_mrtpo.research.rules import RewardWeighting, Shuffled
 
     core_fields = {field.name for field in dataclasses.fields(MRTPOConfig)}
     options = [field.name for field in dataclasses.fields(ResearchConfig) if field.name not in core_fields]
-    names = {*options, *RESEARCH_STATE_ENTRIES}
+    names = {*options, *Shuffled.state_entries, *RewardWeighting.state_entries}
     assert len(options) >= 14
     found = []
     for path in core_modules():
@@ -272,7 +266,7 @@ def test_a_checkpoint_entry_this_runs_rule_and_terms_do_not_write_is_refused(tin
     for entry, value in (("shuffle_generator", torch.Generator().get_state()), ("stray", 1)):
         parts = {**state["parts"], "per-reward strength": {**strength, entry: value}}
         torch.save({**state, "parts": parts}, path)
-        with pytest.raises(ValueError, match=f"holds the entry {entry} "):
+        with pytest.raises(ValueError, match=f"the entry {entry!r} is not declared"):
             research_run(resume=str(tmp_path / "checkpoint-1"))
 
 

@@ -1,8 +1,9 @@
 """What the default run loads, measured where it runs: a fresh interpreter builds ``MRTPOTrainer`` with
-``MRTPOConfig``'s default credit settings on the tiny model (two rewards, each with an info block; no process rewards;
-``log_completions`` off), trains one step and saves, then counts every line (docstrings, comments and blanks
-included) of every module of this distribution in ``sys.modules``. A module loaded inside a function counts as much as
-one imported at the top: moving an import does not lower the figure, deleting or not running code does.
+``MRTPOConfig``'s default credit settings on the tiny model (two rewards, each with an info block; no process
+rewards; ``log_completions`` off), trains two steps (the second replays), checkpoints and saves, then counts every
+line (docstrings, comments and blanks included) of every module of this distribution in ``sys.modules``. A module
+loaded inside a function counts as much as one imported at the top: moving an import does not lower the figure,
+deleting or not running code does.
 
 Run ``python tests/test_default_load.py`` to print the modules and their lines.
 """
@@ -20,19 +21,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "trl_mrtpo"
-# The lines of this distribution's modules a default run may load: one total, that of the release before the
-# trainer was made to read as the method (4,342 lines in 22 modules; 4,326 in 21 when this ceiling was set, 4,341 with
-# the model card's offline quick start for runs on the embedded models), raised once to 4,454 for information groups
-# (step 2: a block shared by rewards carried once and removed for all, strength read against the other groups, the
-# warning for a block whose text survives its removal: 159 lines, less the completions table's 46 moved to the
-# observability room that loads them), and to 4,660 for the replay's memory (its states written once into one
-# buffer, streamed within a share of the card's free memory, kept in the checkpoint; tensor parallelism refused; the
-# projection's check called: 206 lines, to be made room for by the checks' room), and to 4,680 for the packed replay
-# (sequences of one context packed into one row with a block mask, prefix caches shared without copies: 66 lines, 46 of
-# them made room for by moving what only the rooms call out of the core). A feature that needs more lines on the
-# default path makes room for them elsewhere; what a default run does not use (the device rule, environments'
-# checks, checkpoint state) is loaded where it is used.
-DEFAULT_RUN_LINES_CEILING = 4680
+# The lines of this distribution's modules a default run may load: the run trains two steps (the second replays:
+# beta is 0 at the first) and writes a checkpoint, as real runs do. Set at 4,713, what it loads once checkpoint state
+# took its one check (4,845 before; the ceiling of 4,680 it replaces held a run that neither replayed nor
+# checkpointed, 4,679 lines then, 4,607 now). Its history: 4,342 lines at the release before the trainer read as the
+# method; raised for information groups (+112), the replay's memory (+206) and the packed replay (+20), each after
+# moving what only the rooms call out of the core. A feature that needs more lines on the default path makes room for
+# them elsewhere; what a default run does not use (the device rule, environments' checks) is loaded where it is used.
+DEFAULT_RUN_LINES_CEILING = 4713
 # Each default-loaded module's part: what `python tests/test_default_load.py` and the test report, by part.
 PARTS = {
     "checks": ("checks", "checks.validation", "checks.blocks", "checks.guards", "checks.finite_credit"),
@@ -52,11 +48,13 @@ imported = sorted(m for m in sys.modules if m.split(".")[0] == "trl_mrtpo")
 from tests.conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
 
+# The tiny model's completions are noise: each reward reads a bit of their length, so that they vary within a group
+# and the step replays, as a real run's does.
 def says_blue(completions, **kwargs):
-    return [float("blue" in str(c)) for c in completions]
+    return [float("blue" in str(c) or len(str(c)) % 2) for c in completions]
 
 def is_short(completions, **kwargs):
-    return [float(len(str(c)) < 60) for c in completions]
+    return [float(len(str(c)) % 3 == 0) for c in completions]
 
 def colour_block(**kwargs):
     return "Mention the colour blue."
@@ -67,8 +65,9 @@ def length_block(**kwargs):
 tokenizer = build_tiny_tokenizer()
 output_dir = tempfile.mkdtemp()
 args = MRTPOConfig(
-    output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=1,
-    logging_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False, log_completions=False, seed=0,
+    output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2,
+    logging_steps=1, report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, bf16=False,
+    log_completions=False, seed=0,
 )
 rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(4)]
 trainer = MRTPOTrainer(
@@ -78,7 +77,9 @@ trainer = MRTPOTrainer(
 trainer.train()
 trainer.save_model(output_dir)
 loaded = sorted(m for m in sys.modules if m.split(".")[0] == "trl_mrtpo")
-print("MODULES " + json.dumps({"imported": imported, "loaded": loaded, "steps": trainer.state.global_step}))
+replayed = trainer.state.log_history[1]["mrtpo/replayed_fraction"]  # beta is 0 at the first step
+print("MODULES " + json.dumps({"imported": imported, "loaded": loaded, "steps": trainer.state.global_step,
+                               "replayed": replayed}))
 """
 
 
@@ -122,7 +123,7 @@ def measure() -> dict:
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(line for line in result.stdout.splitlines() if line.startswith("MODULES "))
     report = json.loads(line[len("MODULES ") :])
-    assert report["steps"] == 1
+    assert report["steps"] == 2 and report["replayed"] > 0, report  # two steps, the second replays, checkpointed
     counts = {}
     for name in report["loaded"]:
         path = source(name)

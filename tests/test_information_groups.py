@@ -16,7 +16,7 @@ from trl_mrtpo.credit import relevance_specificity
 from trl_mrtpo.info_blocks import InfoBlock, build_contexts, information_groups, leaked_information, removed_groups
 from trl_mrtpo.replay import placed_relevance
 from trl_mrtpo.research.credit import null_corrected_relevance
-from trl_mrtpo.strength import RewardStrength, specificity_problem
+from trl_mrtpo.strength import RewardStrength
 
 CHAT = [{"role": "user", "content": "Write the query."}]
 GOLD = "Reference query: SELECT id FROM t"
@@ -126,7 +126,9 @@ def test_every_drawn_state_of_the_strength_is_written_and_read_back(seed):
     groups = torch.zeros(n, k, dtype=torch.long) if kind == 3 and seed % 8 == 3 else None
     for _ in range(3):
         strength.read(q, torch.ones(n, k, dtype=torch.bool), None, groups)
-    assert specificity_problem(strength.state()["reward_specificity"], k) is None
+    read = strength.state()["specificity"]
+    known = read[~read.isnan()]  # NaN: no reading yet
+    assert read.dtype == torch.float64 and read.shape == (k,) and ((known >= 0) & (known <= 1)).all()
     restored = RewardStrength(0.5, k)
     restored.restore(strength.state())
     torch.testing.assert_close(restored.specificity, strength.specificity, equal_nan=True)

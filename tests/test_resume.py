@@ -73,7 +73,7 @@ def test_the_default_lora_run_resumes_exactly_in_a_fresh_process(tmp_path, model
     (report,) = train(tmp_path / "resumed", model_dir, tmp_path / "again", "--save_steps", "2",
                       "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
     saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["parts"]["per-reward strength"][
-        "reward_specificity"
+        "specificity"
     ]
     assert not saved.isnan().all()
     (restored,) = report["restored_specificity"]
@@ -104,7 +104,7 @@ def test_a_checkpoint_inside_a_generation_buffer_resumes_with_a_new_sample(tmp_p
     (inside,) = train(tmp_path / "inside", model_dir, tmp_path / "inside-out", *extra,
                       "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
     saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["parts"]["per-reward strength"][
-        "reward_specificity"
+        "specificity"
     ]
     (restored,) = inside["restored_specificity"]
     torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True, rtol=0, atol=0)
@@ -120,7 +120,7 @@ def test_a_resume_with_other_batch_settings_trains(tmp_path, model_dir, changed)
     (report,) = train(tmp_path / "resumed", model_dir, tmp_path / "again", "--save_steps", "2", *changed,
                       "--resume_from_checkpoint", str(checkpoint))  # fmt: skip
     saved = torch.load(checkpoint / "mrtpo_state_0.pt", weights_only=True)["parts"]["per-reward strength"][
-        "reward_specificity"
+        "specificity"
     ]
     (restored,) = report["restored_specificity"]
     torch.testing.assert_close(torch.tensor(restored, dtype=torch.float64), saved, equal_nan=True, rtol=0, atol=0)
@@ -137,7 +137,7 @@ def test_a_two_process_run_resumes_on_another_number_of_processes(tmp_path, mode
     checkpoint = tmp_path / "out" / "checkpoint-2"
     saved = [
         torch.load(checkpoint / f"mrtpo_state_{r}.pt", weights_only=True)["parts"]["per-reward strength"][
-            "reward_specificity"
+            "specificity"
         ]
         for r in (0, 1)
     ]

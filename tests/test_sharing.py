@@ -192,7 +192,7 @@ def test_a_checkpoint_pushed_to_the_hub_carries_mrtpo_state_and_resumes_it(
     original = RewardStrength.restore
     monkeypatch.setattr(RewardStrength, "restore", lambda self, state: (restored.append(state), original(self, state)))
     trainer(3, "second").train(resume_from_checkpoint=str(uploaded))  # the uploaded folder, as downloaded
-    torch.testing.assert_close(restored[0]["reward_specificity"], saved, equal_nan=True)
+    torch.testing.assert_close(restored[0]["specificity"], saved, equal_nan=True)
 
 
 def test_save_model_from_python_writes_the_mrtpo_card(tmp_path, monkeypatch, tiny_model, tiny_tokenizer):

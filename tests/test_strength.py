@@ -173,7 +173,7 @@ def test_trainer_per_reward_strength_rests_background_rewards(tiny_model, tiny_t
     for replay in trainer.replays[1:]:
         assert not replay["replayed"][:, read].any()
     state = torch.load(tmp_path / "checkpoint-3" / "mrtpo_state_0.pt", weights_only=True)  # plain data only
-    saved = state["parts"]["per-reward strength"]["reward_specificity"]
+    saved = state["parts"]["per-reward strength"]["specificity"]
     torch.testing.assert_close(saved, specificity, equal_nan=True)
 
 

@@ -52,8 +52,8 @@ def test_every_hook_is_called_and_every_attribute_is_set_by_trl(tiny_model, tiny
     assert all(hasattr(first, name) for name in _trl.GRPO_TRAINER_ATTRIBUTES)
     first.train()
     trainer(3).train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    # only when pushing (tests/test_sharing.py), and with tools (tests/test_inspection.py's recorded trajectories)
-    expected = set(_trl.GRPO_TRAINER_NAMES) - {"_push_from_checkpoint", "_tool_call_loop"}
+    # only with tools (tests/test_inspection.py's recorded trajectories)
+    expected = set(_trl.GRPO_TRAINER_NAMES) - {"_tool_call_loop"}
     assert called == expected, expected - called
     logged = first.state.log_history[0]
     assert "mrtpo/replay_share" in logged  # written through the seam's log_metric
@@ -87,7 +87,7 @@ def test_only_the_seam_reaches_trl_private_helpers():
         "trainer._generate_and_score_completions("
     ]
     assert private_reaches("from trl.trainer.utils import pad") and private_reaches("x._calculate_rewards(a)")
-    assert not private_reaches("super()._save_checkpoint(model, trial); self._get_output_dir(trial=trial)")
+    assert not private_reaches("super()._save_checkpoint(model, trial); self._save_rng_state(output_dir)")
     assert not private_reaches("super(replaying, self)._tool_call_loop(*args)")
 
 

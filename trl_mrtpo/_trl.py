@@ -41,11 +41,10 @@ GRPO_TRAINER_NAMES = {
     "_calculate_rewards": "overridden: keeps the per-reward rewards TRL does not expose (TRL 1.16)",
     "_generate_and_score_completions": "overridden: replaces the sequence advantages by token advantages (TRL 1.16)",
     "_tokenize_prompts": "called: the prompt token ids of the replay contexts, as generation tokenises them",
-    "_save_checkpoint": "overridden (TRL's own extra-state hook, transformers Trainer): writes MRTPO's state",
+    "_save_checkpoint": "overridden (transformers Trainer): MRTPO's state is serialised before the checkpoint",
     "_load_optimizer_and_scheduler": "overridden (where TRL reads its extra state back on resume): reads MRTPO's",
-    "_get_output_dir": "called (transformers Trainer): the run folder that holds the checkpoint folders",
-    "_push_from_checkpoint": "overridden (transformers Trainer, inside _save_checkpoint): MRTPO's state is written "
-    "before the checkpoint is uploaded",
+    "_save_rng_state": "overridden (transformers Trainer, inside _save_checkpoint, per process, before a Hub upload): "
+    "MRTPO's state is written beside the RNG state",
     "_save": "overridden (transformers Trainer): an adapter of a local model copy is saved without a Hub lookup",
     "_generate_single_turn": "overridden by inspect's replay of recorded tool trajectories: serves their turns",
     "_tool_call_loop": "overridden by inspect's replay of recorded tool trajectories: reads the tool results",

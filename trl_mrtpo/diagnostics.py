@@ -4,12 +4,12 @@ per response the completions table shows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .batch import ScoredBatch
 from .credit import TokenCredit
+from .rules import Stateful
 from .utils import completion_text
 
 
@@ -88,16 +88,7 @@ def q_statistics(
     return means_out, concentration
 
 
-def collapse_streaks_problem(streaks: Any, num_rewards: int) -> str | None:
-    """The collapse monitor's streaks: reward name -> a count of steps."""
-    if isinstance(streaks, dict) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in streaks.values()
-    ):
-        return None
-    return str(streaks)
-
-
-class CollapseMonitor:
+class CollapseMonitor(Stateful):
     """Counts, per reward, consecutive steps whose replayed q mass is near zero.
 
     Near-zero q everywhere means the weights fall back to uniform: the run is silently plain GDPO for that reward.
@@ -105,21 +96,12 @@ class CollapseMonitor:
     collapsed steps).
     """
 
-    state_checks = {"collapse_streaks": collapse_streaks_problem}
+    state_entries = ("streaks",)
 
     def __init__(self, patience: int, threshold: float = 1e-6):
         self.patience = patience  # 0: never warns
         self.threshold = threshold
         self.streaks: dict[str, int] = {}
-
-    def identity(self) -> dict:
-        return {}
-
-    def state(self) -> dict:
-        return {"collapse_streaks": dict(self.streaks)}
-
-    def restore(self, state: dict) -> None:
-        self.streaks = dict(state["collapse_streaks"])
 
     def update(self, mean_relevance: dict[str, float]) -> list[str]:
         if self.patience <= 0:

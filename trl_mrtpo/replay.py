@@ -17,7 +17,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +27,7 @@ from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
 from .constants import MIN_SHARED_PREFIX, PACKED_ROW_TOKENS, REPLAY_BATCH_SIZE
 from .info_blocks import removed_groups
 from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
+from .rules import Stateful
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
@@ -412,38 +412,23 @@ def lm_head_parameters(model: nn.Module):
         yield weight, bias
 
 
-def usable_bytes_problem(usable: Any, num_rewards: int) -> str | None:
-    """The replay's memory entry: None (not decided: off CUDA, or before the first replay) or a count of bytes."""
-    return None if usable is None or (type(usable) is int and usable > 0) else repr(usable)
-
-
-class ReplayMemory:
+class ReplayMemory(Stateful):
     """The bytes usable on the device when the run first replays on CUDA (free, plus reserved and unused), from which
     the replay's chunk rows and streams follow (:func:`replay_relevance`'s ``usable_bytes``): fixed for the run, and
-    kept in checkpoints so that a resumed run chunks and streams as before (a :class:`~trl_mrtpo.rules.Stateful`
-    part)."""
+    kept in checkpoints so that a resumed run chunks and streams as before."""
 
-    state_checks = {"replay_usable_bytes": usable_bytes_problem}
+    state_entries = ("usable_bytes",)
 
     def __init__(self):
-        self.usable: int | None = None
+        self.usable_bytes: int | None = None
 
     def decide(self, device: torch.device, model: nn.Module) -> int | None:
         """The run's usable bytes on ``device``, measured (and logged) now if not yet; None off CUDA."""
-        if device.type == "cuda" and self.usable is None:
+        if device.type == "cuda" and self.usable_bytes is None:
             from .ops.device_rule import run_usable_memory
 
-            self.usable = run_usable_memory(device, causal_lm_parts(model)[1].out_features)
-        return self.usable if device.type == "cuda" else None
-
-    def identity(self) -> dict:
-        return {}
-
-    def state(self) -> dict:
-        return {"replay_usable_bytes": self.usable}
-
-    def restore(self, state: dict) -> None:
-        self.usable = state["replay_usable_bytes"]
+            self.usable_bytes = run_usable_memory(device, causal_lm_parts(model)[1].out_features)
+        return self.usable_bytes if device.type == "cuda" else None
 
 
 def replay_streams(sizes: Sequence[tuple[int, int]], states_bytes: int | None) -> list[list[int]]:

@@ -13,8 +13,8 @@ dropped, steps 6-8 replaced, the result rescaled). Every term reaches the rule o
 there. What a term adds to a batch is a :class:`Contribution`.
 
 A rule's or a term's state (running readings a resumed run needs) is its own object, written and read by the
-trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state``, ``restore`` and
-``state_checks``; nothing is kept at module level.
+trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state_entries`` (and ``state`` and
+``restore`` where an entry is not an attribute); nothing is kept at module level.
 """
 
 from __future__ import annotations
@@ -28,26 +28,26 @@ import torch
 from .credit import ReduceSum, TokenCredit, replayed_token_weights, weighted_token_advantages
 from .utils import import_path, public_name
 
-# An entry's check (trl_mrtpo.credit_state): None when the value is what the part writes, else what was found instead.
-StateCheck = Callable[[Any, int], "str | None"]
 Combine = Callable[..., TokenCredit]  # steps 6-8: (advantages, weights, mask, reward_weights, rho, reduce_sum, ...)
 
 
 class Stateful:
-    """What a rule or a term keeps between generation batches and checkpoints (nothing by default)."""
+    """What a rule or a term keeps between generation batches and checkpoints: the entries ``state_entries`` names,
+    by default attributes of those names (none)."""
 
-    state_checks: ClassVar[dict[str, StateCheck]] = {}
+    state_entries: ClassVar[tuple[str, ...]] = ()
 
     def identity(self) -> dict:
         """Settings a checkpoint was written under; a resume under others is refused."""
         return {}
 
     def state(self) -> dict:
-        """Entries (plain tensors, numbers, strings) a resumed run needs, one per key of ``state_checks``."""
-        return {}
+        """The entries (tensors, numbers, strings, None, and lists or dicts of them) a resumed run needs."""
+        return {entry: getattr(self, entry) for entry in self.state_entries}
 
     def restore(self, state: dict) -> None:
-        """Takes back the entries :meth:`state` wrote (checked by ``state_checks``)."""
+        for entry in self.state_entries:
+            setattr(self, entry, state[entry])
 
 
 @dataclass

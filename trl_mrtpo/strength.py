@@ -4,8 +4,6 @@ and resting rewards it gives. The maths is :func:`~trl_mrtpo.credit.relevance_sp
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
@@ -13,30 +11,14 @@ from .credit import ReduceSum, relevance_specificity, reward_strength
 from .rules import Stateful
 
 
-def specificity_problem(specificity: Any, num_rewards: int) -> str | None:
-    """The per-reward strength's running specificity: one float per reward in [0, 1] (a mean of ``1 - cos`` of
-    non-negative profiles), NaN for no reading yet. Anything else would hold a reward at full beta or at rest for
-    good."""
-    if not (
-        isinstance(specificity, torch.Tensor)
-        and specificity.is_floating_point()
-        and tuple(specificity.shape) == (num_rewards,)
-    ):
-        return f"{getattr(specificity, 'shape', type(specificity).__name__)} (one value per reward: {num_rewards})"
-    read = specificity[~torch.isnan(specificity)]
-    if ((read < 0) | (read > 1)).any():  # inf and -inf included
-        return f"{specificity.tolist()} (each in [0, 1], or NaN before a first reading)"
-    return None
-
-
 class RewardStrength(Stateful):
     """Reward k's beta is ``beta_n * g_k``, ``g_k`` from the running specificity ``m_k`` of its q.
 
     ``floor`` None turns it off (every reward uses ``beta_n``: the published rule). ``m_k`` is NaN until the first
-    reading, and ``g_k`` is then 1. ``m_k`` is checkpointed as ``reward_specificity``.
+    reading, and ``g_k`` is then 1. ``m_k`` is checkpointed as ``specificity``.
     """
 
-    state_checks = {"reward_specificity": specificity_problem}
+    state_entries = ("specificity",)
 
     def __init__(self, floor: float | None, num_rewards: int):
         self.floor = floor
@@ -45,12 +27,6 @@ class RewardStrength(Stateful):
     @property
     def active(self) -> bool:
         return self.floor is not None
-
-    def state(self) -> dict:
-        return {"reward_specificity": self.specificity.clone()}
-
-    def restore(self, state: dict) -> None:
-        self.specificity = state["reward_specificity"].clone().double()
 
     def read(
         self,

@@ -14,7 +14,6 @@ from functools import cached_property
 
 import torch
 from accelerate.utils import gather_object
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 
@@ -49,10 +48,8 @@ PAPER_TITLE = "Each Reward to Its Relevant Tokens: Reward-Specific Token-Level C
 
 
 class CreditCheckpoints:
-    """The trainer's checkpoint hooks for MRTPO's state (:mod:`trl_mrtpo.credit_state`, loaded by the runs that
-    checkpoint or resume): transformers' ``_save_checkpoint``, ``_push_from_checkpoint`` and
-    ``_load_optimizer_and_scheduler`` (:data:`~trl_mrtpo._trl.GRPO_TRAINER_NAMES`), where TRL writes and reads its own
-    extra state."""
+    """MRTPO's state in TRL's checkpoints (:mod:`trl_mrtpo.credit_state`): serialised before transformers writes the
+    checkpoint, written beside each process's RNG state (so before a Hub upload), read back where TRL reads its own."""
 
     def _credit_state(self):
         from .credit_state import CheckpointedState
@@ -61,25 +58,14 @@ class CreditCheckpoints:
         return CheckpointedState(run, self._stateful())
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Checked and serialised first: a state that cannot be saved stops before transformers writes the
-        checkpoint. With ``push_to_hub``, :meth:`_push_from_checkpoint` writes it, before the upload."""
         self._state_payload = None if self.args.save_only_model else self._credit_state().serialised()
         super()._save_checkpoint(model, trial)
-        if not self.args.push_to_hub:
-            step = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            self._write_credit_state(os.path.join(self._get_output_dir(trial=trial), step))
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        """Written before transformers uploads the checkpoint, so that a resume from the Hub continues it."""
-        self._write_credit_state(checkpoint_folder)
-        super()._push_from_checkpoint(checkpoint_folder)
-
-    def _write_credit_state(self, folder: str) -> None:
-        if self._state_payload is not None:  # None with save_only_model: no optimizer either, never resumed from
-            self._credit_state().write(folder, self.accelerator.process_index, self._state_payload)
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)  # only when the optimizer is saved too: never with save_only_model
+        self._credit_state().write(output_dir, self.accelerator.process_index, self._state_payload)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """Reads MRTPO's state back on resume, where TRL reads its own extra state."""
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             self._credit_state().read(checkpoint, self.accelerator.process_index)

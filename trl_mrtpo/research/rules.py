@@ -11,11 +11,7 @@ selects them (``CONFIGURED_TERMS``): ``reward_weighting`` (SAW, CONCUR), ``taco`
 from __future__ import annotations
 
 import copy
-import math
-import numbers
-import typing
 from dataclasses import asdict
-from typing import Any
 
 import torch
 
@@ -25,41 +21,11 @@ from ..rules import (
     CreditRule,
     CreditSetup,
     CreditTerm,
-    StateCheck,
     register_credit_rule,
 )
 from .config import ResearchConfig
 from .credit import cort_weights, null_corrected_relevance, preserved_token_advantages, shuffle_relevance, taco_scale
 from .weighting import ConcurTrust, concur_advantages, saw_weights
-
-
-def concur_trust_problem(trust: Any, num_rewards: int) -> str | None:
-    """CONCUR-A's trust records: auxiliary reward -> the fields of :class:`ConcurTrust`, finite numbers."""
-    if not isinstance(trust, dict):
-        return type(trust).__name__
-    fields = typing.get_type_hints(ConcurTrust)
-    for key, record in trust.items():
-        if not isinstance(record, dict) or set(record) != set(fields):
-            return f"[{key!r}] = {record}"
-        for name, kind in fields.items():
-            value = record[name]
-            finite = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            if not finite or (kind is int and value != int(value)):
-                return f"[{key!r}].{name} = {value!r}"
-    return None
-
-
-def shuffle_generator_problem(generator: Any, num_rewards: int) -> str | None:
-    expected = torch.Generator().get_state()
-    if isinstance(generator, torch.Tensor) and generator.dtype == expected.dtype and generator.shape == expected.shape:
-        return None
-    return str(getattr(generator, "shape", type(generator).__name__))
-
-
-RESEARCH_STATE_ENTRIES: dict[str, StateCheck] = {
-    "concur_trust": concur_trust_problem,
-    "shuffle_generator": shuffle_generator_problem,
-}
 
 
 class Joint(MRTPO):
@@ -71,7 +37,7 @@ class Joint(MRTPO):
 class Shuffled(MRTPO):
     """Ablation: each reward's q permuted within each response (its own seeded generator, checkpointed)."""
 
-    state_checks = {"shuffle_generator": shuffle_generator_problem}
+    state_entries = ("shuffle_generator",)
 
     def __init__(self, setup: CreditSetup):
         super().__init__(setup)
@@ -115,7 +81,7 @@ class RewardWeighting(CreditTerm):
     read on train batches only and checkpointed."""
 
     name = "reward_weighting"
-    state_checks = {"concur_trust": concur_trust_problem}
+    state_entries = ("concur_trust",)
 
     def __init__(self, args: ResearchConfig, reward_names: list[str]):
         self.args = args
