@@ -9,6 +9,7 @@ from trl_mrtpo.diagnostics import CreditRecord
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.research import ResearchConfig, ResearchTrainer, needs_research
+from trl_mrtpo.research.credit import preserved_token_advantages
 
 
 def token_advantages(
@@ -22,13 +23,19 @@ def token_advantages(
     reduce_sum=None,
     process=None,
     failure_suffix=None,
+    combine=weighted_token_advantages,
 ) -> TokenCredit:
     """Steps 5-8 as the ``mrtpo`` rule computes them: step 5's weights on the replayed pairs
-    (:func:`~trl_mrtpo.credit.replayed_token_weights`), then :func:`~trl_mrtpo.credit.weighted_token_advantages`."""
+    (:func:`~trl_mrtpo.credit.replayed_token_weights`), then steps 6-8 (``combine``)."""
     weights = replayed_token_weights(relevance, replayed, mask, beta)
-    return weighted_token_advantages(
+    return combine(
         advantages, weights, mask, reward_weights, max_second_moment_ratio, reduce_sum, process, failure_suffix
     )
+
+
+def token_advantages_preserving_totals(*args, **kwargs) -> TokenCredit:
+    """:func:`token_advantages` with every reward's GDPO total kept (the research room's preserved totals)."""
+    return token_advantages(*args, combine=preserved_token_advantages, **kwargs)
 
 
 class Recording:

@@ -245,11 +245,11 @@ def test_eval_uses_its_own_group_size_and_leaves_concur_trust_alone(tiny_model, 
         processing_class=tiny_tokenizer,
     )
     trainer.train()
-    trust = copy.deepcopy(trainer._concur_trust)
+    trust = copy.deepcopy(trainer.credit_terms["reward_weighting"].trust)
     assert trust and sum(state.count for state in trust.values()) > 0
     trainer.credits.clear()
     trainer.evaluate()
-    assert trainer._concur_trust == trust
+    assert trainer.credit_terms["reward_weighting"].trust == trust
     assert trainer.credits
     for credit in trainer.credits:  # groups of num_generations_eval = 2: each pair's advantages are centred
         for g in range(0, len(credit.prompts), 2):

@@ -9,15 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import make_args, recording_trainer, token_advantages
+from tests.helpers import make_args, recording_trainer, token_advantages, token_advantages_preserving_totals
 from trl_mrtpo.credit import group_advantages, token_weights
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.research.credit import (
-    null_corrected_relevance,
-    preserved_token_advantages,
-    token_advantages_preserving_totals,
-)
+from trl_mrtpo.research.credit import null_corrected_relevance, preserved_token_advantages
 
 
 def reference_preserved(adv, weights, mask, c, rho):

@@ -236,7 +236,7 @@ def test_sample_credit_leaves_every_rule_and_term_state_as_it_was(tiny_model, ti
     generator = trainer.credit_rule.generator.get_state()
     record = sample_credit(trainer, [dict(row) for row in make_basic_dataset(2)], 4)
     assert record.replayed.any()
-    assert trainer._concur_trust == {}
+    assert trainer.credit_terms["reward_weighting"].trust == {}
     assert torch.equal(trainer.credit_rule.generator.get_state(), generator)
 
 

@@ -281,7 +281,8 @@ def test_inspecting_a_kit_recipe_keeps_the_kits_spans_for_the_report(tmp_path, t
     for own in ("", "reward_funcs: [tests.test_inspection.says_red]\n"):  # the kit's built-in data, either way
         recipe = tmp_path / "recipe.yaml"
         recipe.write_text(f"model_name_or_path: {tmp_path / 'tiny'}\ntask: basic\n{own}")
-        inspection.inspect_recipe(str(recipe), num_prompts=1, num_generations=2, max_new_tokens=4)
+        settings = {**inspection.recipe_inspection(str(recipe)), "num_generations": 2, "max_new_tokens": 4}
+        inspection.inspect_credit(num_prompts=1, return_verdicts=True, **settings)
     assert given == [BASIC]  # the second recipe's rewards are its own: no report is attempted
 
 

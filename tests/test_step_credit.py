@@ -6,7 +6,13 @@ import math
 import pytest
 import torch
 
-from tests.helpers import graded_length, make_args, recording_trainer, token_advantages
+from tests.helpers import (
+    graded_length,
+    make_args,
+    recording_trainer,
+    token_advantages,
+    token_advantages_preserving_totals,
+)
 from tests.reference import (
     reference_parts,
     reference_process_advantages,
@@ -16,7 +22,6 @@ from tests.reference import (
 from trl_mrtpo import MRTPOTrainer
 from trl_mrtpo.credit import group_advantages
 from trl_mrtpo.kits.basic import make_basic_dataset
-from trl_mrtpo.research.credit import token_advantages_preserving_totals
 from trl_mrtpo.steps.credit import failure_suffix_mask, process_advantages
 from trl_mrtpo.steps.process_rewards import Step, checked_steps, step_spans, token_positions
 from trl_mrtpo.utils import completion_text

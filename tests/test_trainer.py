@@ -461,9 +461,9 @@ def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
     resumed = run(tmp_path / "resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
     assert len(full.batches) == 4 and len(resumed.batches) == 2
     if overrides.get("reward_weighting") == "concur":  # the state that must survive the checkpoint is not empty
-        assert not full._concur_trust[1].tie_ceiling()  # trusted: the tie is released
+        assert not full.credit_terms["reward_weighting"].trust[1].tie_ceiling()  # trusted: the tie is released
         # the cumulative readings continue from the checkpoint's, not from zero
-        assert resumed._concur_trust[1] == full._concur_trust[1]
+        assert resumed.credit_terms["reward_weighting"].trust[1] == full.credit_terms["reward_weighting"].trust[1]
     for after, before in zip(resumed.batches, full.batches[2:]):
         torch.testing.assert_close(after["completion_ids"], before["completion_ids"], rtol=0, atol=0)
         torch.testing.assert_close(after["advantages"], before["advantages"], rtol=0, atol=0)

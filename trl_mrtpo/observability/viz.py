@@ -216,25 +216,6 @@ def plot_credit_curves(
     return path
 
 
-def format_curves(log_history: list[dict], reward_names: Sequence[str]) -> str:
-    """Per-step reward means and MRTPO metrics of a run as a plain-text table."""
-    columns = [f"rewards/{name}/mean" for name in reward_names] + [
-        "mrtpo/beta",
-        "mrtpo/replayed_fraction",
-        "mrtpo/cap_factor",
-        "mrtpo/replay_share",
-    ]
-    headers = ["step"] + [c.split("/")[1] for c in columns]
-    lines = ["  ".join(f"{h:>16}" for h in headers)]
-    for h in (h for h in log_history if "mrtpo/beta" in h):
-        cells = [f"{h.get('step', 0):>16}"]
-        for c in columns:
-            value = h.get(c)
-            cells.append(f"{value:>16.3f}" if isinstance(value, (int, float)) else f"{'n/a':>16}")
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
-
-
 def plot_comparison(histories: dict[str, list[dict]], reward_names: Sequence[str], path: str) -> str:
     """One panel per method (same scale), each reward's per-step mean and smoothed trend: the demo's side-by-side
     plot of runs on the same task and seed."""

@@ -8,7 +8,6 @@ Every function takes tensors and returns tensors; shapes as in :mod:`trl_mrtpo.c
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -18,7 +17,6 @@ from ..credit import (
     TokenCredit,
     batch_rescale,
     batch_std,
-    replayed_token_weights,
     summed_over_processes,
     without_masked_penalties,
 )
@@ -164,22 +162,3 @@ def taco_scale(
         raise ValueError(f"TACO strength must be in [0, 1], got {strength}")
     factor = 1.0 - strength * torch.sigmoid(sharpness * (surprisal - threshold))
     return torch.where(advantages > 0, advantages * factor, advantages)
-
-
-def token_advantages_preserving_totals(
-    advantages: torch.Tensor,
-    relevance: torch.Tensor,
-    replayed: torch.Tensor,
-    mask: torch.Tensor,
-    reward_weights: torch.Tensor,
-    beta: float | torch.Tensor,
-    max_second_moment_ratio: float | None = 2.0,
-    *steps_6_to_8: Any,
-    **options: Any,
-) -> TokenCredit:
-    """:func:`~trl_mrtpo.credit.weighted_token_advantages` with every reward's GDPO total kept: step 5's weights, then
-    :func:`preserved_token_advantages` for steps 6-8 (the cap ratio, ``reduce_sum``, ``process`` and
-    ``failure_suffix`` as there)."""
-    weights = replayed_token_weights(relevance, replayed, mask, beta)
-    rho = max_second_moment_ratio
-    return preserved_token_advantages(advantages, weights, mask, reward_weights, rho, *steps_6_to_8, **options)

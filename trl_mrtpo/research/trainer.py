@@ -50,11 +50,6 @@ class ResearchTrainer(MRTPOTrainer):
     def _replay_relevance(self, args: ResearchConfig) -> ReplayRelevance:
         return ReplayRelevance(**self._replay_options(args))
 
-    @property
-    def _concur_trust(self) -> dict:
-        """CONCUR-A's readings so far (the ``reward_weighting`` term's)."""
-        return self.credit_terms["reward_weighting"].trust
-
     def _quantity(self, name: str, batch: ScoredBatch):
         """CoRT's ``logprob_contrast`` and TACO's ``surprisal`` (methods subclasses may instrument)."""
         if name == "logprob_contrast":

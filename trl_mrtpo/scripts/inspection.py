@@ -761,11 +761,3 @@ def recipe_inspection(config: str) -> dict:
         "reward_strength_floor": training_args.reward_strength_floor,
         "max_new_tokens": training_args.max_completion_length,  # a tool rollout's turns and results fit as trained
     }
-
-
-def inspect_recipe(
-    config: str, adapter: str | None = None, **settings
-) -> tuple[CreditRecord, list[LocalisationRow], list[Verdict]]:
-    """``inspect_credit`` on the task a training recipe describes (:func:`recipe_inspection`), with ``adapter``
-    applied to its model, then the verdicts."""
-    return inspect_credit(adapter=adapter, return_verdicts=True, **{**recipe_inspection(config), **settings})
