@@ -1,6 +1,6 @@
 """What this project can only measure on a GPU, in one command of at most 5 minutes (``bash benchmarks/gpu_check.sh``).
 
-Four parts, in order of value, each in its own process under its own time limit (:data:`LIMITS`). Each part rewrites
+Five parts, in order of value, each in its own process under its own time limit (:data:`LIMITS`). Each part rewrites
 ``<part>.json`` whenever it has measured something more, and its one-line summary goes to ``summary.txt`` (and the
 console) as soon as it ends, so a part that fails or is cut short leaves the others' files and its own figures so far.
 
@@ -9,17 +9,20 @@ console) as soon as it ends, so a part that fails or is cut short leaves the oth
    LoRA, bf16, 16 completions of 256 tokens a step, three rewards forced to vary (bits of a hash of the completion)
    with the basic kit's prompts and info blocks. Per method and step: seconds, the replay's seconds and its JS op's
    seconds synchronised with the device, the replayed fraction, and peak allocated and reserved memory.
-2. ``phases``: one step's phases at Qwen2.5-7B's shape (random, full depth, gradient checkpointing, LoRA, bf16;
+2. ``packing``: the replay alone on 16 completions of 64-512 tokens after 256-token prompts with three removed blocks
+   (a random model of SmolLM2-1.7B's shape, bf16, SDPA), packed against one sequence per row right-padded: decoder
+   positions computed and seconds synchronised with the device (``benchmarks/replay_overhead.py``'s batch and count).
+3. ``phases``: one step's phases at Qwen2.5-7B's shape (random, full depth, gradient checkpointing, LoRA, bf16;
    16 completions of 1,024 tokens after 512-token prompts holding 3 info blocks): the old log-probabilities, the
    forward-backward, and the replay forced to 1.5, 2 and 4 contexts per response, each with seconds, peak allocated
    and reserved memory and the JS op's synchronised seconds. From them, the modelled MRTPO/GDPO step ratio at 12 % and
    33 % of pairs replayed, for generation times stated as assumptions (no vLLM there; see :func:`modelled_ratios`).
-3. ``correctness``: q from the torch rule and the Triton kernel on the device's tensors against float64 logits
+4. ``correctness``: q from the torch rule and the Triton kernel on the device's tensors against float64 logits
    projected through the same head in vocabulary tiles, token by token: K 1, 3, 8 on far and near contexts; an fp32
    head with TF32 off and on; bf16 states with an fp32 head; a softcap with a bias at V 256,000; and one chunk of
    more than 2^31 logits. Then the registers and spills of each compiled variant of the row kernel, and
    ``tests/test_device_rule.py`` and ``tests/test_triton_divergence.py`` run on CUDA tensors.
-4. ``js_table``: the JS op at Qwen2.5-7B's head (H 3,584, V 152,064, 16,384 tokens, bf16): the kernel, the torch
+5. ``js_table``: the JS op at Qwen2.5-7B's head (H 3,584, V 152,064, 16,384 tokens, bf16): the kernel, the torch
    rule, TRL's chunked divergence called K times and Liger's fused linear JSD called K times, K 1, 3, 8, in seconds
    and peak MB above the inputs; the kernel and the torch rule with an fp32 head; a sweep of the chunk's tokens, and
    of ``BLOCK_V`` with ``num_warps``.
@@ -50,10 +53,13 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("step", "phases", "correctness", "js_table")
+PARTS = ("step", "packing", "phases", "correctness", "js_table")
 # Seconds per part on the GPU (each part's process start-up included): 260 in all, under the wrapper's 290 with the
 # wheels' installation.
-LIMITS = {"cuda": {"step": 105, "phases": 55, "correctness": 50, "js_table": 50}, "cpu": dict.fromkeys(PARTS, 300)}
+LIMITS = {
+    "cuda": {"step": 95, "packing": 25, "phases": 55, "correctness": 45, "js_table": 40},
+    "cpu": dict.fromkeys(PARTS, 300),
+}
 
 # SmolLM2-135M-Instruct's shape (its config.json); the models here are random.
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -75,6 +81,7 @@ TINY = dict(num_hidden_layers=2, intermediate_size=64, hidden_size=72, num_atten
 SIZES = {
     "cuda": {
         "step": dict(model=SMOLLM2_1_7B, steps=3, batch=16, length=256),
+        "packing": dict(model=SMOLLM2_1_7B, batch=(4, 4, 256, 32, (64, 512)), repeats=3),
         "phases": dict(model=QWEN25_7B, responses=16, prompt=512, block=64, length=1024, micro_batch=4),
         "correctness": dict(tokens=256, hidden=3584, vocab=152064, gemma_vocab=256000, big_tokens=4096,
                             big_elements=2**31, tile=16384),
@@ -83,6 +90,7 @@ SIZES = {
     },
     "cpu": {
         "step": dict(model={**SMOLLM2, **TINY}, steps=2, batch=4, length=8),
+        "packing": dict(model={**SMOLLM2, **TINY}, batch=(2, 4, 48, 8, (4, 40)), repeats=1),
         "phases": dict(model={**QWEN25_7B, **TINY, "vocab_size": 300, "num_key_value_heads": 1}, responses=4,
                        prompt=24, block=3, length=8, micro_batch=2),
         "correctness": dict(tokens=8, hidden=16, vocab=300, gemma_vocab=520, big_tokens=16, big_elements=2**12,
@@ -311,6 +319,40 @@ def modelled_ratios(phases: dict, replay: dict[float, float], fractions=(0.12, 0
             rows.append({"generation_assumed_s": generation, "replayed_fraction": p, "contexts": contexts,
                          "replay_s": seconds, "mrtpo_over_gdpo": (gdpo + seconds) / gdpo})  # fmt: skip
     return rows
+
+
+def part_packing(record: Record, device: str) -> str:
+    """The replay alone on completions of varying length, packed (one row per prefix-tree node, a block mask) against
+    one sequence per row right-padded: decoder positions computed and seconds synchronised with the device."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from replay_overhead import replay_cost, variable_length_batch
+
+    sizes = SIZES[device]["packing"]
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**sizes["model"])).eval()
+    torch.set_default_dtype(torch.float32)
+    prompts, group, prompt, block, lengths = sizes["batch"]
+    record["setup"] = {"model": "random, SmolLM2-1.7B's shape, bf16, SDPA" if device == "cuda" else "random, tiny",
+                       "responses": prompts * group, "prompt_tokens": prompt, "removed_blocks": 3,
+                       "block_tokens": block, "completion_tokens": lengths, "repeats": sizes["repeats"]}  # fmt: skip
+    contexts, completions = variable_length_batch(prompts, group, prompt, block, lengths, seed=0)
+    paths = {}
+    for path in ("padded", "packed"):
+        positions, seconds = replay_cost(model, contexts, completions, path == "packed", sizes["repeats"])
+        paths[path] = {"positions": positions, "seconds": round(seconds, 4)}
+        record["paths"] = paths
+    packed, padded = paths["packed"], paths["padded"]
+    ratio = packed["seconds"] / padded["seconds"]
+    return (
+        f"replay of {prompts * group} completions of {lengths[0]}-{lengths[1]} tokens: packed "
+        f"{packed['seconds']:.3f} s against padded {padded['seconds']:.3f} s ({ratio:.2f}x), decoder positions "
+        f"{packed['positions']:,} against {padded['positions']:,}"
+    )
 
 
 def part_phases(record: Record, device: str) -> str:
@@ -638,6 +680,8 @@ def run_part(name: str, output: Path, device: str, tokenizer: Path) -> None:
     record = Record(output, name)
     if name == "step":
         line = part_step(record, device, tokenizer)
+    elif name == "packing":
+        line = part_packing(record, device)
     elif name == "phases":
         line = part_phases(record, device)
     elif name == "correctness":

@@ -130,6 +130,8 @@ def replay_cost(model, contexts, completions, packed: bool, repeats: int) -> tup
     import functools
     import time
 
+    import torch
+
     from trl_mrtpo import replay
 
     decoder, _ = replay.causal_lm_parts(model)
@@ -144,12 +146,15 @@ def replay_cost(model, contexts, completions, packed: bool, repeats: int) -> tup
     packs = replay._Decoder.packs
     if not packed:
         replay._Decoder.packs = lambda self, cached, width: False
+    synchronize = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
     try:
         seconds = []
         for _ in range(repeats):
             positions.clear()
+            synchronize()
             start = time.perf_counter()
             replay.replay_relevance(model, contexts, completions, 1.0, min_shared_prefix=1, backend="torch")
+            synchronize()
             seconds.append(time.perf_counter() - start)
     finally:
         replay._Decoder.packs, decoder.forward = packs, original

@@ -201,14 +201,16 @@ def test_gpu_check_dry_run_runs_every_part_on_cpu(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    for part in ("step", "phases", "correctness", "js_table"):
+    for part in ("step", "packing", "phases", "correctness", "js_table"):
         assert summary["parts"][part]["returncode"] == 0, (part, (out / f"{part}.log").read_text()[-3000:])
     lines = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(" ")[0] for line in lines[1:]] == ["step", "phases", "correctness", "js_table"]
+    assert [line.split(" ")[0] for line in lines[1:]] == ["step", "packing", "phases", "correctness", "js_table"]
     step = json.loads((out / "step.json").read_text())
     assert [r["step"] for r in step["gdpo"]] == [r["step"] for r in step["mrtpo"]] == [1, 2]
     assert all(r["replayed_fraction"] > 0 and r["replay_seconds"] > r["js_seconds"] > 0 for r in step["mrtpo"])
     assert all(r["replayed_fraction"] == 0 and r["replay_seconds"] == 0 for r in step["gdpo"])
+    packing = json.loads((out / "packing.json").read_text())["paths"]  # the packed replay computes fewer positions
+    assert 0 < packing["packed"]["positions"] < packing["padded"]["positions"]
     phases = json.loads((out / "phases.json").read_text())
     assert set(phases["phases"]) == {
         "old_logprobs",
