@@ -73,6 +73,9 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         # per-reward strength reads q over both ranks (a collective, also on the rank with nothing to replay); at
         # this floor no reward of the tiny model (1 - cos ~ 0.005) rests, so both generations replay
         reward_strength_floor=1e-6,
+        # the end of text grows likelier after 2 tokens: completions end at different lengths, so that the sequences
+        # one context continues into are packed side by side in one row, as a real run's are
+        generation_kwargs={"exponential_decay_length_penalty": (2, 3.0)},
         seed=0,
     )
     peft_config = None
@@ -122,6 +125,16 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         return metrics[-1]["logged"]
 
     trl_mrtpo.trainer.process_means = recording_means
+    from trl_mrtpo import replay
+
+    hidden, packed_rows = replay._Decoder.hidden, []
+
+    def recording_hidden(decoder, cache, cached, rows, packed):
+        if packed:  # the sequences packed side by side in one row
+            packed_rows.append(len(rows))
+        return hidden(decoder, cache, cached, rows, packed)
+
+    replay._Decoder.hidden = recording_hidden
     trainer._replay_inputs = recording_inputs
     trainer._generate_and_score_completions = recording
     trainer.train()
@@ -132,6 +145,7 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         "global_step": trainer.state.global_step,
         "metrics": metrics,
         "logged": [entry for entry in logged if entry],
+        "packed_rows": packed_rows,
     }
     Path(report_dir, f"rank{rank}.json").write_text(json.dumps(report))
     trainer.accelerator.end_training()

@@ -1,7 +1,8 @@
 """Two CPU processes under DeepSpeed ZeRO-2, ZeRO-3 and FSDP2 run 2 MRTPO steps in which one rank replays and the
 other has nothing to replay: no deadlock, the parameters stay sharded between steps (ZeRO-3, FSDP2; ZeRO-2 shards
-only gradients and optimizer states), q equals an unsharded one-process replay and every rank's token advantages
-equal one process's on the merged batch."""
+only gradients and optimizer states), the replay packs completions of differing lengths into shared rows, q equals an
+unsharded one-process replay of one sequence per row and every rank's token advantages equal one process's on the
+merged batch."""
 
 import json
 import os
@@ -70,6 +71,8 @@ def test_sharded_replay_with_unequal_work_per_rank(tmp_path, tiny_model_dir, eng
             values = [metrics[key] for metrics in gathered if key in metrics]
             assert value == pytest.approx(sum(values) / len(values)), key
     assert any(set(g["gathered"][0]) != set(g["gathered"][1]) for g in reports[0]["metrics"])  # keys differed
+    # completions of differing lengths: the replay packed several sequences into one row on the sharded model
+    assert any(sequences > 1 for report in reports for sequences in report["packed_rows"]), reports[0]["packed_rows"]
     generations = [[torch.load(tmp_path / f"rank{r}_generation{g}.pt") for r in (0, 1)] for g in (0, 1)]
     for parts in generations:
         assert all(p["sharded_between_steps"] == PARAMETERS_SHARDED[engine] for p in parts)  # outside the replay
@@ -78,12 +81,13 @@ def test_sharded_replay_with_unequal_work_per_rank(tmp_path, tiny_model_dir, eng
     assert any(sorted(bool(any(p["wanted"])) for p in parts) == [False, True] for parts in generations), [
         [p["wanted"] for p in parts] for parts in generations
     ]
-    # the first generation ran on the initial weights (a fresh adapter adds zero): q equals an unsharded replay
+    # the first generation ran on the initial weights (a fresh adapter adds zero): q equals an unsharded replay that
+    # runs each sequence whole, one per row (min_shared_prefix None: no prefix tree, nothing packed)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     for part in generations[0]:
-        q = replay_relevance(model, part["context_ids"], part["completion_ids"], 1.0)
+        q = replay_relevance(model, part["context_ids"], part["completion_ids"], 1.0, min_shared_prefix=None)
         for i, ks in enumerate(part["wanted"]):
             for row, k in enumerate(ks):
                 length = len(part["completion_ids"][i])
