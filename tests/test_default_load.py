@@ -48,13 +48,13 @@ imported = sorted(m for m in sys.modules if m.split(".")[0] == "trl_mrtpo")
 from tests.conftest import build_tiny_model, build_tiny_tokenizer
 from datasets import Dataset
 
-# The tiny model's completions are noise: each reward reads a bit of their length, so that they vary within a group
-# and the step replays, as a real run's does.
+# The tiny model's completions are noise: each reward scores a completion by its place in the batch, so that both
+# vary within every group, whatever was sampled, and the step replays, as a real run's does.
 def says_blue(completions, **kwargs):
-    return [float("blue" in str(c) or len(str(c)) % 2) for c in completions]
+    return [float(i % 2) for i in range(len(completions))]
 
 def is_short(completions, **kwargs):
-    return [float(len(str(c)) % 3 == 0) for c in completions]
+    return [float(i % 3 == 0) for i in range(len(completions))]
 
 def colour_block(**kwargs):
     return "Mention the colour blue."
