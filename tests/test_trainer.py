@@ -431,7 +431,13 @@ def test_string_prompt_with_an_assistant_header_refuses_appended_blocks(tiny_mod
 @pytest.mark.parametrize(
     "overrides",
     [
+        {"credit_assignment": "mrtpo", "reward_strength_floor": 0.003},  # per-reward strength's specificity: state
+        {"credit_assignment": "gdpo"},
+        {"credit_assignment": "grpo"},
+        {"credit_assignment": "joint"},
         {"credit_assignment": "shuffled"},
+        {"credit_assignment": "cort"},
+        {"credit_assignment": "mrtpo", "reward_weighting": "saw"},
         {
             "credit_assignment": "mrtpo",
             "reward_weighting": "concur",
@@ -439,10 +445,15 @@ def test_string_prompt_with_an_assistant_header_refuses_appended_blocks(tiny_mod
             "concur_pass_threshold": 0.3,
             "concur_ceiling": 0.5,
         },
+        {"credit_assignment": "mrtpo", "taco_strength": 0.5},
+        {"credit_assignment": "mrtpo", "relevance_null_correction": True},
+        {"credit_assignment": "joint", "preserve_reward_totals": True},
     ],
-    ids=["shuffled", "concur-adaptive"],
+    ids=["mrtpo", "gdpo", "grpo", "joint", "shuffled", "cort", "saw", "concur-adaptive", "taco", "null", "preserve"],
 )
 def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
+    """Every credit rule and term, resumed from its own run's checkpoint in the middle of training, continues bit for
+    bit as the uninterrupted run: the same completions and the same advantages after the checkpoint."""
     from tests.conftest import build_tiny_model
 
     def run(output_dir, resume=None):
@@ -467,6 +478,11 @@ def test_resumed_run_continues_exactly(tiny_tokenizer, tmp_path, overrides):
     for after, before in zip(resumed.batches, full.batches[2:]):
         torch.testing.assert_close(after["completion_ids"], before["completion_ids"], rtol=0, atol=0)
         torch.testing.assert_close(after["advantages"], before["advantages"], rtol=0, atol=0)
+    # the state each run ends with is the same: what the checkpoint held was restored, not started afresh
+    strength = full.reward_strength.specificity
+    torch.testing.assert_close(resumed.reward_strength.specificity, strength, equal_nan=True, rtol=0, atol=0)
+    assert "reward_strength_floor" not in overrides or not strength.isnan().all()  # read, so checkpointed
+    assert resumed._collapse_monitor.streaks == full._collapse_monitor.streaks
 
 
 def test_training_changes_every_parameter(tiny_model, tiny_tokenizer, tmp_path):
