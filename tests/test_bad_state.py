@@ -70,6 +70,8 @@ class Foreign:
         (b"\x80\x04garbage", "cannot be read as MRTPO's checkpoint state"),
         (Foreign(), "cannot be read as MRTPO's checkpoint state"),  # weights_only refuses arbitrary objects
         ({"model": torch.zeros(1)}, "holds MRTPO state version None"),
+        (torch.zeros(2), "holds MRTPO state version Tensor"),  # a file the safe loader reads that is not a dict
+        ([1, 2], "holds MRTPO state version list"),
         (_state(version=0), "holds MRTPO state version 0"),
         (_state(reward_names=["a", "c"]), "reward_names: \\['a', 'c'\\] in the checkpoint, \\['a', 'b'\\] now"),
         (_state(credit_assignment="gdpo"), "credit_assignment: 'gdpo' in the checkpoint, 'mrtpo' now"),
