@@ -50,10 +50,10 @@ from datasets import Dataset
 
 # The tiny model's completions are noise: each reward scores a completion by its place in the batch, so that both
 # vary within every group, whatever was sampled, and the step replays, as a real run's does.
-def says_blue(completions, **kwargs):
+def every_second(completions, **kwargs):
     return [float(i % 2) for i in range(len(completions))]
 
-def is_short(completions, **kwargs):
+def every_third(completions, **kwargs):
     return [float(i % 3 == 0) for i in range(len(completions))]
 
 def colour_block(**kwargs):
@@ -71,8 +71,9 @@ args = MRTPOConfig(
 )
 rows = [{"prompt": [{"role": "user", "content": f"Name a colour {i}."}]} for i in range(4)]
 trainer = MRTPOTrainer(
-    model=build_tiny_model(tokenizer), reward_funcs=[says_blue, is_short], info_blocks=[colour_block, length_block],
-    args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+    model=build_tiny_model(tokenizer), reward_funcs=[every_second, every_third],
+    info_blocks=[colour_block, length_block], args=args, train_dataset=Dataset.from_list(rows),
+    processing_class=tokenizer,
 )
 trainer.train()
 trainer.save_model(output_dir)
