@@ -47,8 +47,7 @@ def read_credit_state(path: str, identity: dict, declared: dict) -> dict:
     except Exception as error:
         raise ValueError(f"{path} cannot be read as MRTPO's checkpoint state ({error!r}); {FRESH}.") from error
     state = state if isinstance(state, dict) else {"version": type(state).__name__}  # a tensor or a list, say
-    written = state.get("version")
-    if written != STATE_VERSION or not isinstance(state.get("parts"), dict):
+    if (written := state.get("version")) != STATE_VERSION or not isinstance(state.get("parts"), dict):
         then = "upgrade trl-mrtpo to resume from it" if isinstance(written, int) and written > STATE_VERSION else FRESH
         raise ValueError(
             f"{path} holds MRTPO state version {written} (trl-mrtpo {state.get('release')}); this release "
