@@ -1,5 +1,9 @@
 """Helpers shared by the test modules: a trainer that records what the loss and the replay saw, the tiny-run
-configuration, and rewards with known orderings."""
+configuration, rewards with known orderings, and a time limit."""
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -271,3 +275,20 @@ def observe_term(term, observe) -> None:
         return contribution
 
     term.__class__ = type(f"Observed{cls.__name__}", (cls,), {"__call__": call})
+
+
+@contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    """A TimeoutError after ``seconds`` (SIGALRM: the main thread, as pytest and its xdist workers run tests), so
+    that a hang fails instead of blocking the suite."""
+
+    def expired(*_):
+        raise TimeoutError(f"over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

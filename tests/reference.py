@@ -201,3 +201,20 @@ def reference_saw(rewards):
         cvs.append(std / abs(mean))
     total = sum(cvs)
     return torch.tensor([len(cvs) * cv / total if total else 1.0 for cv in cvs], dtype=torch.float64)
+
+
+@torch.no_grad()
+def full_logits_relevance(model, contexts, completion, temperature):
+    """q by hand: one plain forward of the model per context (no cache, no packing), its full logits at
+    ``temperature``, textbook JS in float64, in bits."""
+    logprobs = []
+    for ctx in contexts:
+        logits = model(input_ids=torch.tensor([ctx + completion]), use_cache=False).logits
+        logits = logits[0, len(ctx) - 1 : len(ctx) - 1 + len(completion)]
+        logprobs.append(torch.log_softmax(logits.double() / temperature, -1))
+    rows = []
+    for other in logprobs[1:]:
+        mixture = torch.logaddexp(logprobs[0], other) - math.log(2)
+        kl = (logprobs[0].exp() * (logprobs[0] - mixture)).sum(-1) + (other.exp() * (other - mixture)).sum(-1)
+        rows.append(0.5 * kl / math.log(2))
+    return torch.stack(rows)

@@ -3,8 +3,6 @@
 or in accepted values whose advantages are finite; none hangs (each case runs under a time limit)."""
 
 import math
-import signal
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import time_limit
 from trl_mrtpo import MRTPOConfig
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block
 from trl_mrtpo.steps.credit import process_advantages
@@ -19,20 +18,6 @@ from trl_mrtpo.steps.process_rewards import checked_steps, checked_turn_steps, f
 from trl_mrtpo.trajectories import trajectory
 
 CASE_SECONDS = 20  # far above any case's cost (milliseconds); a hang fails instead of blocking the suite
-
-
-@contextmanager
-def time_limit(seconds: int = CASE_SECONDS):
-    def expire(*_):
-        raise TimeoutError(f"a fuzz case ran past {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 OWN_FIELDS = [name for name in MRTPOConfig.__dataclass_fields__ if name not in ("gradient_checkpointing",)]
@@ -56,7 +41,7 @@ def assert_named(error: Exception, drawn: dict) -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(drawn=FIELDS)
 def test_config_fields_end_in_a_named_error_or_a_valid_config(drawn):
-    with time_limit():
+    with time_limit(CASE_SECONDS):
         try:
             config = MRTPOConfig(output_dir="fuzz", use_cpu=True, bf16=False, report_to="none", **drawn)
         except (TypeError, ValueError) as error:
@@ -83,7 +68,7 @@ def test_recipe_yaml_ends_in_a_named_error_or_parses(tmp_path_factory, drawn):
     path = tmp_path_factory.mktemp("recipe") / "recipe.yaml"
     recipe = {"task": "basic", "use_cpu": True, "bf16": False, "output_dir": str(path.parent), **drawn}
     path.write_text(yaml.safe_dump(recipe))
-    with time_limit():
+    with time_limit(CASE_SECONDS):
         try:
             make_parser().parse_args_and_config(["--config", str(path)])
             event("parsed")
@@ -112,7 +97,7 @@ COMPLETION = "Hello there OK"
 @settings(max_examples=200, deadline=None)
 @given(returned=RETURNED)
 def test_info_block_builders_end_in_a_named_error_or_a_block(returned):
-    with time_limit():
+    with time_limit(CASE_SECONDS):
         try:
             block = build_block(lambda **_: returned, "ending", 3, PROMPT, COMPLETION, {}, 0.0)
         except InfoBlockError as error:
@@ -124,7 +109,7 @@ def test_info_block_builders_end_in_a_named_error_or_a_block(returned):
 @settings(max_examples=200, deadline=None)
 @given(returned=RETURNED)
 def test_failure_boundaries_end_in_a_named_error_or_an_offset(returned):
-    with time_limit():
+    with time_limit(CASE_SECONDS):
         try:
             offset = failure_boundary(lambda **_: returned, "ending", 2, PROMPT, COMPLETION, {}, -1.0)
         except (TypeError, ValueError) as error:
@@ -159,7 +144,7 @@ def process_advantages_of(steps: list[list[tuple[float, int]]], num_positions: i
 @settings(max_examples=200, deadline=None)
 @given(returned=st.lists(RETURNED, min_size=4, max_size=4))
 def test_process_rewards_end_in_a_named_error_or_finite_advantages(returned):
-    with time_limit():
+    with time_limit(CASE_SECONDS):
         steps = named_or_checked(lambda r, n, i: checked_steps(r, n, i, COMPLETION), "steps", returned)
         if steps is None:
             return
@@ -192,7 +177,7 @@ TURN_STEPS = st.one_of(
 def test_turn_process_rewards_end_in_a_named_error_or_finite_advantages(returned):
     """On a tool rollout, whatever a process reward returns ends in an error naming it and the sample, or in steps
     that end on a turn's last token and finite advantages."""
-    with time_limit():
+    with time_limit(CASE_SECONDS):
         steps = named_or_checked(lambda r, n, i: checked_turn_steps(r, n, i, VIEW), "turns", returned)
         if steps is None:
             return

@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from tests.conftest import random_ids, tiny_model_of
-from tests.test_replay import decoder_tokens, full_logits_relevance
+from tests.reference import full_logits_relevance
+from tests.test_replay import decoder_tokens
 from trl_mrtpo.replay import (
     _Decoder,
     completion_hidden_states,
     packed_mask,
     packed_rows,
+    replay_path,
     replay_relevance,
     shared_cache,
 )
@@ -45,15 +47,16 @@ def test_packed_rows_and_mask_by_hand():
     assert packed_rows([10, 3, 7, 6, 4], 10) == [[0], [1, 2], [3, 4]]
     assert packed_rows([12, 3], 10) == [[0], [1]]  # a sequence longer than the row stands alone
     # one row: a prefix of 2 cached tokens, then sequences of 2 and 1 tokens
-    mask = packed_mask([2, 1], cached=2, additive=False)
+    mask = packed_mask([2, 1], cached=2)
     assert mask.shape == (1, 1, 3, 5) and mask[0, 0].int().tolist() == [
         [1, 1, 1, 0, 0],  # first sequence, token 0: the prefix and itself
         [1, 1, 1, 1, 0],  # token 1: the prefix, token 0, itself
         [1, 1, 0, 0, 1],  # second sequence: the prefix and itself, not the first sequence
     ]
-    additive = packed_mask([2, 1], cached=2, additive=True)
-    assert additive.dtype == torch.float32 and ((additive == 0) == mask).all()
-    assert (additive[~mask] == torch.finfo(torch.float32).min).all()
+    for dtype in (torch.float32, torch.bfloat16):  # in the model's dtype: eager bf16 attention adds it to bf16
+        additive = packed_mask([2, 1], cached=2, additive=dtype)
+        assert additive.dtype == dtype and ((additive == 0) == mask).all()
+        assert (additive[~mask] == torch.finfo(dtype).min).all()
 
 
 @pytest.mark.parametrize("min_shared_prefix", [1, 16])
@@ -112,7 +115,7 @@ def test_packed_bf16_states_agree_with_one_sequence_per_row_within_bf16_rounding
 
 
 def test_a_prefix_cache_is_shared_without_a_copy_and_left_as_it_was(tiny_model):
-    decoder = _Decoder(tiny_model)
+    decoder = _Decoder(tiny_model, replay_path(tiny_model))
     prefix = list(range(3, 15))
     with torch.no_grad():
         cache = decoder.extend(None, 0, prefix)

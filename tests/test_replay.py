@@ -1,29 +1,13 @@
 """Lean replay: shared-prefix KV reuse and batched divergence, against independent full-logits forwards."""
 
 import functools
-import math
 
 import pytest
 import torch
 
 from tests.conftest import random_ids
-from trl_mrtpo.replay import causal_lm_parts, context_tree, replay_relevance
-
-
-def full_logits_relevance(model, contexts, completion, temperature):
-    """q by hand: one plain forward per context, full logits, textbook JS in float64."""
-    with torch.no_grad():
-        logprobs = []
-        for ctx in contexts:
-            logits = model(torch.tensor([ctx + completion])).logits[0, len(ctx) - 1 : len(ctx) - 1 + len(completion)]
-            logprobs.append(torch.log_softmax(logits.double() / temperature, -1))
-    p = logprobs[0].exp()
-    rows = []
-    for lq in logprobs[1:]:
-        q = lq.exp()
-        m = 0.5 * (p + q)
-        rows.append((0.5 * (p * (logprobs[0] - m.log())).sum(-1) + 0.5 * (q * (lq - m.log())).sum(-1)) / math.log(2))
-    return torch.stack(rows)
+from tests.reference import full_logits_relevance
+from trl_mrtpo.replay import causal_lm_parts, context_tree, replay_path, replay_relevance
 
 
 def test_context_tree_by_hand():
@@ -72,6 +56,7 @@ def test_replay_matches_full_logits_reference(tiny_model, batch, min_shared_pref
 def decoder_tokens(model, contexts, completions, min_shared_prefix, monkeypatch, padding: bool = False):
     """Tokens the decoder computes over a whole replay (cached positions excluded), with ``padding`` its padded
     positions too."""
+    replay_path(model)  # settled first, as the trainer settles it at start-up: its probe forward is not the replay's
     decoder, _ = causal_lm_parts(model)
     original, counts = decoder.forward, []
 

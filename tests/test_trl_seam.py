@@ -1,6 +1,7 @@
 """The one seam to TRL: every private name the package relies on exists in the installed TRL, and no other module
 reaches TRL's private helpers directly."""
 
+import inspect
 import re
 from pathlib import Path
 
@@ -14,6 +15,41 @@ PACKAGE = Path(_trl.__file__).parent
 def test_installed_trl_has_every_name_we_use():
     missing = _trl.missing_names()
     assert not missing, f"the installed TRL lacks {missing}: update trl_mrtpo/_trl.py for this TRL version"
+
+
+def missing_transformers_names(model) -> list[str]:
+    """What the installed transformers lacks of ``_trl.TRANSFORMERS_NAMES``, the model's names read on ``model`` (a
+    plain causal LM)."""
+    import transformers
+    from transformers import cache_utils
+
+    present = {
+        "PretrainedConfig._attn_implementation": hasattr(model.config, "_attn_implementation"),
+        "FalconConfig.alibi": hasattr(transformers.FalconConfig(), "alibi"),
+        "MptConfig.attn_config.alibi": hasattr(transformers.MptConfig().attn_config, "alibi"),
+        "xLSTMConfig.output_logit_soft_cap": hasattr(transformers.xLSTMConfig(), "output_logit_soft_cap"),
+        "PreTrainedModel._tp_size": hasattr(model, "_tp_size"),
+        "PretrainedConfig._is_quantized": "_is_quantized" in inspect.getsource(transformers.PreTrainedModel),
+    }
+    present.update(
+        {name: hasattr(cache_utils, name.split(".")[1]) for name in _trl.TRANSFORMERS_NAMES if "cache_utils" in name}
+    )
+    return [name for name in _trl.TRANSFORMERS_NAMES if not present[name]]
+
+
+def test_installed_transformers_has_every_name_we_read(tiny_model, monkeypatch):
+    missing = missing_transformers_names(tiny_model)
+    assert not missing, f"the installed transformers lacks {missing}: update trl_mrtpo/_trl.py and its readers"
+    # planted: a release that drops a cache class or renames the attention field is named
+    from transformers import cache_utils
+
+    monkeypatch.delattr(cache_utils, "LinearAttentionCacheLayerMixin")
+    owner = next(c for c in type(tiny_model.config).__mro__ if "_attn_implementation" in vars(c))
+    monkeypatch.delattr(owner, "_attn_implementation")
+    assert missing_transformers_names(tiny_model) == [
+        "PretrainedConfig._attn_implementation",
+        "cache_utils.LinearAttentionCacheLayerMixin",
+    ]
 
 
 def test_every_hook_is_called_and_every_attribute_is_set_by_trl(tiny_model, tiny_tokenizer, tmp_path):

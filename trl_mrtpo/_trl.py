@@ -15,6 +15,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 from transformers.utils import logging
 
 # TRL's own detection of ZeRO-3 / FSDP and its context for generating with a ZeRO-3 model gathered whole (TRL 1.16).
@@ -75,7 +76,26 @@ SDFT_TRAINER_NAMES = {
 SDFT_TRAINER_ATTRIBUTES = ("_metrics",)
 SDFT_BATCH_KEYS = ("completion_ids", "raw_completion_lengths")  # read from sample_rollouts' batch
 
+# What the package reads of transformers' (5) internals, private or not documented as API (each checked on the
+# installed transformers by tests/test_trl_seam.py): whether a packed replay row's mask and positions reach a model's
+# attention, what its cache holds (trl_mrtpo.replay.rule_path), tensor parallelism (refused) and a de-quantised copy's
+# flag.
+TRANSFORMERS_NAMES = {
+    "PretrainedConfig._attn_implementation": "the attention a model runs (sdpa, eager: a dense mask)",
+    "FalconConfig.alibi": "Falcon's ALiBi flag (its decoder takes position_ids, its bias ignores them)",
+    "MptConfig.attn_config.alibi": "MPT's ALiBi flag (remote-code configs hold attn_config as a dict)",
+    "xLSTMConfig.output_logit_soft_cap": "xLSTM's final logit soft-cap (Gemma's is final_logit_softcapping)",
+    "PreTrainedModel._tp_size": "the tensor-parallel degree of a model loaded with tp_plan (refused)",
+    "PretrainedConfig._is_quantized": "written False on the embedded model's de-quantised copy",
+    "cache_utils.DynamicLayer": "an attention layer's cache, appended by concatenation: shared without a copy",
+    "cache_utils.DynamicSlidingWindowLayer": "a sliding-window attention layer's cache, shared as DynamicLayer",
+    "cache_utils.LinearAttentionCacheLayerMixin": "a state-space or linear-attention layer's state: never shared",
+}
+
 __all__ = [
+    "DynamicLayer",
+    "DynamicSlidingWindowLayer",
+    "LinearAttentionCacheLayerMixin",
     "compile_chat_template",
     "get_comet_experiment_url",
     "get_config_model_id",

@@ -30,6 +30,11 @@ MIN_SHARED_PREFIX = 16  # a shorter shared prefix is not worth its own forward
 # Tokens of a packed replay row (unless one sequence is longer): the dense mask makes every token of a row attend over
 # the whole row, so the attention's work per token grows with it, while a shorter row leaves more forwards.
 PACKED_ROW_TOKENS = 512
+# The start-up check of a model's replay path (replay.check_replay_path): how far the replayed logits may be from the
+# model's own forward, relative to the largest, in a 16-bit dtype (fp32: 1e-3). Two summation orders of a bf16 forward
+# differ by a few of its units (2^-8) at each layer; a wrong position or a state carried across sequences moves the
+# logits by a large part of their range.
+PROBE_HALF_TOLERANCE = 0.05
 
 # what divergence_backend may name: "triton" is ops/triton_divergence.py, imported only by a run that names it
 DIVERGENCE_BACKENDS = ("auto", "torch", "triton")

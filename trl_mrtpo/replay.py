@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,13 +22,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicCache
+from transformers.utils import logging
 
-from ._trl import gathered_for_probe, maybe_gather_lm_head_ctx
-from .constants import MIN_SHARED_PREFIX, PACKED_ROW_TOKENS, REPLAY_BATCH_SIZE
+from ._trl import (
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+    gathered_for_probe,
+    maybe_gather_lm_head_ctx,
+)
+from .constants import MIN_SHARED_PREFIX, PACKED_ROW_TOKENS, PROBE_HALF_TOLERANCE, REPLAY_BATCH_SIZE
 from .info_blocks import removed_groups
 from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
 from .rules import Stateful
+
+logger = logging.get_logger(__name__)
 
 
 def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
@@ -38,8 +48,12 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
     if hasattr(model, "get_base_model"):  # peft.PeftModel
         model = model.get_base_model()
     get_decoder = getattr(model, "get_decoder", None)
-    decoder = get_decoder() if callable(get_decoder) else None
+    # transformers' get_decoder falls back to the model itself where its base_model_prefix names no attribute
+    # (Llama 4's causal LM): the decoder is then the backbone under `model`
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    candidates = (get_decoder() if callable(get_decoder) else None, getattr(model, "model", None))
+    # ... and never the head (ModernBERT-decoder's head is an attribute named `decoder`)
+    decoder = next((m for m in candidates if isinstance(m, nn.Module) and m is not model and m is not head), None)
     if decoder is None or head is None:
         raise ValueError(
             f"MRTPO replay needs a causal LM with get_decoder() and get_output_embeddings(); "
@@ -60,11 +74,13 @@ def causal_lm_parts(model: nn.Module) -> tuple[nn.Module, nn.Linear]:
 
 
 def final_logit_softcap(model: nn.Module) -> float | None:
-    """The model's ``final_logit_softcapping`` (Gemma 2: its forward returns ``cap * tanh(z / cap)``), or None."""
+    """The model's ``final_logit_softcapping`` (Gemma 2: its forward returns ``cap * tanh(z / cap)``; xLSTM names it
+    ``output_logit_soft_cap``), or None."""
     if hasattr(model, "get_base_model"):  # peft.PeftModel
         model = model.get_base_model()
     config = getattr(model, "config", None)
-    cap = getattr(getattr(config, "get_text_config", lambda: config)(), "final_logit_softcapping", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    cap = getattr(text, "final_logit_softcapping", None) or getattr(text, "output_logit_soft_cap", None)
     return float(cap) if cap else None
 
 
@@ -90,13 +106,25 @@ def logit_multiplier(model: nn.Module) -> float:
     otherwise a linear factor is fitted. A declared ``final_logit_softcapping`` is applied to the raw logits before
     the comparison (the replay applies it too); any other non-linear transform has no factor and is refused.
     """
-    decoder, _ = causal_lm_parts(model)
+    decoder, head = causal_lm_parts(model)
     softcap = final_logit_softcap(model)
     device = next(model.parameters()).device
     input_ids = torch.tensor([[1, 2]], device=device)
     with eval_mode(model), lm_head_parameters(model) as (weight, bias):
-        logits = model(input_ids=input_ids, use_cache=False).logits
-        hidden = decoder(input_ids=input_ids).last_hidden_state.double()
+        try:
+            logits = model(input_ids=input_ids, use_cache=False).logits
+            hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state.double()
+        except Exception as error:  # refused by name at start-up, not inside a training step
+            raise ValueError(
+                f"MRTPO replay could not run {type(model).__name__} or its decoder on a two-token start-up probe "
+                f"({type(error).__name__}: {error}); the model is not supported."
+            ) from error
+        if hidden.shape[-1] != weight.shape[-1]:
+            raise ValueError(
+                f"MRTPO replay applies the lm_head to the decoder's last hidden state, but {type(model).__name__}'s "
+                f"lm_head takes {weight.shape[-1]} features and its decoder returns {hidden.shape[-1]} (a projection "
+                "between them, inside forward); the model is not supported."
+            )
         raw = hidden @ weight.double().T + (bias.double() if bias is not None else 0.0)
         if softcap is not None:
             raw = softcap * torch.tanh(raw / softcap)
@@ -105,8 +133,9 @@ def logit_multiplier(model: nn.Module) -> float:
             f"The logits of {type(model).__name__} overflow {logits.dtype} (inf or NaN on a two-token probe): neither "
             "sampling nor the replay could read them. Load the model in bfloat16 or float32 (dtype=...)."
         )
-    # two roundings to the logits' dtype (the matmul, then a scale applied after it), never tighter than fp32's 1e-3
-    rtol = max(1e-3, 2 * torch.finfo(logits.dtype).eps)
+    # two roundings to the model's dtype (the matmul, then a scale applied after it), never tighter than fp32's 1e-3:
+    # the weights' dtype, not the logits' (Mllama and Beam return bf16 logits upcast to fp32)
+    rtol = max(1e-3, 2 * torch.finfo(weight.dtype).eps)
     logits = logits.double()
     atol = rtol * logits.abs().max().item() / 10 + 1e-12
 
@@ -122,8 +151,9 @@ def logit_multiplier(model: nn.Module) -> float:
         return fitted
     raise ValueError(
         f"MRTPO replay computes logits from the last hidden state and the lm_head weight, but "
-        f"{type(model).__name__} transforms its logits non-linearly inside forward (e.g. soft-capping), so the "
-        "replay would not see the sampling distribution. Such models are not supported yet."
+        f"{type(model).__name__} transforms its logits non-linearly inside forward (a prediction-head transform, a "
+        "soft-capping its config does not declare), so the replay would not see the sampling distribution. Such "
+        "models are not supported yet."
     )
 
 
@@ -143,7 +173,8 @@ def replay_settings(policy: nn.Module, temperature: float, backend: str, max_rem
     """The temperature the replay divides its own lm_head logits by, and the divergence backend it runs, settled
     once at start-up on every process (a sharded model is gathered for the probe).
 
-    The temperature is ``T / m`` for a model that scales its logits in forward (:func:`logit_multiplier`). On CUDA the
+    The temperature is ``T / m`` for a model that scales its logits in forward (:func:`logit_multiplier`). The path the
+    replay runs this model by is checked against its own forward (:func:`check_replay_path`). On CUDA the
     projection both backends share is checked against float64 first
     (:func:`~trl_mrtpo.ops.device_rule.check_projection`). A named backend runs its start-up check on the real lm_head
     and is warmed for every number of removed contexts up to ``max_removed``. ``"auto"`` is ``"torch"`` except on
@@ -153,7 +184,9 @@ def replay_settings(policy: nn.Module, temperature: float, backend: str, max_rem
     """
     refuse_tensor_parallel(policy)
     with gathered_for_probe(policy):
-        temperature = temperature / logit_multiplier(policy)
+        multiplier = logit_multiplier(policy)
+        check_replay_path(policy, multiplier)
+        temperature = temperature / multiplier
         softcap = final_logit_softcap(policy)
         with lm_head_parameters(policy) as (weight, bias):
             if device_rule_applies(weight):
@@ -173,6 +206,153 @@ def replay_settings(policy: nn.Module, temperature: float, backend: str, max_rem
             if named is not None and named.warm is not None:
                 named.warm(weight, bias, temperature, softcap, max_removed)
     return temperature, backend
+
+
+@dataclass(frozen=True)
+class ReplayPath:
+    """How the replay runs a model: several sequences packed side by side in one row, each restarting its positions
+    after a shared prefix (``packs``), and context prefixes run once and reused through the key/value cache
+    (``shares_prefix``); ``reason`` says why a faster path is off (empty when both are on)."""
+
+    packs: bool = True
+    shares_prefix: bool = True
+    reason: str = ""
+
+    def describe(self) -> str:
+        if self.packs:
+            return "packed rows" + (" through a shared prefix" if self.shares_prefix else "")
+        return "one sequence per row" + (" through a shared prefix" if self.shares_prefix else ", no prefix sharing")
+
+
+# the path of each model the replay has run or checked, by its decoder (a model's own, dropped with it)
+_PATHS: weakref.WeakKeyDictionary[nn.Module, ReplayPath] = weakref.WeakKeyDictionary()
+
+
+def declares_alibi(config) -> bool:
+    """Whether a config declares ALiBi position biases (Falcon's ``alibi``, MPT's ``attn_config.alibi``, a dict in
+    remote-code configs, or ``position_embedding_type="alibi"``): they follow a key's column in the row."""
+    attention = getattr(config, "attn_config", None)
+    nested = attention.get("alibi") if isinstance(attention, dict) else getattr(attention, "alibi", None)
+    flags = (getattr(config, "alibi", None), nested, getattr(config, "position_embedding_type", None))
+    return any(flag is True or flag == "alibi" for flag in flags)
+
+
+@torch.no_grad()
+def rule_path(model: nn.Module) -> ReplayPath:
+    """The path the model's config, attention and cache allow (docs/method.md, step 4, "The replay's path").
+
+    Packing needs positions read from ``position_ids`` (rotary or learned absolute: a packed sequence restarts them;
+    ALiBi follows a key's column in the row instead) and an attention that takes a dense mask (SDPA, eager; flash
+    kernels take none). Packing and prefix sharing need transformers' own dynamic cache of attention layers: a
+    state-space or linear-attention layer carries one state through the row, which can neither be split between
+    packed sequences nor re-entered by several continuations of a prefix; a cache class of the model's own, or none,
+    hides what its layers keep.
+    """
+    decoder = _Decoder(model, ReplayPath())
+    with eval_mode(model):  # the cache a two-token forward returns
+        out = decoder.decoder(input_ids=torch.tensor([[1, 2]], device=decoder.device), use_cache=True)
+    cache = out.get(decoder.cache_arg, out.get("past_key_values")) if hasattr(out, "get") else None
+    if type(cache) is not DynamicCache:  # None, or a cache class of the model's own (MiniMax keeps state beside it)
+        held = f"a {type(cache).__name__}" if cache is not None else "no key/value cache"
+        return ReplayPath(False, False, f"its decoder returns {held}, whose state the rule cannot see")
+    stateful = [
+        type(layer).__name__
+        for layer in cache.layers
+        if isinstance(layer, LinearAttentionCacheLayerMixin) or not isinstance(layer, DynamicLayer)
+    ]
+    if stateful:
+        reason = f"its cache holds {stateful[0]} layers, whose state runs through a whole row"
+        return ReplayPath(False, False, reason)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if not decoder.takes_positions:
+        return ReplayPath(False, True, "its decoder takes no position_ids")
+    if declares_alibi(config):
+        return ReplayPath(False, True, "its config declares ALiBi, which follows a key's column in a row")
+    if decoder.mask is None:
+        return ReplayPath(False, True, f"its attention ({config._attn_implementation}) takes no dense mask")
+    return ReplayPath()
+
+
+def replay_path(model: nn.Module) -> ReplayPath:
+    """The path the replay runs ``model`` by: the one :func:`check_replay_path` settled, else :func:`rule_path`'s."""
+    decoder, _ = causal_lm_parts(model)
+    if decoder not in _PATHS:
+        _PATHS[decoder] = rule_path(model)
+    return _PATHS[decoder]
+
+
+def probe_mismatch(model: nn.Module, multiplier: float) -> float:
+    """The largest difference between the logits the replay computes and the model's own forward, relative to the
+    largest logit, on a probe of two contexts sharing a prefix and two completions of different lengths (each
+    context with each completion: 4 sequences, about 110 positions), replayed by the model's current path."""
+    _, head = causal_lm_parts(model)
+    gen = torch.Generator().manual_seed(0)
+    embeddings = model.get_input_embeddings()  # a head may have more rows than the embedding (Inkling 2)
+    high = min(head.out_features, getattr(embeddings, "num_embeddings", head.out_features), 1000)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(min(3, high - 1), high, (n,), generator=gen).tolist()
+
+    prefix, block, tail = ids(MIN_SHARED_PREFIX + 2), ids(4), ids(2)
+    contexts = [prefix + block + tail, prefix + tail]
+    completions = [ids(5), ids(9)]
+    pairs = [(context, completion) for completion in completions for context in contexts]
+    states = completion_hidden_states(model, [c for c, _ in pairs], [y for _, y in pairs], REPLAY_BATCH_SIZE)
+    softcap = final_logit_softcap(model)
+    device = next(model.parameters()).device
+    worst = 0.0
+    with eval_mode(model), lm_head_parameters(model) as (weight, bias):
+        for (context, completion), hidden in zip(pairs, states):
+            replayed = hidden.float() @ weight.float().T + (bias.float() if bias is not None else 0.0)
+            if softcap is not None:
+                replayed = softcap * torch.tanh(replayed / softcap)
+            positions = slice(len(context) - 1, len(context) - 1 + len(completion))
+            plain = model(input_ids=torch.tensor([context + completion], device=device), use_cache=False)
+            plain = plain.logits[0, positions].float()
+            scale = plain.abs().max().clamp(min=1e-30)
+            worst = max(worst, ((multiplier * replayed - plain).abs().max() / scale).item())
+    return worst
+
+
+def check_replay_path(model: nn.Module, multiplier: float = 1.0) -> ReplayPath:
+    """The start-up check on the user's own model (docs/method.md, step 4, "The replay's path"): the path of
+    :func:`rule_path` replays a probe (:func:`probe_mismatch`), compared with the model's own forward at its dtype.
+    Where it disagrees, the replay runs one sequence per row; where that disagrees too, without prefix sharing; where
+    even that disagrees, or a forward fails, the model is refused naming its class and what failed. A fallback is
+    logged once; the settled path is the one every later replay of this model runs."""
+    decoder, head = causal_lm_parts(model)
+    dtype = head.weight.dtype
+    tolerance = 1e-3 if torch.finfo(dtype).bits >= 32 else PROBE_HALF_TOLERANCE
+    try:
+        rule = rule_path(model)
+    except Exception as error:  # a decoder that cannot run a cached forward: checked without the cache below
+        rule = ReplayPath(False, False, f"a cached forward of its decoder fails ({type(error).__name__}: {error})")
+    candidates = [rule]
+    if rule.packs:
+        candidates.append(ReplayPath(False, rule.shares_prefix, "packed rows disagree with its forward"))
+    if candidates[-1].shares_prefix:
+        candidates.append(ReplayPath(False, False, "replays through a shared prefix disagree with its forward"))
+    failures = []
+    for path in candidates:
+        _PATHS[decoder] = path
+        try:
+            mismatch = probe_mismatch(model, multiplier)
+        except Exception as error:
+            failures.append(f"{path.describe()}: {type(error).__name__}: {error}")
+            continue
+        if mismatch <= tolerance:
+            if path != candidates[0] or path.reason:
+                logger.warning(
+                    f"MRTPO replays {type(model).__name__} with {path.describe()} ({path.reason}); "
+                    + (f"before it: {'; '.join(failures)}" if failures else "as its configuration allows")
+                )
+            return path
+        failures.append(f"{path.describe()}: logits off by {mismatch:.3g} of the largest (tolerance {tolerance:g})")
+    del _PATHS[decoder]
+    raise ValueError(
+        f"MRTPO replay cannot reproduce {type(model).__name__}'s own forward, so its credit would be wrong; the "
+        f"model is not supported. On a start-up probe: {'; '.join(failures)}."
+    )
 
 
 @contextmanager
@@ -254,15 +434,18 @@ def packed_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_mask(lengths: Sequence[int], cached: int, additive: bool) -> torch.Tensor:
+def packed_mask(lengths: Sequence[int], cached: int, additive: torch.dtype | None = None) -> torch.Tensor:
     """``[1, 1, n, cached + n]`` mask of one row packing sequences of ``lengths`` (``n`` tokens in all) after a
-    cached prefix: a token sees the prefix and its own sequence up to itself. Boolean (True: seen) for SDPA, additive
-    (0 or float32's lowest) for eager attention."""
+    cached prefix: a token sees the prefix and its own sequence up to itself. Boolean (True: seen) for SDPA; for eager
+    attention, additive in the model's dtype ``additive`` (0 or its lowest: a float32 mask would promote a bf16
+    model's attention weights, which its value product then refuses)."""
     segment = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     local = torch.cat([torch.arange(n) for n in lengths])
     seen = (segment[:, None] == segment[None]) & (local[:, None] >= local[None])
     seen = torch.cat([seen.new_ones(len(seen), cached), seen], dim=1)[None, None]
-    return seen if not additive else torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
+    if additive is None:
+        return seen
+    return torch.zeros(seen.shape, dtype=additive).masked_fill_(~seen, torch.finfo(additive).min)
 
 
 def shared_cache(cache, rows: int):
@@ -284,12 +467,15 @@ class _Decoder:
     never copied: :func:`shared_cache`). Where its attention takes a custom mask (SDPA, eager) and no sliding window
     is reached, one row packs several sequences (:meth:`packs`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, path: ReplayPath):
         self.decoder, _ = causal_lm_parts(model)
+        self.path = path
         self.device = next(model.parameters()).device
+        self.dtype = next(self.decoder.parameters()).dtype
         # transformers >= 5.2x renamed `past_key_values` to `cache`
         parameters = inspect.signature(self.decoder.forward).parameters
         self.cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self.takes_positions = "position_ids" in parameters  # ALiBi models read positions from the mask instead
         config = model.config.get_text_config()
         self.mask = {"sdpa": "bool", "eager": "additive"}.get(config._attn_implementation)
         slides = "sliding_attention" in (getattr(config, "layer_types", None) or ("sliding_attention",))
@@ -299,14 +485,15 @@ class _Decoder:
         """Whether rows of ``width`` tokens after ``cached`` may pack several sequences: the attention takes a custom
         mask and every position is within the sliding window, if any (beyond it, the window's own mask is needed).
         Flash attention and other kernels without a dense mask run one sequence per row."""
-        return self.mask is not None and (self.window is None or cached + width < self.window)
+        return self.path.packs and self.mask is not None and (self.window is None or cached + width < self.window)
 
     def extend(self, cache, cached: int, tokens: Sequence[int]):
         """The cache after running ``tokens`` on top of ``cache`` (which holds ``cached`` tokens; None: empty)."""
         kwargs = {}
         if cache is not None:
-            positions = torch.arange(cached, cached + len(tokens), device=self.device)
-            kwargs = {self.cache_arg: shared_cache(cache, 1), "position_ids": positions[None]}
+            kwargs = {self.cache_arg: shared_cache(cache, 1)}
+            if self.takes_positions:
+                kwargs["position_ids"] = torch.arange(cached, cached + len(tokens), device=self.device)[None]
         out = self.decoder(input_ids=torch.tensor([list(tokens)], device=self.device), use_cache=True, **kwargs)
         return out[self.cache_arg] if self.cache_arg in out else out.past_key_values
 
@@ -320,9 +507,11 @@ class _Decoder:
             kwargs = {self.cache_arg: shared_cache(cache, count), "use_cache": True}
         if packed:  # each sequence restarts its positions after the prefix
             kwargs["position_ids"] = cached + torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
-            attention_mask = packed_mask(lengths, cached, self.mask == "additive").to(self.device)
+            additive = self.dtype if self.mask == "additive" else None
+            attention_mask = packed_mask(lengths, cached, additive).to(self.device)
         elif cache is not None:
-            kwargs["position_ids"] = torch.arange(cached, cached + width, device=self.device).expand(count, -1)
+            if self.takes_positions:
+                kwargs["position_ids"] = torch.arange(cached, cached + width, device=self.device).expand(count, -1)
             attention_mask = torch.cat([attention_mask.new_ones(count, cached), attention_mask], dim=1)
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask, **kwargs).last_hidden_state
 
@@ -349,9 +538,11 @@ def completion_hidden_states(
     fewer), one row per forward, so that no position is computed for padding; otherwise a forward takes at most
     ``batch_size`` sequences, right-padded, and with ``max_tokens`` at most that many tokens (one sequence at least).
     ``None`` runs every sequence whole, one per row, sorted by length, in mini-batches (the reference the tree is
-    tested against).
+    tested against). A model's :func:`replay_path` may turn packing or prefix sharing off.
     """
-    decoder = _Decoder(model)
+    decoder = _Decoder(model, replay_path(model))
+    if not decoder.path.shares_prefix:
+        min_shared_prefix = None
     out: list[torch.Tensor | None] = [None] * len(contexts)
 
     def run(indices: Sequence[int], cache, cached: int, pending: Sequence[int], pack: bool = True) -> None:
