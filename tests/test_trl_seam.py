@@ -29,7 +29,7 @@ def missing_transformers_names(model) -> list[str]:
         "MptConfig.attn_config.alibi": hasattr(transformers.MptConfig().attn_config, "alibi"),
         "xLSTMConfig.output_logit_soft_cap": hasattr(transformers.xLSTMConfig(), "output_logit_soft_cap"),
         "PreTrainedModel._tp_size": hasattr(model, "_tp_size"),
-        "PretrainedConfig._is_quantized": "_is_quantized" in inspect.getsource(transformers.PreTrainedModel),
+        "PretrainedConfig._is_quantized": "_is_quantized" in inspect.getsource(transformers.configuration_utils),
     }
     present.update(
         {name: hasattr(cache_utils, name.split(".")[1]) for name in _trl.TRANSFORMERS_NAMES if "cache_utils" in name}
