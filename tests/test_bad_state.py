@@ -1,7 +1,8 @@
 """Bad state: checkpointed MRTPO state that is unreadable, inconsistent or written for another run is refused naming
 the file and the entry; a resume without state warns and trains."""
 
-from collections import deque
+import re
+from collections import defaultdict, deque, namedtuple
 
 import numpy as np
 import pytest
@@ -9,10 +10,12 @@ import torch
 
 from tests.helpers import make_args, train
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit_state import STATE_VERSION, read_credit_state
+from trl_mrtpo.credit_state import STATE_VERSION, CheckpointedState, read_credit_state, unreadable
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
+from trl_mrtpo.rules import Contribution, CreditTerm
 from trl_mrtpo.scripts.inspection import sample_credit
+from trl_mrtpo.strength import RewardStrength
 
 # ---------------------------------------------------------------- checkpoint state
 IDENTITY = {
@@ -240,6 +243,7 @@ class Part:
 
 
 RUN = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}
+Pair = namedtuple("Pair", "first second")
 
 
 class Memo:
@@ -315,10 +319,13 @@ def test_every_entry_type_the_docs_allow_round_trips(tmp_path):
 
 
 class Unsaveable(MRTPOTrainer):
-    """A run whose MRTPO state holds a value the safe loader cannot read back (a rule's numpy array, say)."""
+    """A run whose MRTPO state comes to hold a value the safe loader cannot read back (a rule's numpy array, say),
+    after the construction-time check passed it."""
+
+    memo = 0
 
     def _stateful(self):
-        return {**super()._stateful(), "the term 'memo'": Part(("memo",), {"memo": np.zeros(2)})}
+        return {**super()._stateful(), "the term 'memo'": Part(("memo",), {"memo": self.memo})}
 
 
 def test_a_checkpoint_is_not_written_without_mrtpo_state(tiny_model, tiny_tokenizer, tmp_path):
@@ -332,6 +339,7 @@ def test_a_checkpoint_is_not_written_without_mrtpo_state(tiny_model, tiny_tokeni
         train_dataset=make_basic_dataset(8),
         processing_class=tiny_tokenizer,
     )
+    trainer.memo = np.zeros(2)
     with pytest.raises(ValueError, match=r"the term 'memo': the entry 'memo' is a ndarray"):
         trainer.train()
     assert not (tmp_path / "checkpoint-1").exists()
@@ -352,3 +360,119 @@ def test_resuming_under_another_mode_names_the_mode_not_the_rewards(tmp_path):
     with pytest.raises(ValueError, match="credit_assignment: 'mrtpo' in the checkpoint, 'gdpo' now") as refused:
         read_credit_state(str(path), {**IDENTITY, "credit_assignment": "gdpo"}, STATE_ENTRIES)
     assert "reward_names" not in str(refused.value)
+
+
+def test_sample_credit_moves_the_run(tiny_tokenizer, tmp_path):
+    """The public ``MRTPOTrainer.sample_credit`` leaves the run as it was: a ``train()`` after it gives the advantages,
+    the per-reward strength, the logged metrics and the weights of a ``train()`` without it, bit for bit (it advanced
+    the strength, the collapse streaks, the rewards' early batches and the random generators)."""
+    from tests.conftest import build_tiny_model
+    from tests.helpers import make_args, recording_trainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    def run(sample_first: bool):
+        trainer = recording_trainer(
+            model=build_tiny_model(tiny_tokenizer),
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path / str(sample_first), reward_strength_floor=0.25, max_steps=1),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+        )
+        if sample_first:
+            trainer.sample_credit([dict(make_basic_dataset(1)[0]) for _ in range(4)])
+            trainer.batches.clear()
+        trainer.train()
+        return trainer
+
+    alone, after = run(False), run(True)
+    assert torch.equal(alone.batches[0]["advantages"], after.batches[0]["advantages"])
+    strengths = alone.reward_strength.specificity, after.reward_strength.specificity
+    assert torch.allclose(*strengths, rtol=0, atol=0, equal_nan=True)
+    timed = re.compile(r"second|time|share")  # wall-clock figures differ from run to run
+    logged = [{k: v for k, v in t.state.log_history[0].items() if not timed.search(k)} for t in (alone, after)]
+    assert logged[0] == logged[1] and "mrtpo/replayed_fraction" in logged[0]
+    for a, b in zip(alone.model.parameters(), after.model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [Pair(1, 2), defaultdict(list, {"a": [1]}), torch.empty(2, device="meta")],
+    ids=["namedtuple", "defaultdict", "meta"],
+)
+def test_a_terms_state_that_the_save_check_passes_but_the_resume_refuses(tmp_path, value):
+    """A namedtuple, a defaultdict (subclasses the save-side check took for a tuple and a dict) or a meta tensor
+    (no values): each is refused where the state is written, naming the part and the entry, instead of a file whose
+    resume refuses every part's state; what the check accepts reads back equal."""
+    state = CheckpointedState(RUN, {"the term 'memo'": Part(("memo",), {"memo": value})})
+    with pytest.raises(ValueError, match=r"the term 'memo': the entry 'memo' (is a \w+, which|holds a meta tensor)"):
+        state.write(str(tmp_path), 0)
+    assert not list(tmp_path.iterdir())
+    kept = {"memo": {"nan": torch.tensor([1.0, float("nan")]), "pair": (1, 2.5), "names": ["a", None], "n": 3}}
+    CheckpointedState(RUN, {"the term 'memo'": Part(("memo",), kept)}).write(str(tmp_path), 0)
+    back = Part(("memo",), {})
+    CheckpointedState(RUN, {"the term 'memo'": back}).read(str(tmp_path), 0)
+    assert unreadable(back.restored["memo"]) is None and repr(back.restored) == repr(kept)
+
+
+def test_a_terms_cuda_tensor_makes_the_checkpoint_unreadable_on_a_cpu_machine(tmp_path, monkeypatch):
+    """A GPU run's state file (its storages tagged cuda:0, as ``torch.save`` tags a CUDA tensor's; stood in by a
+    tagger, no GPU in CI) resumes on a machine without one: the state is read onto the CPU, and each part moves a
+    restored tensor to the device of the one it replaces."""
+
+    def as_cuda(storage):
+        return "cuda:0"
+
+    registry = torch.serialization._package_registry
+    torch.serialization.register_package(1, as_cuda, lambda storage, location: None)
+    monkeypatch.setattr(torch.serialization, "_package_registry", registry)
+    try:
+        CheckpointedState(RUN, {"per-reward strength": RewardStrength(0.25, 2)}).write(str(tmp_path), 0)
+    finally:
+        registry[:] = [entry for entry in registry if entry[1] is not as_cuda]
+    with pytest.raises(RuntimeError, match="CUDA"):  # what a plain load of that file does here
+        torch.load(tmp_path / "mrtpo_state_0.pt", weights_only=True)
+    strength = RewardStrength(0.25, 2)
+    CheckpointedState(RUN, {"per-reward strength": strength}).read(str(tmp_path), 0)
+    assert strength.specificity.device.type == "cpu" and strength.specificity.isnan().all()
+
+
+class Tally(CreditTerm):
+    """A term keeping a tally between batches, its declaration set per test."""
+
+    name = "tally"
+
+    def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
+        return Contribution()
+
+
+@pytest.mark.parametrize(
+    "declared, named",
+    [
+        ({"state_entries": ("tally",)}, "the term 'tally': state_entries names 'tally', which it does not set"),
+        ({"state_entries": "tally"}, r"the term 'tally': state_entries is 'tally'; name the entries in a tuple"),
+        (
+            {"state_entries": ("tally",), "state": lambda self: [1]},
+            "the term 'tally': its state\\(\\) returned a list",
+        ),
+    ],
+    ids=["never set", "a string", "state() a list"],
+)
+def test_a_terms_state_entries_fail_with_a_bare_attribute_error_at_the_first_checkpoint(
+    tiny_model, tiny_tokenizer, tmp_path, declared, named
+):
+    """Named where the term is built, before training runs (it failed at the first checkpoint, after training, with a
+    bare AttributeError naming no term)."""
+    term = type("Declared", (Tally,), declared)
+    with pytest.raises(ValueError, match=named):
+        MRTPOTrainer(
+            model=tiny_model,
+            reward_funcs=BASIC.rewards,
+            info_blocks=BASIC.info_blocks,
+            args=make_args(tmp_path),
+            train_dataset=make_basic_dataset(4),
+            processing_class=tiny_tokenizer,
+            credit_terms=[term()],
+        )

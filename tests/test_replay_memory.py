@@ -200,3 +200,24 @@ def test_tensor_parallelism_is_refused_by_name(tiny_model):
             refuse_tensor_parallel(tiny_model)
     finally:
         tiny_model._tp_size = None
+
+
+def test_a_resumed_run_sizes_its_replay_from_the_checkpoints_card(tiny_model, monkeypatch):
+    """A checkpoint written on an 80 GB card records 70 GiB usable; resumed where 12 GiB are usable, the replay is
+    sized from 12 (each process measures its card once, at its first replay); where more is usable than recorded,
+    the checkpoint's figure keeps the chunking as it was. ``torch.cuda.mem_get_info`` is stood in: no GPU in CI."""
+    from trl_mrtpo.replay import ReplayMemory
+
+    usable = {"bytes": 12 * GIB}
+    monkeypatch.setattr(device_rule, "usable_memory", lambda device: usable["bytes"])
+    cuda = torch.device("cuda", 0)
+    for measured, expected in ((12 * GIB, 12 * GIB), (79 * GIB, 70 * GIB)):
+        usable["bytes"] = measured
+        resumed = ReplayMemory()
+        resumed.restore({"usable_bytes": 70 * GIB})  # what the checkpoint holds
+        assert resumed.decide(cuda, tiny_model) == expected
+        usable["bytes"] = 1 * GIB  # measured once: later batches keep the run's figure
+        assert resumed.decide(cuda, tiny_model) == expected
+    fresh = ReplayMemory()  # a process without a state file of its own measures its own card, as a new run does
+    usable["bytes"] = 5 * GIB
+    assert fresh.decide(cuda, tiny_model) == 5 * GIB and fresh.decide(torch.device("cpu"), tiny_model) is None

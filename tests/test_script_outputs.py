@@ -130,6 +130,7 @@ OWNED_REMOVALS = {
     ("trl_mrtpo/scripts/agent_warm_start.py", "work_folder"): "its own .warm-start folder, marked for other arguments",
     ("trl_mrtpo/scripts/agent_warm_start.py", "train_adapter"): "the adapter files it saved, moved out of its folder",
     ("trl_mrtpo/outputs.py", "build_folder"): "its own unique temporary folder, renamed into place",
+    ("trl_mrtpo/outputs.py", "write_output"): "its own unique temporary file, renamed onto a path the script owns",
     ("trl_mrtpo/kits/sql.py", "build_demo_databases"): "its own .partial database, renamed when complete",
     ("trl_mrtpo/gym/grid.py", "run_all"): "its own .json.tmp result, renamed when complete",
     ("benchmarks/agent_gym.py", "stored"): "its own .partial result, renamed when complete",
@@ -305,3 +306,125 @@ def test_the_warm_start_writes_only_its_own_files_beside_a_users(tmp_path):
         f"python -m trl_mrtpo.scripts.agent_warm_start --output {folder} --demonstrations 2 --epochs 1 --seed 3 "
         "--overwrite"
     )
+
+
+def provenance_folder(tmp_path: Path, name: str, provenance: str | None, adapter: bool = True) -> Path:
+    """An output folder holding a LoRA adapter as PEFT writes it, and ``provenance`` as provenance.json."""
+    folder = tmp_path / name
+    folder.mkdir()
+    if adapter:
+        (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 16}')
+        (folder / "adapter_model.safetensors").write_bytes(b"my weights")
+    if provenance is not None:
+        (folder / "provenance.json").write_text(provenance)
+    return folder
+
+
+ARGUMENTS = {"demonstrations": 2, "epochs": 1.0, "seed": 0}
+
+
+def test_a_provenance_link_in_the_output_folder_is_written_through(tmp_path):
+    """A provenance.json that is a link: refused naming it, with or without --overwrite, and the file it points to,
+    in another folder, stays as it was."""
+    from trl_mrtpo.outputs import OutputRefused, write_output
+    from trl_mrtpo.scripts.agent_warm_start import PROVENANCE_KEYS, work_folder
+
+    elsewhere = tmp_path / "elsewhere" / "notes.json"
+    elsewhere.parent.mkdir()
+    elsewhere.write_text(json.dumps(dict.fromkeys(PROVENANCE_KEYS, 1)))  # even one that reads as the script's
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "provenance.json").symlink_to(elsewhere)
+    with pytest.raises(OutputRefused, match="provenance.json, which this script did not write"):
+        work_folder(folder, ARGUMENTS, overwrite=False)  # what the command checks before anything loads
+    before = elsewhere.read_text()
+    write_output(folder / "provenance.json", "{}")  # what --overwrite writes: the link is replaced, not followed
+    assert elsewhere.read_text() == before and not (folder / "provenance.json").is_symlink()
+
+
+@pytest.mark.parametrize("provenance", [None, '{"command": "mine"}'], ids=["adapter alone", "its own provenance"])
+def test_a_users_own_adapter_or_provenance_is_overwritten_without_a_word(tmp_path, provenance):
+    """Ownership by content, not by file name: a user's LoRA adapter (PEFT's two files), alone or with a
+    provenance.json the script did not write, is refused; the script's own (every provenance key it writes) is not."""
+    from trl_mrtpo.outputs import OutputRefused
+    from trl_mrtpo.scripts.agent_warm_start import PROVENANCE_KEYS, work_folder, written_here
+
+    folder = provenance_folder(tmp_path, "users", provenance)
+    before = snapshot(folder)
+    with pytest.raises(OutputRefused, match="adapter_config.json, adapter_model.safetensors"):
+        work_folder(folder, ARGUMENTS, overwrite=False)
+    assert snapshot(folder) == before
+    own = provenance_folder(tmp_path, "own", json.dumps(dict.fromkeys(PROVENANCE_KEYS, 1)))
+    assert all(written_here(entry) for entry in own.iterdir())
+
+
+@pytest.mark.parametrize("kind", ["a link", "not JSON"])
+def test_a_warm_start_work_folder_that_is_a_link_is_trained_into(tmp_path, kind):
+    """A .warm-start that is a link to another folder (it was trained into, then the run failed removing it), or
+    whose marker is not JSON (a bare JSONDecodeError): refused naming it, before anything loads."""
+    from trl_mrtpo.outputs import OutputRefused
+    from trl_mrtpo.scripts.agent_warm_start import WORK, WORK_MARKER, work_folder
+
+    arguments = {"demonstrations": 2, "epochs": 1.0, "seed": 0}
+    output, other = tmp_path / "output", tmp_path / "other"
+    other.mkdir()
+    (other / WORK_MARKER).write_text(json.dumps(arguments, sort_keys=True))
+    output.mkdir()
+    if kind == "a link":
+        (output / WORK).symlink_to(other, target_is_directory=True)
+    else:
+        (output / WORK).mkdir()
+        (output / WORK / WORK_MARKER).write_text("not json {")
+    with pytest.raises(OutputRefused, match=rf"{WORK} (is a symbolic link|exists but was not made by this script)"):
+        work_folder(output, arguments, overwrite=True)
+    assert sorted(p.name for p in other.iterdir()) == [WORK_MARKER]
+
+
+def test_inspect_output_on_a_named_pipe_blocks_forever(tmp_path, capsys):
+    """The ownership check opened it for reading; a pipe, like a link, is refused naming it, before anything loads."""
+    import os
+
+    from tests.helpers import time_limit
+    from trl_mrtpo.scripts.cli import main
+
+    pipe = tmp_path / "page.html"
+    os.mkfifo(pipe)
+    with time_limit(10):
+        message = refused(capsys, main, ["inspect", "--output", str(pipe)])
+    assert f"{pipe} is a named pipe" in message
+
+
+def test_inspect_output_equal_to_report_writes_the_page_then_the_csv_over_it(tmp_path, capsys):
+    from trl_mrtpo.scripts.cli import main
+
+    same = tmp_path / "credit.html"
+    message = refused(capsys, main, ["inspect", "--output", str(same), "--report", str(same)])
+    assert "--output and --report name one file" in message and not same.exists()
+
+
+@pytest.mark.parametrize(
+    "argv, planted",
+    [
+        (["inspect", "--output"], "a link"),
+        (["eval", "--output"], "a link"),
+        (["demo", "--output-dir"], "a link"),
+        (["demo", "--output-dir"], "a user's adapter"),
+    ],
+    ids=["inspect link", "eval link", "demo link", "demo adapter"],
+)
+def test_no_script_writes_through_a_link_or_over_a_users_adapter(tmp_path, capsys, argv, planted):
+    """Each script's output, planted with a link to the user's own file or folder, or with a user's LoRA adapter:
+    refused naming it, before anything loads, and nothing of the user's changes."""
+    from trl_mrtpo.scripts.cli import main
+
+    users = provenance_folder(tmp_path, "users", None)
+    before = snapshot(users)
+    output = users
+    if planted == "a link":
+        output = tmp_path / "out"
+        output.symlink_to(users if argv[0] == "demo" else users / "adapter_config.json")
+    message = refused(capsys, main, [*argv, str(output)])
+    assert ("is a symbolic link" if planted == "a link" else "adapter_config.json, adapter_model.safetensors") in (
+        message
+    )
+    assert snapshot(users) == before

@@ -13,29 +13,95 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from .rules import Stateful
+
 logger = logging.get_logger(__name__)
 STATE_VERSION = 8  # of the state files; a release reads its own (0.2.0 wrote version 1)
 STATE_FILE = re.compile(r"mrtpo_state_(\d+)\.pt")
 FRESH = "delete it to resume with a fresh MRTPO state"
 
 
-def _plain(value: Any) -> bool:
-    """What the safe loader reads back: tensors, numbers, strings, None, and lists, tuples and dicts of them."""
-    if isinstance(value, (list, tuple, dict)):
-        return all(map(_plain, [*value.keys(), *value.values()] if isinstance(value, dict) else value))
-    return value is None or isinstance(value, torch.Tensor) or type(value) in (bool, int, float, str)
+def _tensors(value: Any):
+    """The tensors in ``value`` (nested in lists, tuples and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in [*value.keys(), *value.values()]:
+            yield from _tensors(item)
+
+
+def on_cpu(value: Any) -> Any:
+    """``value`` with its tensors on the CPU, as the state is written: a GPU run's checkpoint resumes anywhere."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_meta else value.detach().cpu()  # a meta tensor is refused by name, not moved
+    if type(value) in (list, tuple):
+        return type(value)(map(on_cpu, value))
+    return {key: on_cpu(item) for key, item in value.items()} if type(value) is dict else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal after a round trip: the same types (a subclass is not its base), tensors of the same dtype, shape and
+    values (NaN equal to NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).logical_or(a.isnan() & b.isnan()).all())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[key], b[key]) for key in a)
+    return a == b or (a != a and b != b)
+
+
+def unreadable(value: Any) -> str | None:
+    """Why ``value`` would not read back equal through ``torch.save`` and ``torch.load(weights_only=True)`` (None
+    when it does): what the safe loader refuses, or reads back as another type or value, and meta tensors."""
+    if any(tensor.is_meta for tensor in _tensors(value)):
+        return "holds a meta tensor, which has no values to save"
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        back = torch.load(buffer, weights_only=True, map_location="cpu")
+    except Exception:  # the loader's own message is about trusting a file, not about this value
+        return f"is a {type(value).__name__}, which the safe loader cannot read back"
+    return None if _same(value, back) else f"is a {type(value).__name__}, which reads back as a {type(back).__name__}"
 
 
 def state_problems(found: dict, declared: dict) -> list[str]:
     """The one check, where the state is written and where it is read: the entries ``found`` (part -> entries) against
-    those each part declares (part -> ``state_entries``), each value one the safe loader reads back."""
+    those each part declares (part -> ``state_entries``), each value one that reads back equal (:func:`unreadable`)."""
     problems = []
     for part in {**declared, **found}:
         entries, names = found.get(part, {}), declared.get(part, ())
+        if not isinstance(entries, dict):
+            problems.append(f"{part}: its state() returned a {type(entries).__name__}, not a dict of its entries")
+            continue
         problems += [f"{part}: the entry {e!r} is missing" for e in names if e not in entries]
         problems += [f"{part}: the entry {e!r} is not declared (state_entries)" for e in entries if e not in names]
-        unread = [f"{name!r} is a {type(value).__name__}" for name, value in entries.items() if not _plain(value)]
-        problems += [f"{part}: the entry {what}, which the safe loader cannot read back" for what in unread]
+        unread = [(entry, unreadable(value)) for entry, value in entries.items()]
+        problems += [f"{part}: the entry {entry!r} {why}" for entry, why in unread if why is not None]
+    return problems
+
+
+def declaration_problems(parts: dict[str, Any]) -> list[str]:
+    """What is wrong with how each part declares its state, checked where the parts are built (a term's or rule's
+    mistake is named then, not at the first checkpoint after training ran): ``state_entries`` a tuple of names that
+    the part has (unless its own ``state()`` gives them), and a state that reads back."""
+    problems = []
+    for name, part in parts.items():
+        entries = part.state_entries
+        if isinstance(entries, str) or not all(isinstance(entry, str) for entry in entries):
+            problems.append(f"{name}: state_entries is {entries!r}; name the entries in a tuple, e.g. ({entries!r},)")
+            continue
+        own_state = type(part).state is not Stateful.state
+        missing = [entry for entry in entries if not own_state and not hasattr(part, entry)]
+        problems += [f"{name}: state_entries names {entry!r}, which it does not set" for entry in missing]
+        if not missing:
+            problems += state_problems({name: on_cpu(part.state())}, {name: tuple(entries)})
     return problems
 
 
@@ -43,7 +109,7 @@ def read_credit_state(path: str, identity: dict, declared: dict) -> dict:
     """Each part's entries from the file at ``path``, checked against the run resuming from it: a damaged or foreign
     file, another version, another run's rewards or credit settings, or other entries stop with the file named."""
     try:
-        state = torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:
         raise ValueError(f"{path} cannot be read as MRTPO's checkpoint state ({error!r}); {FRESH}.") from error
     state = state if isinstance(state, dict) else {"version": type(state).__name__}  # a tensor or a list, say
@@ -78,8 +144,9 @@ class CheckpointedState:
 
     def serialised(self) -> bytes:
         """The file's bytes, refused as a resume would refuse them, naming the part and the entry."""
-        written = {name: part.state() for name, part in self.parts.items()}
-        identity = [] if _plain(self.identity) else [f"the run's identity {self.identity!r:.200} is not plain"]
+        written = {name: on_cpu(part.state()) for name, part in self.parts.items()}
+        plain = unreadable(self.identity) is None
+        identity = [] if plain else [f"the run's identity {self.identity!r:.200} is not plain"]
         if problems := state_problems(written, self.declared) + identity:
             raise ValueError(f"{'; '.join(problems)}: a checkpoint holding it could not be resumed from.")
         buffer = io.BytesIO()

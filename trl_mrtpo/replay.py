@@ -606,20 +606,32 @@ def lm_head_parameters(model: nn.Module):
 class ReplayMemory(Stateful):
     """The bytes usable on the device when the run first replays on CUDA (free, plus reserved and unused), from which
     the replay's chunk rows and streams follow (:func:`replay_relevance`'s ``usable_bytes``): fixed for the run, and
-    kept in checkpoints so that a resumed run chunks and streams as before."""
+    kept in checkpoints so that a resumed run chunks and streams as before where its card has that much usable; each
+    process measures its own card once, and a resumed one takes the smaller of the two figures."""
 
     state_entries = ("usable_bytes",)
 
     def __init__(self):
         self.usable_bytes: int | None = None
+        self.measured = False  # this process has measured its card (never from a checkpoint)
 
     def decide(self, device: torch.device, model: nn.Module) -> int | None:
-        """The run's usable bytes on ``device``, measured (and logged) now if not yet; None off CUDA."""
-        if device.type == "cuda" and self.usable_bytes is None:
+        """The run's usable bytes on ``device``, measured (and logged) at this process's first replay; None off
+        CUDA."""
+        if device.type != "cuda":
+            return None
+        if not self.measured:
             from .ops.device_rule import run_usable_memory
 
-            self.usable_bytes = run_usable_memory(device, causal_lm_parts(model)[1].out_features)
-        return self.usable_bytes if device.type == "cuda" else None
+            usable = run_usable_memory(device, causal_lm_parts(model)[1].out_features)
+            if self.usable_bytes is not None and usable < self.usable_bytes:
+                logger.warning(
+                    f"MRTPO's replay was sized from {self.usable_bytes / 2**30:.1f} GiB usable when this run was "
+                    f"checkpointed; {device} has {usable / 2**30:.1f} GiB usable now, which sizes it from here on."
+                )
+            self.usable_bytes = usable if self.usable_bytes is None else min(self.usable_bytes, usable)
+            self.measured = True
+        return self.usable_bytes
 
 
 def replay_streams(sizes: Sequence[tuple[int, int]], states_bytes: int | None) -> list[list[int]]:

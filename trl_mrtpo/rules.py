@@ -46,8 +46,12 @@ class Stateful:
         return {entry: getattr(self, entry) for entry in self.state_entries}
 
     def restore(self, state: dict) -> None:
+        """Sets each entry; a tensor goes to the device of the one it replaces (the state is written on the CPU)."""
         for entry in self.state_entries:
-            setattr(self, entry, state[entry])
+            value, current = state[entry], getattr(self, entry, None)
+            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+                value = value.to(current.device)
+            setattr(self, entry, value)
 
 
 @dataclass

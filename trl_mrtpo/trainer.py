@@ -6,12 +6,15 @@ asks :mod:`trl_mrtpo.replay` for q and :mod:`trl_mrtpo.credit` for the ``[B, C]`
 
 from __future__ import annotations
 
+import copy
 import os
+import random
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
+import numpy as np
 import torch
 from accelerate.utils import gather_object
 from transformers.utils import logging
@@ -210,6 +213,10 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self._replay_memory = ReplayMemory()
         floor = args.reward_strength_floor if self._replays and rule.removal == "each" else None  # each reward's q
         self.reward_strength = RewardStrength(floor, len(self.reward_funcs))
+        from .credit_state import declaration_problems
+
+        if problems := declaration_problems(self._stateful()):  # named now, not at the first checkpoint
+            raise ValueError(f"This run's state could not be checkpointed: {'; '.join(problems)}.")
 
     def _replay_relevance(self, args: MRTPOConfig) -> RelevanceProvider:
         """The built-in provider of q: the replay (the research room's replays with its prefix option)."""
@@ -291,9 +298,28 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
 
     def sample_credit(self, inputs: list[dict]) -> CreditRecord:
         """Samples, scores and assigns credit to ``inputs`` (rows, each once per generation) as a training step does,
-        without its optimizer step; returns the batch's :class:`CreditRecord` (``trl-mrtpo inspect``)."""
-        self._generate_and_score_completions(inputs)
-        return self.last_credit
+        without its optimizer step; returns the batch's :class:`CreditRecord` (``trl-mrtpo inspect``). The run is
+        left as it was: every part's state (per-reward strength, the collapse streaks, the rule's and the terms'),
+        the reward checks' early batches, TRL's metrics, logs and token count, and every random generator, so that a
+        ``train()`` after it is the ``train()`` without it."""
+        parts = [(part, copy.deepcopy(part.state())) for part in self._stateful().values()]
+        windows = [(w, copy.deepcopy(w)) for w in map(validation.early_batches_of, self.reward_funcs) if w]
+        kept = copy.deepcopy((self._metrics, self._logs, self.state.num_input_tokens_seen))
+        generators = random.getstate(), np.random.get_state()
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices):  # torch's generators, the CPU's and this process's card
+                self._generate_and_score_completions(inputs)
+            return self.last_credit
+        finally:
+            for part, state in parts:
+                part.restore(state)
+            for window, before in windows:
+                window.clear()
+                window.update(before)
+            self._metrics, self._logs, self.state.num_input_tokens_seen = kept
+            random.setstate(generators[0])
+            np.random.set_state(generators[1])
 
     def _announce_first_generation(self, inputs) -> None:
         """One line before training's first generation (once, on the main process, unless progress bars are off):

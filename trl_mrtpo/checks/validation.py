@@ -298,6 +298,7 @@ def checked_reward(func: Callable, name: str) -> Callable:
             return early_batches(check_reward_values(name, values, owed(kwargs)))
 
         checked_async.__name__ = name  # TRL names a reward by it (a callable object's class name otherwise)
+        checked_async.early_batches = early_batches.seen
         return checked_async
 
     @functools.wraps(func)
@@ -305,7 +306,14 @@ def checked_reward(func: Callable, name: str) -> Callable:
         return early_batches(check_reward_values(name, func(*args, **own_copies(kwargs)), owed(kwargs)))
 
     checked.__name__ = name
+    checked.early_batches = early_batches.seen
     return checked
+
+
+def early_batches_of(func: Callable) -> dict | None:
+    """What :func:`checked_reward`'s check has seen of ``func``'s early batches (None for a function it does not
+    wrap): ``sample_credit`` puts it back."""
+    return getattr(func, "early_batches", None)
 
 
 # Generation batches after which a reward that gave every sample one value is warned about.
@@ -342,6 +350,7 @@ def _early_batches_check(name: str) -> Callable[[list], list]:
             )
         return values
 
+    check.seen = seen
     return check
 
 

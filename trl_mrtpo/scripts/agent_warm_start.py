@@ -112,26 +112,56 @@ def arguments_problem(num: int, epochs: float) -> str | None:
     return None
 
 
+# What this script writes into provenance.json: a file holding them all is its own.
+PROVENANCE_KEYS = {"command", "arguments", "seed", "demonstrations", "fault_rates", "data_sha256", "lora"}
+
+
+def json_dict(path: Path) -> dict | None:
+    """The JSON object in the plain file at ``path``; None for anything else (a link, a folder, not JSON)."""
+    if path.is_symlink() or not path.is_file():
+        return None
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return held if isinstance(held, dict) else None
+
+
+def written_here(entry: Path) -> bool:
+    """What this script wrote in its output folder, recognised by content, never by name alone: its provenance
+    (every key it writes), the adapter files beside that provenance, and its work folder (a folder holding its
+    marker)."""
+    provenance = json_dict(entry.parent / "provenance.json")
+    if entry.name == "provenance.json" or entry.name in ADAPTER_FILES:
+        return provenance is not None and PROVENANCE_KEYS <= set(provenance) and not entry.is_symlink()
+    return entry.name == WORK and not entry.is_symlink() and json_dict(entry / WORK_MARKER) is not None
+
+
 def work_folder(output: Path, arguments: dict, overwrite: bool) -> Path:
     """The script's own folder inside ``output``, after refusing an output that holds what it did not write
-    (:func:`~trl_mrtpo.outputs.writable_folder`). A work folder marked with other arguments is this script's
-    and is removed (its checkpoints would train another adapter); one without the mark is another's: refused."""
+    (:func:`~trl_mrtpo.outputs.writable_folder`, :func:`written_here`). A work folder marked with other arguments is
+    this script's and is removed (its checkpoints would train another adapter); one without the mark, or a link, is
+    another's: refused."""
     import shutil
 
-    from ..outputs import OutputRefused, writable_folder
+    from ..outputs import OutputRefused, not_plain, writable_folder, write_output
 
-    writable_folder(output, overwrite, own=lambda name: name in (*ADAPTER_FILES, "provenance.json", WORK))
+    writable_folder(output, overwrite, own=written_here)
     work = output / WORK
     marker = work / WORK_MARKER
+    if (kind := not_plain(work)) is not None:
+        raise OutputRefused(f"{work} is {kind}, not this script's work folder; remove it yourself.")
     if work.exists():
-        if not marker.is_file():
+        marked = json_dict(marker)
+        if marked is None:
             raise OutputRefused(
-                f"{work} exists but was not made by this script (no {WORK_MARKER}); remove it yourself."
+                f"{work} exists but was not made by this script ({marker} is missing or is not its JSON); remove it "
+                "yourself."
             )
-        if json.loads(marker.read_text()) != arguments:
+        if marked != arguments:
             shutil.rmtree(work)  # this script's, for other arguments: never resumed from
     work.mkdir(parents=True, exist_ok=True)
-    marker.write_text(json.dumps(arguments, sort_keys=True))
+    write_output(marker, json.dumps(arguments, sort_keys=True))
     return work
 
 
@@ -149,6 +179,8 @@ def train_adapter(
     checkpoint there when run again with the same arguments, so an interrupted run loses at most 10 steps."""
     import os
     import shutil
+
+    from ..outputs import write_output
 
     problem = arguments_problem(num, epochs)
     if problem:
@@ -230,7 +262,7 @@ def train_adapter(
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
-    (output / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    write_output(output / "provenance.json", json.dumps(provenance, indent=1) + "\n")
     shutil.rmtree(work)  # the script's own folder, and only it
     return provenance
 

@@ -195,7 +195,7 @@ def run_demo(
 
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:  # max_steps=0 would train an epoch
         raise ValueError(f"run_demo: steps must be an integer >= 1, got {steps!r}.")
-    writable_folder(output_dir, overwrite, own=lambda name: False)
+    writable_folder(output_dir, overwrite, own=lambda entry: False)
     path, model_name = demo_model(model)
     device, device_text = demo_device()
     print(f"Device: {device_text}. Task: {task}. Credit: {method}.", flush=True)
@@ -303,7 +303,7 @@ def compare_demo(output_dir: str = "mrtpo-demo", overwrite: bool = False, **sett
     from ..observability.viz import plot_comparison
     from ..outputs import writable_folder
 
-    writable_folder(output_dir, overwrite, own=lambda name: False)
+    writable_folder(output_dir, overwrite, own=lambda entry: False)
     histories = {}
     for method in ("gdpo", "mrtpo"):
         print(f"\n=== {method} ===", flush=True)

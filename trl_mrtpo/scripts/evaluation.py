@@ -327,8 +327,9 @@ def run_evaluation(
     if output:
         from dataclasses import asdict
 
-        with open(output, "w") as f:
-            json.dump({"model": model, "adapter": adapter, "limit": limit,
-                       "results": [asdict(r) for r in results]}, f, indent=1)  # fmt: skip
+        from ..outputs import write_output
+
+        write_output(output, json.dumps({"model": model, "adapter": adapter, "limit": limit,
+                                         "results": [asdict(r) for r in results]}, indent=1))  # fmt: skip
         print(f"Results written to {output}")
     return results

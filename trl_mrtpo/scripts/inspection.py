@@ -11,6 +11,7 @@ responses by summing q mass and token counts (a mass-weighted mean).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import re
@@ -336,12 +337,15 @@ def report_is_ours(path) -> bool:
 
 
 def write_report(report: list[LocalisationRow], path: str) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(REPORT_HEADER)
-        for r in report:
-            writer.writerow([r.reward, r.span, r.responses, f"{r.dist:.4f}", f"{r.tok:.4f}", f"{r.ratio:.3f}",
-                             f"{r.control_dist:.4f}", f"{r.control_ratio:.3f}"])  # fmt: skip
+    from ..outputs import write_output
+
+    rows = io.StringIO()
+    writer = csv.writer(rows)
+    writer.writerow(REPORT_HEADER)
+    for r in report:
+        writer.writerow([r.reward, r.span, r.responses, f"{r.dist:.4f}", f"{r.tok:.4f}", f"{r.ratio:.3f}",
+                         f"{r.control_dist:.4f}", f"{r.control_ratio:.3f}"])  # fmt: skip
+    write_output(path, rows.getvalue())
 
 
 def format_report(report: list[LocalisationRow]) -> str:
@@ -355,20 +359,14 @@ def format_report(report: list[LocalisationRow]) -> str:
 
 def sample_credit(trainer, rows: list[dict], num_generations: int) -> CreditRecord:
     """Generate ``num_generations`` responses per row with ``trainer``'s policy, score, replay, and return the batch's
-    :class:`~trl_mrtpo.diagnostics.CreditRecord` (:meth:`~trl_mrtpo.MRTPOTrainer.sample_credit`), without training:
-    the module's mode and the state of the collapse monitor, per-reward strength, the rule and the terms are as they
-    were."""
-    import copy
-
+    :class:`~trl_mrtpo.diagnostics.CreditRecord` (:meth:`~trl_mrtpo.MRTPOTrainer.sample_credit`, which leaves the
+    run as it was), without training; the module's mode is as it was."""
     was_training = trainer.model.training
-    states = [(part, copy.deepcopy(part.state())) for part in trainer._stateful().values()]
     trainer.model.train()  # TRL picks the train-mode group size and sampling from the module's mode
     try:
         return trainer.sample_credit([dict(row) for row in rows for _ in range(num_generations)])
     finally:
         trainer.model.train(was_training)
-        for part, state in states:
-            part.restore(state)
 
 
 def inspect_credit(
@@ -424,10 +422,11 @@ def inspect_credit(
 
     from datasets import Dataset
 
-    from ..outputs import page_is_ours, writable_file
+    from ..outputs import distinct_outputs, page_is_ours, writable_file, write_output
     from ..trainer import MRTPOTrainer
     from .policy import load_policy
 
+    distinct_outputs(output=output, report=report)  # the page, then the CSV over it
     for path, ours in ((output, page_is_ours), (report, report_is_ours)):  # refused now, not after the sampling
         if path:
             writable_file(path, overwrite, ours)
@@ -535,8 +534,7 @@ def inspect_credit(
     if output:
         from ..observability.viz import credit_heatmap_html
 
-        with open(output, "w", encoding="utf-8") as page:
-            page.write(credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {task} task"))
+        write_output(output, credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {task} task"))
         print(f"Heatmap written to {output}")
     if report:
         write_report(located, report)
