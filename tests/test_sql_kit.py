@@ -331,3 +331,17 @@ def test_error_boundary_points_at_what_sqlite_names(dbs):
     # a query that runs, or text without a query, has no place to point at
     assert sql_error_boundary(prompt=None, completion=fenced("SELECT name FROM customers"), row=row, score=0.0) is None
     assert sql_error_boundary(prompt=None, completion="no sql here", row=row, score=0.0) is None
+
+
+def test_a_bare_values_query_scores_0(dbs):
+    """``VALUES ('a')`` is a read-only query in SQLite (it returns one row): the three SQL rewards score it as such
+    (it was refused as "only queries are allowed, found VALUES"); what writes is still refused."""
+    from trl_mrtpo.kits.sql_sandbox import check_single_query
+
+    assert check_single_query("VALUES ('a'), ('b');") == (True, None)
+    assert check_single_query("INSERT INTO customers VALUES (9, 'x', 'y')")[0] is False
+    shop = dbs["shop"]
+    completions = [fenced("VALUES ('Lisbon')"), fenced("VALUES (1, 2)")]
+    assert sql_executable_reward(completions, db_path=[shop] * 2) == [1, 1]
+    assert sql_execution_reward(completions, db_path=[shop] * 2, query=["SELECT 'Lisbon'"] * 2) == [1, 0]
+    assert list(run_query(shop, "VALUES ('a')").rows) == [("a",)]

@@ -90,7 +90,7 @@ def check_single_query(sql: str) -> tuple[bool, str | None]:
         return False, f"could not parse the SQL: {str(error).splitlines()[0][:200]}"
     if len(statements) != 1:
         return False, f"expected exactly one statement, found {len(statements)}"
-    if not isinstance(statements[0], exp.Query):
+    if not isinstance(statements[0], (exp.Query, exp.Values)):  # a bare VALUES list reads like a SELECT
         return False, f"only queries are allowed, found {statements[0].key.upper()}"
     return _check_formats(statements[0])
 
