@@ -109,10 +109,10 @@ def test_a_term_defined_in_a_test_file_adds_to_the_rule(tiny_model, tiny_tokeniz
     term = LaterTokens()
     trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[term])
     assert trainer.credit_terms == {"later_tokens": term}
-    logged = [h for h in trainer.state.log_history if "mrtpo/later_tokens/added" in h]
+    logged = [h for h in trainer.state.log_history if "mrtpo/term/later_tokens/added" in h]
     assert len(logged) == 2
     # a term's figures are namespaced under its name: its "beta" is not averaged into the trainer's
-    assert [h["mrtpo/later_tokens/beta"] for h in logged] == [7.0, 7.0]
+    assert [h["mrtpo/term/later_tokens/beta"] for h in logged] == [7.0, 7.0]
     assert [h["mrtpo/beta"] for h in logged] == [c.beta for c in trainer.credits] == [0.5, 0.5]
     for credit in trainer.credits:
         positions = torch.arange(credit.mask.shape[1], dtype=torch.float64)
@@ -448,3 +448,40 @@ def test_rules_and_terms_run_without_grad(tiny_model, tiny_tokenizer, tmp_path):
 def test_one_term_instead_of_a_list_is_refused_at_construction(tiny_model, tiny_tokenizer, tmp_path):
     with pytest.raises(TypeError, match=r"credit_terms takes a list of CreditTerm instances; got one LaterTokens"):
         run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=LaterTokens())
+
+
+class QMean(CreditTerm):
+    """A term named like the trainer's figure family ``q_mean``, logging a figure named like a reward."""
+
+    name = "q_mean"
+
+    def __call__(self, batch, tokenizer, num_generations, rank, trainer_state=None):
+        return Contribution(logged=[(BASIC.rewards[0].__name__, 61.5)])
+
+
+def test_a_terms_figures_overwrite_the_trainers(tiny_model, tiny_tokenizer, tmp_path):
+    """Terms log in a namespace of their own (``mrtpo/term/<name>/<figure>``): a term named ``q_mean`` logging a figure
+    named like a reward leaves the trainer's ``mrtpo/q_mean/<reward>`` its own (it wrote 61.5 into it)."""
+    trainer = run(tiny_model, tiny_tokenizer, tmp_path, credit_terms=[QMean()])
+    logged = [h for h in trainer.state.log_history if f"mrtpo/term/q_mean/{BASIC.rewards[0].__name__}" in h]
+    assert [h[f"mrtpo/term/q_mean/{BASIC.rewards[0].__name__}"] for h in logged] == [61.5, 61.5]
+    assert all(h.get(f"mrtpo/q_mean/{BASIC.rewards[0].__name__}", 0.0) < 1.0 for h in logged)  # q is at most 1 bit
+
+
+def test_a_reward_that_is_never_replayed_still_logs_its_beta(tiny_model, tiny_tokenizer, tmp_path):
+    """A reward without an info block is never replayed: it logs no ``mrtpo/beta/<reward>`` (it logged the configured
+    beta, which reads as credit being moved); the rewards with a block log theirs."""
+    blocks = [*BASIC.info_blocks[:-1], None]
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=blocks,
+        args=make_args(tmp_path, reward_strength_floor=0.25, max_steps=1),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    names = [f.__name__ for f in BASIC.rewards]
+    assert f"mrtpo/beta/{names[-1]}" not in logged
+    assert all(f"mrtpo/beta/{name}" in logged for name in names[:-1])

@@ -393,7 +393,7 @@ def test_process_rewards_end_to_end_give_outcome_plus_process_credit(tiny_model,
     summed = (record.group_advantages.double().sum(-1)[:, None] + 0.5 * process) * record.mask
     expected = summed / summed[record.mask.bool()].std()
     torch.testing.assert_close(record.advantages.double(), expected, rtol=1e-5, atol=1e-6)
-    assert "mrtpo/process/halves" in trainer.state.log_history[0]
+    assert "mrtpo/term/process/halves" in trainer.state.log_history[0]
 
 
 def first_character(prompt, completion, row, score):

@@ -155,7 +155,7 @@ def test_process_reward_from_a_small_prm_on_the_embedded_model(tmp_path):
     )  # fmt: skip
     trainer.train()
     record = trainer.last_credit
-    assert 0.0 < trainer.state.log_history[0]["mrtpo/process/prm"] < 1.0
+    assert 0.0 < trainer.state.log_history[0]["mrtpo/term/process/prm"] < 1.0
     assert torch.isfinite(record.advantages).all()
     # process credit varies along a response (GDPO's outcome credit alone is uniform)
     varying = [row[m.bool()].unique().numel() > 1 for row, m in zip(record.advantages, record.mask) if m.sum() > 1]

@@ -69,7 +69,7 @@ class CreditSetup:
 class Contribution:
     """What a term adds to one local batch: token advantages added after the cap (``process``, ``[B, C]``), where a
     reward's negative credit is dropped (``failure_suffix``, ``[B, K, C]`` bool), and ``(name, value)`` pairs logged
-    as ``mrtpo/<term>/<name>`` under the term's own name."""
+    as ``mrtpo/term/<term>/<name>`` under the term's own name."""
 
     process: torch.Tensor | None = None
     failure_suffix: torch.Tensor | None = None

@@ -367,14 +367,14 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         return ScoredBatch.local(scored, local, group_adv, varying, reward_weights, output)
 
     def _contributions(self, batch: ScoredBatch, mode: str) -> Contribution:
-        """What the terms add to the local batch, joined; a term's figures logged as ``mrtpo/<term>/<figure>``."""
+        """What the terms add to the local batch, joined; their figures logged as ``mrtpo/term/<term>/<figure>``."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         added = Contribution()
         for term in self._checked_terms:
             own = term(batch, tokenizer, num_generations, self.accelerator.process_index, self.state)
             for metric, value in own.logged:
-                _trl.log_metric(self, mode, f"mrtpo/{term.name}/{metric}", value)
+                _trl.log_metric(self, mode, f"mrtpo/term/{term.name}/{metric}", value)
             added = added.joined(own)
         return added
 
@@ -504,6 +504,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         # a rule that replays without reading q (a log-likelihood contrast, say) has no q statistics
         with_q = replayed if "relevance" in self.credit_rule.reads else torch.zeros_like(replayed)
         names, betas = self.reward_func_names, self.reward_strength.logged_betas(beta, self.reward_func_names)
+        betas = {k: v for (k, v), b in zip(betas.items(), self.info_block_builders) if b is not None}  # never replayed
         seconds = (replay_seconds, total_seconds)
         local = credit_metrics(credit, relevance, replayed, with_q, mask, names, beta, betas, seconds)
         # one collective per generation batch, entered by every process: each logs the processes' mean

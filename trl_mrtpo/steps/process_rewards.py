@@ -413,7 +413,8 @@ class StepCredit(CreditTerm):
     ) -> Contribution:
         """The local batch's ``process`` (``[B, C]``, :func:`process_credit`) and ``failure_suffix`` (``[B, K, C]``,
         :func:`failure_suffix`) for :func:`~trl_mrtpo.credit.weighted_token_advantages` (None where a rule is not in
-        use), and each process reward's mean step score per scored response, logged as ``mrtpo/process/<name>``."""
+        use), and each process reward's mean step score per scored response, logged as
+        ``mrtpo/term/process/<name>``."""
         completion_ids = batch.completion_ids
         process, means = None, []
         if self.process_rewards:
