@@ -292,9 +292,10 @@ BF16_OFF_SHARE = 0.05
 def bf16_packing_problem(model_type: str, path) -> str:
     """What is wrong with the family's packed replay in bf16 ("" when nothing): its start-up check at bf16 must settle
     the fp32 path, and its packed states must agree with one sequence per row within bf16's rounding. bf16 keeps 8
-    bits, so summation orders differ by a few units at each layer (up to 6% of a state's largest element, GPT-OSS);
-    a MoE router that flips an expert on that noise moves an isolated token further (1 of 78 tokens of the sweep's
-    batch on MiMo-V2-Flash and Hunyuan-V4, by 0.6); packing MPT's ALiBi moves half of the tokens, by up to 0.89."""
+    bits, so summation orders differ by a few units at each layer (Llama: 0.75 % of a state's largest element); a MoE
+    router may flip an expert on that noise and move an isolated token further (seen while a float32 packed mask
+    promoted eager bf16 attention to fp32: 1 of 78 tokens on MiMo-V2-Flash, by 0.63); packing MPT's ALiBi moves half
+    of the tokens, by up to 0.89."""
     from trl_mrtpo.replay import completion_hidden_states, replay_path, replay_settings
 
     model = tiny_model(model_type, torch.bfloat16)
