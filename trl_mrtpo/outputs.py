@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -54,12 +55,9 @@ def write_output(path: str | Path, text: str) -> None:
     """``text`` into a new file beside ``path``, then renamed onto it in one step: never written through a link (a
     link is replaced, not followed), never left half-written."""
     path = Path(path)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(descriptor, 0o666 & ~umask)  # as open() would create it
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
-        with os.fdopen(descriptor, "w", encoding="utf-8", newline="") as handle:
+        with open(temporary, "x", encoding="utf-8", newline="") as handle:  # a new file, with open()'s own mode
             handle.write(text)
         os.replace(temporary, path)
     finally:

@@ -35,6 +35,7 @@ from ._trl import (
 from .constants import MIN_SHARED_PREFIX, PACKED_ROW_TOKENS, PROBE_HALF_TOLERANCE, REPLAY_BATCH_SIZE
 from .info_blocks import removed_groups
 from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
+from .ops.js import softcapped_
 from .rules import Stateful
 
 logger = logging.get_logger(__name__)
@@ -125,9 +126,7 @@ def logit_multiplier(model: nn.Module) -> float:
                 f"lm_head takes {weight.shape[-1]} features and its decoder returns {hidden.shape[-1]} (a projection "
                 "between them, inside forward); the model is not supported."
             )
-        raw = hidden @ weight.double().T + (bias.double() if bias is not None else 0.0)
-        if softcap is not None:
-            raw = softcap * torch.tanh(raw / softcap)
+        raw = softcapped_(hidden @ weight.double().T + (bias.double() if bias is not None else 0.0), softcap, 1.0)
     if not (torch.isfinite(logits).all() and torch.isfinite(raw).all()):
         raise ValueError(
             f"The logits of {type(model).__name__} overflow {logits.dtype} (inf or NaN on a two-token probe): neither "
@@ -304,8 +303,7 @@ def probe_mismatch(model: nn.Module, multiplier: float) -> float:
     with eval_mode(model), lm_head_parameters(model) as (weight, bias):
         for (context, completion), hidden in zip(pairs, states):
             replayed = hidden.float() @ weight.float().T + (bias.float() if bias is not None else 0.0)
-            if softcap is not None:
-                replayed = softcap * torch.tanh(replayed / softcap)
+            replayed = softcapped_(replayed, softcap, 1.0)  # as the model's forward applies it
             positions = slice(len(context) - 1, len(context) - 1 + len(completion))
             plain = model(input_ids=torch.tensor([context + completion], device=device), use_cache=False)
             plain = plain.logits[0, positions].float()
