@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 
 CHECKS = (
     {  # (module file, function) of MRTPO's checks on the step's path
-        ("validation.py", name) for name in ("check_reward_values", "check_finite_rewards", "checked", "_rows")
+        ("validation.py", name) for name in ("check_reward_values", "check_batch_rewards", "checked", "_rows")
     }
     | {("blocks.py", name) for name in ("check_blocks", "check_context_length")}
     | {("info_blocks.py", "build_block"), ("environments.py", "check_tool_results")}

@@ -237,3 +237,32 @@ def test_a_reward_that_returns_none_for_a_whole_batch_is_warned_about_once(tiny_
     warned = [str(w.message) for w in caught if "returned None for every sample" in str(w.message)]
     assert len(warned) == 1 and "'forgot_per_sample'" in warned[0], warned
     assert "Ignore this if the reward does not apply to those samples" in warned[0]
+
+
+def test_an_info_block_builder_that_returns_an_empty_string_for_a_row(tiny_model, tiny_tokenizer, tmp_path):
+    """A builder whose reference is missing for some rows returns "" for them: taken as no block, as before, but
+    warned about once, naming the reward and the sample (it passed without a word; None says "no block")."""
+    import warnings
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    def keyword_block(*, prompt, completion, row, score):  # the reference is missing but for the "blue" rows
+        return f"Use the word {row['keyword']}." if row["keyword"] == "blue" else ""
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=[BASIC.info_blocks[0], keyword_block, None, None],
+        args=make_args(tmp_path, max_steps=2),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [str(w.message) for w in caught if "returned an empty block" in str(w.message)]
+    assert len(said) == 1 and "reward 'keyword_reward' on sample" in said[0] and "Return None" in said[0]
+    assert trainer.last_credit is not None

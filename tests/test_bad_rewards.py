@@ -411,6 +411,64 @@ def test_a_reward_column_the_dataset_lacks_is_named_before_the_model_loads(tmp_p
                      train_dataset=data)  # fmt: skip
 
 
+def test_an_eval_dataset_that_lacks_a_column_a_reward_needs_is_found_before_the_model_loads(tmp_path, monkeypatch):
+    """It was found at the first evaluation, after training steps ran (needs_answer() missing 1 required positional
+    argument); now the constructor names the function, the column and the eval dataset (each of several by key)."""
+    import trl.trainer.grpo_trainer as grpo
+    from datasets import Dataset
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(grpo, "create_model_from_path", never)
+    train = Dataset.from_list([{"prompt": "Say hi.", "solution": "hi"}] * 4)
+    held_out = Dataset.from_list([{"prompt": "Say hi.", "answer": "hi"}] * 4)
+    for eval_dataset, named in (
+        (held_out, "eval dataset"),
+        ({"math": train, "chat": held_out}, "eval 'chat' dataset"),
+    ):
+        with pytest.raises(ValueError, match=rf"reward function 'graded' needs the column 'solution'.*{named} lacks"):
+            MRTPOTrainer(model="some/model", reward_funcs=[graded], args=make_args(tmp_path), train_dataset=train,
+                         eval_dataset=eval_dataset)  # fmt: skip
+
+
+def test_a_reward_that_returns_none_for_an_unparseable_answer(tiny_model, tiny_tokenizer, tmp_path):
+    """None for some samples of a group (an answer it could not parse) gives those samples advantage 0, not a
+    penalty: warned about once, naming the reward and the group (nothing was said); None for a whole group, or a
+    reward that applies to every sample, is not warned about."""
+    import warnings
+
+    from tests.helpers import make_args
+    from trl_mrtpo import MRTPOTrainer
+    from trl_mrtpo.kits.basic import KIT as BASIC
+    from trl_mrtpo.kits.basic import make_basic_dataset
+
+    def parsed(completions, **_):  # the second sample of every group "cannot be parsed"
+        return [None if i % 4 == 1 else float(len(c) % 2) for i, c in enumerate(completions)]
+
+    def whole_groups(completions, **_):  # does not apply to the second prompt
+        return [None if i // 4 == 1 else float(len(c) % 3) for i, c in enumerate(completions)]
+
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=[*BASIC.rewards, parsed, whole_groups],
+        args=make_args(tmp_path, max_steps=2, credit_assignment="gdpo"),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    said = [str(w.message) for w in caught if "for some samples of group" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith(
+        "The reward function 'parsed' returned None for some samples of group 0"
+    )
+    assert "Return 0.0" in said[0]
+
+
 def test_a_reward_constant_over_ten_generation_batches_is_warned_about_once():
     """A reward that gave every sample 0.0 for 10 generation batches (a wrong database path, say) is named with its
     value, once; one that varies once in those batches, or is cut off earlier, is not."""

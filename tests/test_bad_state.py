@@ -135,6 +135,28 @@ def test_resuming_a_checkpoint_without_mrtpo_state_warns_and_trains(tiny_model, 
     assert any("mrtpo_state_0.pt is missing" in record.getMessage() for record in caplog.records)
 
 
+def test_a_resume_says_nothing_about_the_mrtpo_state_it_restored(tiny_model, tiny_tokenizer, tmp_path, capsys):
+    """A resume names the MRTPO state it restored: the file, the checkpoint's step and every part (it said
+    nothing)."""
+    train(tiny_model, tiny_tokenizer, tmp_path / "run", save_strategy="steps", save_steps=2)
+    capsys.readouterr()
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=BASIC.rewards,
+        info_blocks=BASIC.info_blocks,
+        args=make_args(tmp_path / "run", max_steps=3),
+        train_dataset=make_basic_dataset(8),
+        processing_class=tiny_tokenizer,
+    )
+    trainer.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    said = capsys.readouterr().out
+    parts = "the collapse monitor, the replay's memory, per-reward strength, the credit rule 'mrtpo'"
+    assert (
+        f"Resumed MRTPO's state at step 2 from {tmp_path / 'run' / 'checkpoint-2' / 'mrtpo_state_0.pt'}: {parts}."
+        in said
+    )
+
+
 # ---------------------------------------------------------------- checkpoint state contents
 @pytest.mark.parametrize(
     "changes, problem",

@@ -14,8 +14,10 @@ from trl_mrtpo.credit import (
     cap_redistribution,
     combine,
     group_advantages,
+    short_run_warning,
     token_weights,
     warmup_beta,
+    warmup_steps,
 )
 from trl_mrtpo.research.credit import shuffle_relevance
 
@@ -348,3 +350,18 @@ def test_shuffling_is_reproducible_from_its_generator():
         return shuffle_relevance(q, mask, torch.Generator().manual_seed(seed))
 
     assert torch.equal(shuffled(0), shuffled(0)) and not torch.equal(shuffled(0), shuffled(1))
+
+
+@pytest.mark.parametrize("configured", [0.1, 0.25, 5])
+def test_the_warmup_warning_contradicts_itself_at_max_steps_1(configured):
+    """At max_steps=1 the one step samples at global_step 0, where beta is 0 whatever the warm-up: the warning says so,
+    and advises no warm-up (it said beta reaches the target and advised 'at most 0 (or a share such as 0.25)', and a
+    share of one step rounds up to that step)."""
+    steps = warmup_steps(configured, 1)
+    assert warmup_beta(0.5, 0, steps) == 0.0
+    message = short_run_warning(1, configured, steps, 0.5)
+    assert "beta reaches 0 of 0.5 by the last step" in message
+    assert message.endswith("Set credit_warmup_steps=0 (no warm-up) for a short run.")
+    # longer runs: the last step's beta (global_step max_steps - 1), and a share that fits in half the run
+    assert "beta reaches 0.39 of 0.5" in short_run_warning(8, 10, 10, 0.5)
+    assert "at most 4 (or a share such as 0.25)" in short_run_warning(8, 10, 10, 0.5)

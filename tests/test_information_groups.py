@@ -143,6 +143,26 @@ def test_a_block_contained_in_another_or_repeating_the_prompt_is_found():
     assert leaks == {"exec": "the info block of reward 'match'", "format": "the prompt"}
 
 
+def test_canonically_equal_block_texts_are_two_groups():
+    """The same words in NFC and NFD form (what a normalising tokenizer makes the same tokens) are one information
+    group, and a block whose NFD form the prompt or another block holds is a leak; the prompt and the blocks the
+    model reads are not rewritten (they were two groups, and no leak was found)."""
+    import unicodedata
+
+    composed = "Reference: café crème"
+    decomposed = unicodedata.normalize("NFD", composed)
+    assert composed != decomposed
+    blocks = [InfoBlock(composed), InfoBlock(decomposed), InfoBlock("Answer in one line.")]
+    assert information_groups(blocks) == [0, 0, 2]
+    prompt = [{"role": "user", "content": f"Write the query. {decomposed}"}]
+    blocks = [InfoBlock(composed), InfoBlock(f"See: {decomposed}!"), InfoBlock("Answer in one line.")]
+    groups = information_groups(blocks)
+    p_all, removed = build_contexts(prompt, blocks, [[0], [1], [2]])
+    assert decomposed in p_all[0]["content"] and composed in p_all[0]["content"]  # as given
+    leaks = leaked_information(removed, [0, 1, 2], blocks, groups, ["exec", "match", "format"])
+    assert leaks == {"exec": "the info block of reward 'match'"}  # the prompt holds it too: the block is named first
+
+
 def _data(rows=4):
     return Dataset.from_list([{"prompt": [{"role": "user", "content": f"Question {i}?"}]} for i in range(rows)])
 
@@ -194,7 +214,7 @@ def test_two_rewards_given_one_builder_keep_the_credit_of_one_owner(tiny_tokeniz
     shared, owned = shared_run.credits[0], owned_run.credits[0]
     shared_run.create_model_card()
     card = (tmp_path / "a" / "README.md").read_text()
-    assert "`gold_block`, shared with match_reward: one piece of information" in card
+    assert "`gold_block`, shared with `match_reward`: one piece of information" in card
     assert shared.completions == owned.completions
     assert shared.replayed[:, 1].any() and not owned.replayed[:, 1].any()
     for twin in (0, 1):

@@ -524,3 +524,17 @@ def test_step_rules_on_truncated_completions_masked_by_trl(tiny_model, tiny_toke
     for ids, row, cut in zip(seen_ids, batch["completion_ids"], truncated):
         assert ids == (row.tolist() if cut else row[: len(ids)].tolist()) and ids
     assert (batch["advantages"][truncated] == 0).all()
+
+
+def test_step_spans_shifted_within_range_are_accepted():
+    """What is checked is the scored text, not what a span points at: a span shifted by one character inside the
+    completion is accepted and placed where it points, and docs/step-credit.md says so plainly (it read as if
+    rewritten text were caught there too)."""
+    from pathlib import Path
+
+    text = "3 + 4 = 7\n7 * 2 = 14"
+    exact, shifted = step_spans(text), [(1, 10), (11, 20)]
+    assert exact == [(0, 9), (10, 20)]
+    assert [step[:2] for step in checked_steps([(a, b, 1.0) for a, b in shifted], "eq", 0, text)] == shifted
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "step-credit.md").read_text().split())
+    assert "a span shifted to other characters (an off-by-one in a reward's own parsing) passes without a word" in doc

@@ -551,7 +551,7 @@ def test_a_warm_up_below_1_is_a_fraction_of_max_steps_and_a_short_run_is_warned(
     assert fraction._beta() == pytest.approx(0.25)  # u = 2 / 4: 3u^2 - 2u^3 = 0.5
     short = trainer(credit_warmup_steps=10, max_steps=8)
     short.state.max_steps = 8
-    with pytest.warns(UserWarning, match=r"max_steps=8 is under twice credit_warmup_steps=10.*beta reaches 0.4"):
+    with pytest.warns(UserWarning, match=r"max_steps=8 is under twice credit_warmup_steps=10.*beta reaches 0.39"):
         short._beta()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -590,10 +590,55 @@ def test_the_card_compiles_for_any_output_dir_and_escapes_reward_names(tiny_mode
     assert "| `format\\|strict` | 1 | none (uniform credit) |" in card
 
 
+def test_the_model_card_breaks_on_names_links_untrusted_data_and_omits_process_rewards(
+    tiny_model, tiny_tokenizer, tmp_path
+):
+    """A reward name holding a newline or a backtick keeps the rewards table's rows and columns; a dataset_name that
+    is not a Hub id is plain text, never a link; a recipe path with a space is quoted in the train command; the
+    process rewards and failure boundaries the run used are listed (each broke or was missing)."""
+    import shlex
+
+    from tests.helpers import make_args, word_steps
+    from trl_mrtpo import MRTPOTrainer
+
+    def odd(completions, **_):
+        return [1.0] * len(completions)
+
+    def boundary(*, completion, **_):
+        return None
+
+    odd.__name__ = "fmt\nline `x`"
+    trainer = MRTPOTrainer(
+        model=tiny_model,
+        reward_funcs=[odd, *BASIC.rewards[1:]],
+        info_blocks=[None, *BASIC.info_blocks[1:]],
+        process_rewards=[word_steps],
+        failure_boundaries=[None, boundary, None, None],
+        args=make_args(tmp_path),
+        train_dataset=make_basic_dataset(4),
+        processing_class=tiny_tokenizer,
+        recipe="my recipes/sql run.yaml",
+    )
+    trainer.create_model_card(dataset_name="x) [click](javascript:alert(1)) (")
+    card = (tmp_path / "README.md").read_text()
+    table = [line for line in card.splitlines() if line.startswith("| ")]
+    assert len(table) == 5 and all(line.count(" | ") == 2 for line in table), table  # header + 4 rewards
+    assert "| `` fmt\\nline `x` `` | 1 | none (uniform credit) |" in card
+    assert "](javascript" not in card and "https://huggingface.co/datasets/x)" not in card
+    assert "x\\) \\[click\\]\\(javascript:alert\\(1\\)\\) \\(" in card
+    assert f"trl-mrtpo train --config {shlex.quote('my recipes/sql run.yaml')}" in card
+    assert "`word_steps`" in card and "`keyword_reward`: `boundary`" in card
+    trainer.create_model_card(dataset_name="org/data-set_1.0")
+    assert (
+        "[org/data-set_1.0](https://huggingface.co/datasets/org/data-set_1.0)" in (tmp_path / "README.md").read_text()
+    )
+
+
 def test_a_model_trained_once_in_bf16_is_accepted_by_a_second_trainer(tiny_model, tiny_tokenizer, tmp_path):
     """accelerate leaves a bf16 run's autocast wrapper on the model's forward; a second trainer given the same model
-    object (an fp32 run) takes the model's own forward, not that run's, and its logit probe passes (it called the
-    model soft-capping before)."""
+    object (an fp32 run) takes it off before TRL patches the forward with its fused head, so its logit probe calls
+    the model's own forward and it trains (it failed at its first step with 'CausalLMOutputWithPast' object has no
+    attribute 'log_probs': the wrapper was stripped after TRL's patch, taking the patch with it)."""
     from tests.helpers import make_args
     from trl_mrtpo import MRTPOTrainer
 
@@ -608,6 +653,8 @@ def test_a_model_trained_once_in_bf16_is_accepted_by_a_second_trainer(tiny_model
         )
 
     trainer("bf16", bf16=True).train()
-    assert hasattr(tiny_model.forward, "__wrapped__")  # the first run's autocast, left behind
-    trainer("fp32")
-    assert not hasattr(tiny_model.forward, "__wrapped__")
+    assert "_original_forward" in tiny_model.__dict__  # the first run's autocast, left behind
+    second = trainer("fp32")
+    assert "_original_forward" not in tiny_model.__dict__
+    second.train()
+    assert second.state.global_step == 1 and second.last_credit is not None

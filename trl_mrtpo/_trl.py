@@ -227,6 +227,16 @@ def whole_policy(trainer) -> Iterator[nn.Module]:
             unit.reshard()
 
 
+def without_mixed_precision(model) -> None:
+    """A model object another trainer prepared in mixed precision carries that run's autocast on its forward
+    (accelerate's ``_original_forward``): taken off in place before TRL patches the forward with its fused head, so
+    that this run trains at its own precision and the patch is not stripped from under TRL later."""
+    if isinstance(model, nn.Module) and "_original_forward" in model.__dict__:
+        from accelerate.utils import extract_model_from_parallel
+
+        extract_model_from_parallel(model, keep_fp32_wrapper=False)
+
+
 def gathered_for_probe(model: nn.Module):
     """All parameters gathered while in the context when ZeRO-3 partitioned them at load (``zero.Init``), for a
     start-up forward before DeepSpeed wraps the model; a null context otherwise."""

@@ -74,12 +74,16 @@ def warmup_steps(value: float, max_steps: int) -> float:
 
 
 def short_run_warning(max_steps: int, configured: float, steps: float, beta: float) -> str:
-    """What a run shorter than twice its warm-up is told: the beta it reaches at its last step."""
-    reached = warmup_beta(beta, max_steps, steps)
+    """What a run shorter than twice its warm-up is told: the beta of its last step (sampled at global step
+    ``max_steps - 1``), and a warm-up that fits in half the run (none when that is under one step)."""
+    reached = warmup_beta(beta, max_steps - 1, steps)
+    half = max_steps // 2
+    share = " (or a share such as 0.25)" if math.ceil(0.25 * max_steps) <= half else ""
+    advice = f"to at most {half}{share}" if half else "=0 (no warm-up)"
     return (
         f"max_steps={max_steps} is under twice credit_warmup_steps={configured:g}: beta reaches {reached:.2g} of "
         f"{beta:g} by the last step, so token credit is weaker than configured for most of the run. Set "
-        f"credit_warmup_steps to at most {max_steps // 2} (or a share such as 0.25) for a short run."
+        f"credit_warmup_steps{advice} for a short run."
     )
 
 

@@ -5,9 +5,11 @@ written and where it is read, so a run's own checkpoint always resumes, as the r
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -161,13 +163,19 @@ class CheckpointedState:
         with open(os.path.join(checkpoint, f"mrtpo_state_{process_index}.pt"), "wb") as file:
             file.write(payload)
 
-    def read(self, checkpoint: str, process_index: int) -> None:
+    def read(self, checkpoint: str, process_index: int) -> str | None:
         """Restores every part from this process's file, or the lowest rank's where it has none (the core state is
-        the same on every process). A checkpoint without one: a warning, and the state starts afresh."""
+        the same on every process), and returns what was restored, in words: the file, the checkpoint's step and
+        the parts. A checkpoint without one: a warning, the state starts afresh, and None."""
         ranks = sorted(int(m[1]) for m in map(STATE_FILE.fullmatch, os.listdir(checkpoint)) if m)
         if not ranks:
             own = os.path.join(checkpoint, f"mrtpo_state_{process_index}.pt")
             return logger.warning(f"{own} is missing: MRTPO's own state starts afresh, unlike an uninterrupted run's.")
         path = os.path.join(checkpoint, f"mrtpo_state_{process_index if process_index in ranks else ranks[0]}.pt")
-        for name, entries in read_credit_state(path, self.identity, self.declared).items():
+        restored = read_credit_state(path, self.identity, self.declared)
+        for name, entries in restored.items():
             self.parts[name].restore(entries)
+        trainer_state = Path(checkpoint, "trainer_state.json")
+        step = json.loads(trainer_state.read_text()).get("global_step") if trainer_state.is_file() else None
+        at = "" if step is None else f" at step {step}"
+        return f"Resumed MRTPO's state{at} from {path}: {', '.join(restored)}."

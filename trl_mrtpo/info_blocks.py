@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import unicodedata
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -94,8 +96,11 @@ def build_block(
     row: dict[str, Any],
     score: float,
     trajectory: Any = None,
+    warned_empty: set[str] | None = None,
 ) -> InfoBlock | None:
-    """Call one builder for one sample and validate what it returns (empty text counts as no block)."""
+    """Call one builder for one sample and validate what it returns. Empty text counts as no block, warned about
+    once per reward when ``warned_empty`` collects the rewards told (``None`` is the way to say "no block"; an empty
+    string is what a builder returns for a row whose reference is missing)."""
     where = f"info block builder of reward '{reward_name}' on sample {sample_index} (prompt {_prompt_preview(prompt)})"
     result = call_builder(builder, where, InfoBlockError, prompt, completion, row, score, trajectory)
     if result is None:
@@ -107,6 +112,15 @@ def build_block(
             f"The {where} returned {type(result).__name__}; it must return a str, an InfoBlock or None."
         )
     if not result.text.strip():
+        if warned_empty is not None and reward_name not in warned_empty:
+            warned_empty.add(reward_name)
+            warnings.warn(
+                f"The {where} returned an empty block: that sample keeps uniform credit for reward {reward_name!r}. "
+                "Return None where a reward has no block; an empty string often means a row lacks the reference "
+                "the block is built from (warned once per reward).",
+                UserWarning,
+                stacklevel=4,
+            )
         return None
     if result.placement == "in_prompt":
         count = _span_count(prompt, result.text)
@@ -223,11 +237,25 @@ def build_contexts(
     return assemble(set()), [assemble(set(removal)) for removal in removals]
 
 
+def canonical(text: str) -> str:
+    """Text as it is compared, never as it is read: Unicode NFC, so that canonically equal forms (a composed and a
+    decomposed accent), which a normalising tokenizer makes the same tokens, are one text."""
+    return unicodedata.normalize("NFC", text)
+
+
+def _canonical_prompt(prompt: Prompt) -> Prompt:
+    if isinstance(prompt, str):
+        return canonical(prompt)
+    return [{**m, "content": canonical(m["content"])} if isinstance(m.get("content"), str) else m for m in prompt]
+
+
 def information_groups(blocks: Sequence[InfoBlock | None]) -> list[int]:
     """Step 2's information groups of one sample: per reward, the first reward whose block carries the same text
-    (compared stripped of whitespace at its ends); a reward without a block is its own."""
+    (compared stripped of whitespace at its ends, in NFC: :func:`canonical`); a reward without a block is its own."""
     first: dict[str, int] = {}
-    return [k if block is None else first.setdefault(block.text.strip(), k) for k, block in enumerate(blocks)]
+    return [
+        k if block is None else first.setdefault(canonical(block.text.strip()), k) for k, block in enumerate(blocks)
+    ]
 
 
 def group_blocks(blocks: Sequence[InfoBlock | None], groups: Sequence[int]) -> list[InfoBlock | None]:
@@ -257,16 +285,19 @@ def for_environment_rewards(builders: Any, functions: int, rewards: int) -> Any:
     return builders
 
 
-def build_blocks(builders: Sequence[Callable | None], names: Sequence[str], batch: Any, scores: list) -> list[list]:
+def build_blocks(
+    builders: Sequence[Callable | None], names: Sequence[str], batch: Any, scores: list, warned_empty: set[str]
+) -> list[list]:
     """Step 2's blocks for a batch (:class:`~trl_mrtpo.batch.ScoredBatch`, its rewards as ``scores``): per sample,
-    each reward's :func:`build_block` (None for a reward without a builder)."""
+    each reward's :func:`build_block` (None for a reward without a builder; ``warned_empty``: the rewards whose
+    empty block was warned about)."""
     from .utils import completion_text
 
     prompts, rows, views = batch.prompts, batch.inputs, batch.views
     completions = [completion_text(c) for c in batch.completions]
     return [
         [
-            build_block(builder, name, i, prompts[i], completions[i], rows[i], scores[i][k], views[i])
+            build_block(builder, name, i, prompts[i], completions[i], rows[i], scores[i][k], views[i], warned_empty)
             if builder is not None
             else None
             for k, (builder, name) in enumerate(zip(builders, names))
@@ -344,18 +375,19 @@ def leaked_information(
 ) -> dict[str, str]:
     """Rewards whose block text still occurs in their ``P_not_k`` (one sample's ``removed`` contexts, one per group
     of ``groups_removed``): their q cannot measure the information, since the context still holds it. Per such
-    reward, what holds the text: another reward's block that contains it, or the prompt."""
+    reward, what holds the text: another reward's block that contains it, or the prompt. Texts are compared in NFC
+    (:func:`canonical`)."""
     carried = group_blocks(blocks, groups)
     leaks = {}
     for context, g in zip(removed, groups_removed):
-        text = carried[g].text.strip()
-        if not _span_count(context, text):
+        text = canonical(carried[g].text.strip())
+        if not _span_count(_canonical_prompt(context), text):
             continue
         holder = next(
             (
                 f"the info block of reward {names[h]!r}"
                 for h, other in enumerate(carried)
-                if h != g and other is not None and text in other.text
+                if h != g and other is not None and text in canonical(other.text)
             ),
             "the prompt",
         )

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 from importlib import resources
 from importlib.metadata import version
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import is_wandb_available
 from trl import GRPOConfig
 
@@ -33,6 +37,29 @@ def base_model_id(name_or_path: str | None) -> str | None:
         copy = local_copy(name_or_path)
         return copy[0] if copy else None
     return name_or_path
+
+
+def code(text: str) -> str:
+    """``text`` as one Markdown code span that holds in a table cell: line breaks shown as ``\\n``, fenced by a run of
+    backticks longer than any inside it, ``|`` escaped (GitHub reads a table's ``\\|`` before the span)."""
+    text = text.replace("\r", "\\r").replace("\n", "\\n")
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    spaced = f" {text} " if len(fence) > 1 else text
+    return f"{fence}{spaced}{fence}".replace("|", "\\|")
+
+
+def plain(text: str) -> str:
+    """``text`` shown as written, never as Markdown (no link, no emphasis), on one line."""
+    return re.sub(r"([\\`*_\[\]()<>|!#])", r"\\\1", " ".join(text.split()))
+
+
+def hub_dataset(name: str | None) -> str | None:
+    """``name`` when it is a Hub dataset id (linked in the card), else None."""
+    try:
+        validate_repo_id(name)
+    except (HFValidationError, TypeError):
+        return None
+    return name
 
 
 def settings_lines(args: MRTPOConfig) -> list[str]:
@@ -75,9 +102,10 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
     tags.update(trainer._tag_names)
     if adapter:
         tags.add("lora")
+    hub_data = hub_dataset(dataset_name)
     card_data = ModelCardData(
         base_model=base_model,
-        datasets=dataset_name,
+        datasets=hub_data,
         library_name="peft" if adapter else "transformers",
         model_name=model_name,
         tags=["generated_from_trainer", *sorted(tags)],
@@ -88,11 +116,15 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         if builders[k] is None:
             return "none (uniform credit)"
         twins = [names[i] for i, other in enumerate(builders) if i != k and other is builders[k]]
-        shared = f", shared with {', '.join(twins)}: one piece of information (one information group)" if twins else ""
-        return f"`{function_name(builders[k])}`{shared}"
+        shared = (
+            f", shared with {', '.join(map(code, twins))}: one piece of information (one information group)"
+            if twins
+            else ""
+        )
+        return f"{code(function_name(builders[k]))}{shared}"
 
-    rewards = [  # a `|` in a name would split its table row
-        (name.replace("|", "\\|"), f"{weight:g}", block(k).replace("|", "\\|"))
+    rewards = [  # names as code spans that keep their table row
+        (code(name), f"{weight:g}", block(k))
         for k, (name, weight) in enumerate(zip(names, trainer.reward_weights.tolist()))
     ]
     agent = []
@@ -109,17 +141,22 @@ def build_model_card(trainer, model_name: str | None = None, dataset_name: str |
         model_id=model_id,
         adapter=adapter,
         local_model=local_model_name(base_path) if adapter else None,
-        dataset_name=dataset_name,
+        dataset_name=hub_data,
+        dataset_text=plain(dataset_name) if dataset_name and not hub_data else None,
         data_source=trainer.data_source,
         mrtpo_version=version("trl-mrtpo"),
         trainer_name=trainer._name,
         paper_title=trainer._paper["title"],
         trainer_citation=trainer._paper["citation"],
         credit_assignment=trainer.args.credit_assignment,
-        settings=settings_lines(trainer.args),
+        settings=[
+            *settings_lines(trainer.args),
+            *(line for t in trainer.credit_terms.values() for line in t.card_lines(code)),
+        ],
         agent=agent,
         rewards=rewards,
-        recipe=trainer.recipe,
+        recipe=trainer.recipe and code(trainer.recipe),
+        recipe_command=trainer.recipe and code(f"trl-mrtpo train --config {shlex.quote(trainer.recipe)}"),
         wandb_url=_wandb_url(),
         trackio_url=get_trackio_space_url(),
         comet_url=get_comet_experiment_url(),

@@ -220,6 +220,10 @@ class CreditTerm(Stateful):
         """The final token advantages (after step 8)."""
         return credit
 
+    def card_lines(self, code: Callable[[str], str]) -> list[str]:
+        """What the model card lists of the term under its settings (``code`` renders a name as a code span)."""
+        return []
+
 
 def given_terms(credit_terms: Any) -> list[CreditTerm | type[CreditTerm]]:
     """``MRTPOTrainer(credit_terms=...)`` as a list: None is none; one term alone, or anything but a list or tuple,

@@ -70,8 +70,11 @@ class CreditCheckpoints:
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self._credit_state().read(checkpoint, self.accelerator.process_index)
+        restored = (
+            None if checkpoint is None else self._credit_state().read(checkpoint, self.accelerator.process_index)
+        )
+        if restored and not self.args.disable_tqdm:  # said where the first step is announced
+            self.accelerator.print(restored)
 
 
 class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
@@ -131,6 +134,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         args, rule, funcs, checked = validation.before_model(
             model, args, reward_funcs, info_blocks, (train_dataset, eval_dataset), kwargs, self
         )
+        _trl.without_mixed_precision(model)
         super().__init__(
             model,
             None if reward_funcs is None else checked,
@@ -189,8 +193,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         # divergence backend ("auto" included) is settled here, once, on every process.
         self._replay_temperature, self._replay_backend = self.temperature, args.divergence_backend
         if self._replays or self._policy_forwards:
-            # a model another trainer ran in mixed precision keeps that run's autocast on its forward: not this run's
-            policy = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
+            policy = self.accelerator.unwrap_model(self.model)
             removed = 1 if rule.removal == "all" else len(self.reward_funcs)  # removed contexts per response, at most
             self._replay_temperature, self._replay_backend = replay_settings(
                 policy, self.temperature, args.divergence_backend, removed
@@ -207,6 +210,8 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         self._scored: Scored | None = None
         self._announced = False  # the first training step has been announced
         self._warned_warmup = False
+        self._partly_none: set[str] = set()  # rewards warned about returning None within a group
+        self._empty_blocks: set[str] = set()  # rewards warned about an empty info block
         self.information_leaks: dict[str, str] = {}  # reward -> what still holds its block's text (warned once)
         self.last_credit: CreditRecord | None = None
         self._collapse_monitor = CollapseMonitor(args.collapse_warning_steps)
@@ -253,7 +258,8 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
             if self.environments and not self._is_vlm:
                 check_observations(inputs, prompts, self.environments)
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        validation.check_finite_rewards(rewards, self.reward_func_names)
+        num_generations = self.num_generations if self.model.training else self.num_generations_eval
+        validation.check_batch_rewards(rewards, self.reward_func_names, num_generations, self._partly_none)
         # TRL does not expose per-reward advantages: keep what they are computed from.
         self._scored = Scored(inputs, prompts, completions, [list(ids) for ids in completion_ids_list], rewards)
         self.record_rewards(inputs, rewards)
@@ -424,7 +430,7 @@ class MRTPOTrainer(CreditCheckpoints, GRPOTrainer):
         )
         names = self.reward_func_names
         scores = batch.rewards.tolist()  # one host sync for step 2
-        batch.info_blocks = blocks = build_blocks(self.info_block_builders, names, batch, scores)
+        batch.info_blocks = blocks = build_blocks(self.info_block_builders, names, batch, scores, self._empty_blocks)
         check_blocks(batch.prompts, blocks, names, *self._context_format)
         step_two = replay_contexts(
             blocks,

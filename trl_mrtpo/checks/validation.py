@@ -407,24 +407,45 @@ def check_dataset(dataset: Any, split: str, environments: bool = False) -> None:
         _check_prompt(prompt, f"the prompt of row {i} of the {split} dataset")
 
 
-def check_finite_rewards(rewards: torch.Tensor, names: Sequence[str]) -> None:
-    """``[N, K]`` rewards of a generation batch are finite or NaN ("does not apply"): an infinity would silently turn
-    its group's advantages to 0, so it stops the step naming the reward and the sample."""
-    infinite = torch.isinf(rewards).nonzero().tolist()
+def check_batch_rewards(rewards: torch.Tensor, names: Sequence[str], num_generations: int, warned: set) -> None:
+    """``[N, K]`` rewards of a generation batch, in groups of ``num_generations``, with one host sync: each is finite
+    or NaN ("does not apply"), since an infinity would silently turn its group's advantages to 0 (it stops the step
+    naming the reward and the sample); a reward that is NaN for some samples of a group and scored for others is
+    warned about once (its name joins ``warned``): those samples get advantage 0 from it, not a penalty."""
+    nan = torch.isnan(rewards).view(-1, num_generations, rewards.shape[1])
+    partly = nan.any(1) & ~nan.all(1)  # [groups, K]
+    flags = torch.cat([torch.isinf(rewards), partly]).tolist()
+    infinite = [(i, k) for i, row in enumerate(flags[: len(rewards)]) for k, bad in enumerate(row) if bad]
     if infinite:
         sample, k = infinite[0]
         raise ValueError(
             f"reward function '{names[k]}' returned {rewards[sample, k].item()} for sample {sample} of the "
             "generation batch; rewards must be finite (return None where a reward does not apply)."
         )
+    for group, row in enumerate(flags[len(rewards) :]):
+        for k in (k for k, bad in enumerate(row) if bad and names[k] not in warned):
+            warned.add(names[k])
+            warnings.warn(
+                f"The reward function '{names[k]}' returned None for some samples of group {group} (prompt "
+                f"{group} of the generation batch) and a score for the others: None means 'does not apply', so "
+                "those samples get advantage 0 from it, not a penalty. Return 0.0 (or the reward's lowest score) "
+                "for an answer it cannot parse, and None only where the reward does not apply to the prompt.",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
-def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: Any) -> None:
+def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: Any, split: str = "train") -> None:
     """Before the model loads: each reward function's required keyword arguments are what TRL passes it, the
-    dataset's columns (TRL withholds ``prompt``, ``completion`` and ``completion_ids``) and the arguments TRL
-    supplies; one the data lacks is named with the function (TRL's bare ``TypeError`` came after a generation)."""
+    ``split`` dataset's columns (TRL withholds ``prompt``, ``completion`` and ``completion_ids``) and the arguments
+    TRL supplies; one the data lacks is named with the function (TRL's bare ``TypeError`` came after a generation, or
+    at the first evaluation)."""
     from .._trl import REWARD_SUPPLIED_ARGUMENTS, REWARD_WITHHELD_COLUMNS
 
+    if isinstance(dataset, dict):  # several evaluation datasets
+        for key, part in dataset.items():
+            check_reward_columns(funcs, names, part, f"{split} '{key}'")
+        return
     columns = getattr(dataset, "column_names", None)
     if not isinstance(columns, list):  # no dataset (an environment's data), or one streamed without a schema
         return
@@ -441,8 +462,8 @@ def check_reward_columns(funcs: Sequence[Any], names: Sequence[str], dataset: An
         missing = [argument for argument in required if argument not in available]
         if missing:
             raise ValueError(
-                f"reward function '{name}' needs the column {missing[0]!r}, which the train dataset lacks (TRL passes "
-                f"a reward function the dataset's columns, less {', '.join(REWARD_WITHHELD_COLUMNS)}, and "
+                f"reward function '{name}' needs the column {missing[0]!r}, which the {split} dataset lacks (TRL "
+                f"passes a reward function the dataset's columns, less {', '.join(REWARD_WITHHELD_COLUMNS)}, and "
                 f"{', '.join(REWARD_SUPPLIED_ARGUMENTS)}); the dataset's columns: {', '.join(columns)}."
             )
 
@@ -531,6 +552,7 @@ def checked_inputs(
     funcs = list(reward_funcs or []) if isinstance(reward_funcs, (list, type(None))) else [reward_funcs]
     names = distinct([f.split("/")[-1] if isinstance(f, str) else function_name(f) for f in funcs])
     check_reward_columns(funcs, names, train_dataset)
+    check_reward_columns(funcs, names, eval_dataset, "eval")
     builders = info_blocks if environments else check_builders(info_blocks, names)
     tools = bool(kwargs.get("tools")) or environments
     check_builders_on_first_row(builders, names, train_dataset, tools, environments)

@@ -408,6 +408,18 @@ class StepCredit(CreditTerm):
         rules = check_step_rules(process_rewards, builders, keeps_trl)
         return cls(process_rewards, weights, builders, setup.reward_names, rules)
 
+    def card_lines(self, code: Callable[[str], str]) -> list[str]:
+        """The process rewards (with their weights) and the failure boundaries (per reward) the run used."""
+        lines = []
+        if self.process_rewards:
+            weighted = zip(self.process_rewards, self.process_weights)
+            listed = ", ".join(f"{code(function_name(f))} (weight {w:g})" for f, w in weighted)
+            lines.append(f"process rewards (step credit, added after the cap): {listed}")
+        boundaries = zip(self.reward_names, self.failure_builders)
+        if named := [f"{code(name)}: {code(function_name(b))}" for name, b in boundaries if b is not None]:
+            lines.append(f"failure boundaries: {', '.join(named)}")
+        return lines
+
     def __call__(
         self, batch: ScoredBatch, tokenizer, num_generations: int, rank: int, trainer_state: Any = None
     ) -> Contribution:
