@@ -28,12 +28,12 @@ sys.path.insert(0, str(HERE.parent))
 
 CHECKS = (
     {  # (module file, function) of MRTPO's checks on the step's path
-        ("validation.py", name) for name in ("check_reward_values", "check_batch_rewards", "checked", "_rows")
+        ("batch.py", name) for name in ("check_reward_values", "check_batch_rewards", "checked", "_rows")
     }
-    | {("blocks.py", name) for name in ("check_blocks", "check_context_length")}
+    | {("batch.py", name) for name in ("check_blocks", "check_context_length")}
     | {("info_blocks.py", "build_block"), ("environments.py", "check_tool_results")}
 )
-COPY_CALLERS = ("validation.py", "blocks.py", "info_blocks.py", "process_rewards.py", "step_labels.py")
+COPY_CALLERS = ("batch.py", "inputs.py", "info_blocks.py", "process_rewards.py", "step_labels.py")
 
 
 def profiled(train) -> tuple[float, float, float, float]:

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.helpers import make_args
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.checks.finite_credit import NonFiniteCredit
+from trl_mrtpo.checks.guard import NonFiniteCredit
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.relevance import Relevance

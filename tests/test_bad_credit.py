@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import RecordingTrainer, make_args
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.checks.finite_credit import NonFiniteCredit
+from trl_mrtpo.checks.guard import NonFiniteCredit
 from trl_mrtpo.credit import replayed_token_weights
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -440,7 +440,7 @@ def test_the_checked_parts_are_the_parts_the_refusal_words():
     """The keys a run checks (loaded by every run) and the refusal's words (loaded when a batch is refused) name the
     same parts in the same order, which decides the part a refusal names first."""
     from trl_mrtpo.checks.credit_messages import credit_parts
-    from trl_mrtpo.checks.finite_credit import part_keys
+    from trl_mrtpo.checks.guard import part_keys
 
     for terms in ([], ["steps"], ["a", "b"]):
         assert part_keys("mrtpo", terms) == list(credit_parts("the replay", "mrtpo", terms))

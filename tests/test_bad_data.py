@@ -5,7 +5,7 @@ from datasets import Dataset, IterableDataset
 
 from tests.helpers import make_args
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.checks.validation import check_dataset
+from trl_mrtpo.checks.inputs import check_dataset
 from trl_mrtpo.kits.basic import KIT as BASIC
 
 

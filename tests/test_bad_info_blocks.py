@@ -5,7 +5,7 @@ the sample."""
 import pytest
 
 from tests.helpers import train
-from trl_mrtpo.checks.blocks import check_spans
+from trl_mrtpo.checks.batch import check_spans
 from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts
 from trl_mrtpo.kits.basic import KIT as BASIC
 

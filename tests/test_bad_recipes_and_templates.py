@@ -248,7 +248,7 @@ def test_an_option_that_would_do_nothing_is_refused(tmp_path, fields, message):
 def test_what_a_configuration_asks_of_its_rule_is_refused_where_the_rule_is_resolved(tmp_path, fields, message):
     """The configuration checks ranges and types only; the rule's name and what depends on the rule are checked
     where the trainer (or the command) resolves it, before the model loads."""
-    from trl_mrtpo.checks.validation import check_credit_settings
+    from trl_mrtpo.checks.inputs import check_credit_settings
     from trl_mrtpo.rules import resolve_credit_rule
 
     args = make_args(tmp_path, **fields)

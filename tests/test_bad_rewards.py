@@ -14,7 +14,7 @@ from tests.helpers import make_args, token_advantages, train
 from tests.reference import reference_token_advantages
 from tests.test_bad_info_blocks import _view
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.checks.validation import check_reward_values, checked_reward
+from trl_mrtpo.checks.batch import check_reward_values, checked_reward
 from trl_mrtpo.credit import group_advantages
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
@@ -474,7 +474,7 @@ def test_a_reward_constant_over_ten_generation_batches_is_warned_about_once():
     value, once; one that varies once in those batches, or is cut off earlier, is not."""
     import warnings
 
-    from trl_mrtpo.checks.validation import CONSTANT_REWARD_BATCHES
+    from trl_mrtpo.checks.batch import CONSTANT_REWARD_BATCHES
 
     def run(batches, values):
         scored = iter(values)
@@ -496,7 +496,7 @@ def test_a_reward_constant_over_ten_generation_batches_is_warned_about_once():
 def test_rewards_that_share_a_name_get_distinct_ones(tiny_model, tiny_tokenizer, tmp_path):
     """Two lambdas (TRL allows them) would share one metric, one collapse streak and one checkpoint entry: the second
     is ``<lambda>_2``, as TRL's logs name it, wherever MRTPO names it."""
-    from trl_mrtpo.checks.validation import distinct
+    from trl_mrtpo.checks.inputs import distinct
 
     assert distinct(["a", "a", "a_2", "b", "a"]) == ["a", "a_3", "a_2", "b", "a_4"]
     trainer = MRTPOTrainer(

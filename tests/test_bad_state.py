@@ -10,11 +10,11 @@ import torch
 
 from tests.helpers import make_args, train
 from trl_mrtpo import MRTPOTrainer
-from trl_mrtpo.credit_state import STATE_VERSION, CheckpointedState, read_credit_state, unreadable
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 from trl_mrtpo.rules import Contribution, CreditTerm
 from trl_mrtpo.scripts.inspection import sample_credit
+from trl_mrtpo.state import STATE_VERSION, CheckpointedState, read_credit_state, unreadable
 from trl_mrtpo.strength import RewardStrength
 
 # ---------------------------------------------------------------- checkpoint state
@@ -232,7 +232,7 @@ def test_good_input_of_every_checked_family_passes(tmp_path):
 
     from datasets import Dataset
 
-    from trl_mrtpo.checks.validation import check_reward_values
+    from trl_mrtpo.checks.batch import check_reward_values
     from trl_mrtpo.steps.process_rewards import checked_steps
 
     assert check_reward_values("r", [0.0, 3e38, None], 3) == [0.0, 3e38, None]
@@ -277,7 +277,7 @@ class Memo:
 )
 def test_an_entry_the_safe_loader_cannot_read_is_refused_when_written(tmp_path, value):
     """Saved without a word before, then the resume called the whole file damaged and dropped all of MRTPO's state."""
-    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.state import CheckpointedState
 
     state = CheckpointedState(RUN, {"the term 'memo'": Part(("memo",), {"memo": value})})
     with pytest.raises(ValueError, match=r"the term 'memo': the entry 'memo' is a .*, which the safe loader cannot"):
@@ -286,7 +286,7 @@ def test_an_entry_the_safe_loader_cannot_read_is_refused_when_written(tmp_path, 
 
 
 def test_an_entry_declared_but_never_written_is_refused_when_written(tmp_path):
-    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.state import CheckpointedState
 
     state = CheckpointedState(RUN, {"the term 'memo'": Part(("memo", "count"), {"memo": 1})})
     with pytest.raises(ValueError, match=r"the term 'memo': the entry 'count' is missing: a checkpoint holding"):
@@ -298,7 +298,7 @@ def test_two_parts_may_name_an_entry_alike():
     entry named like the file's own keys, round-trip apart (in one flat dict they overwrote each other)."""
     import io
 
-    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.state import CheckpointedState
 
     first, second = (
         Part(("count", "version"), {"count": 1, "version": "a"}),
@@ -319,7 +319,7 @@ def test_a_state_written_by_a_newer_release_says_to_upgrade(tmp_path):
 
 def test_every_entry_type_the_docs_allow_round_trips(tmp_path):
     """Tensors (float, integer, bool), numbers, strings, booleans, None, and lists and dicts of them: back equal."""
-    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.state import CheckpointedState
 
     values = {
         "floats": torch.tensor([0.5, float("nan")], dtype=torch.float64), "ints": torch.arange(3),
@@ -368,7 +368,7 @@ def test_a_checkpoint_is_not_written_without_mrtpo_state(tiny_model, tiny_tokeni
 
 
 def test_a_resume_refusal_names_the_missing_and_extra_entries(tmp_path):
-    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.state import CheckpointedState
 
     CheckpointedState(RUN, {"the term 'memo'": Part(("memo", "old"), {"memo": 1, "old": 2})}).write(str(tmp_path), 0)
     grown = Part(("memo", "count"), {})

@@ -10,7 +10,7 @@ import torch
 
 from tests.helpers import graded_length, make_args, recording_trainer
 from tests.test_loss_options import LOSS_TYPES
-from trl_mrtpo.checks.validation import check_loss_keeps_token_credit
+from trl_mrtpo.checks.inputs import check_loss_keeps_token_credit
 from trl_mrtpo.kits.basic import KIT as BASIC
 from trl_mrtpo.kits.basic import make_basic_dataset
 

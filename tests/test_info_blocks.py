@@ -2,8 +2,8 @@
 
 import pytest
 
-from trl_mrtpo.checks.blocks import check_builders
-from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts
+from trl_mrtpo.checks.inputs import check_builders
+from trl_mrtpo.info_blocks import InfoBlock, InfoBlockError, build_block, build_contexts, per_reward
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi. Use lowercase."}]
 
@@ -79,7 +79,8 @@ def test_info_block_validates_fields():
 
 
 def test_check_builders():
-    assert check_builders(None, ["a", "b"]) == [None, None]
+    check_builders(None, ["a", "b"])
+    assert per_reward(None, 2) == [None, None] and per_reward(len, 1) == [len]
     with pytest.raises(ValueError, match="3 entries but there are 2 reward functions"):
         check_builders([None, None, None], ["a", "b"])
     with pytest.raises(TypeError, match="reward 'b'"):

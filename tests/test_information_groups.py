@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from tests.helpers import make_args, recording_trainer
 from tests.reference import reference_specificity
-from trl_mrtpo.checks.blocks import check_spans
+from trl_mrtpo.checks.batch import check_spans
 from trl_mrtpo.credit import relevance_specificity
 from trl_mrtpo.info_blocks import InfoBlock, build_contexts, information_groups, leaked_information, removed_groups
 from trl_mrtpo.replay import placed_relevance

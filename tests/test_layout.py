@@ -8,8 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "trl_mrtpo"
 ROOMS = ("checks", "steps", "observability", "baselines", "research", "gym", "kits", "scripts", "ops")
 CORE = {
-    "__init__", "_trl", "batch", "chat_templates", "config", "constants", "credit", "credit_state", "diagnostics",
-    "hub_ids", "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "sequence_states", "strength",
+    "__init__", "_trl", "batch", "chat_templates", "config", "constants", "credit", "diagnostics", "hub_ids",
+    "info_blocks", "model_card", "outputs", "relevance", "replay", "rules", "sequence_states", "state", "strength",
     "trainer", "trajectories", "utils",
 }  # fmt: skip
 

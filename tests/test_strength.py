@@ -195,7 +195,7 @@ def test_floor_range(tmp_path, floor):
 @pytest.mark.parametrize("mode", ["gdpo", "grpo"])
 def test_a_floor_that_would_do_nothing_is_refused(tmp_path, mode):
     """Where the trainer resolves the rule, before the model loads (the configuration does not know the rules)."""
-    from trl_mrtpo.checks.validation import check_credit_settings
+    from trl_mrtpo.checks.inputs import check_credit_settings
     from trl_mrtpo.rules import resolve_credit_rule
 
     def check(**fields):
@@ -214,7 +214,7 @@ def test_a_floor_that_would_do_nothing_is_refused(tmp_path, mode):
 def test_a_process_without_its_own_state_file_reads_the_lowest_ranks(tmp_path, caplog):
     """The core state is global: a resume on more processes (or from a checkpoint only the main process uploaded)
     gives a new rank the lowest rank's state, not a fresh strength beside ranks that rest rewards."""
-    from trl_mrtpo.credit_state import CheckpointedState
+    from trl_mrtpo.state import CheckpointedState
     from trl_mrtpo.strength import RewardStrength
 
     identity = {"reward_names": ["a", "b"], "credit_assignment": "mrtpo"}

@@ -341,7 +341,7 @@ def test_collapse_warning_and_credit_plot(tiny_model, tiny_tokenizer, tmp_path, 
     from trl_mrtpo.observability.callbacks import CreditPlotCallback, logged_reward_names
 
     warnings = []
-    monkeypatch.setattr(trl_mrtpo.trainer.logger, "warning", lambda message: warnings.append(message))
+    monkeypatch.setattr(trl_mrtpo.diagnostics.logger, "warning", lambda message: warnings.append(message))
     trainer = recording_trainer(
         model=tiny_model,
         reward_funcs=BASIC.rewards,

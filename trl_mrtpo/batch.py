@@ -3,6 +3,7 @@ response-level advantages."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -40,6 +41,7 @@ class ScoredBatch:
     output: dict
     groups: torch.Tensor | None = None  # [B, K] information groups, once step 2 has built the blocks
     info_blocks: list | None = None  # per response, each reward's InfoBlock or None, once step 2 built them (heatmap)
+    reduction: ProcessSum | None = None  # the batch's one sum over the processes (None on one process)
 
     @property
     def information_groups(self) -> torch.Tensor:
@@ -101,3 +103,21 @@ def credit_mask(output: dict) -> torch.Tensor:
     context, not the model's decisions)."""
     mask = output["completion_mask"]
     return mask * output["tool_mask"] if "tool_mask" in output else mask
+
+
+class ProcessSum:
+    """One generation batch's sum over the data-parallel processes, created by the trainer and passed to every step
+    that sums (7 and 8, the strength reading): a ``ReduceSum``. A ``rider`` (the guard's flags) travels in each sum,
+    concatenated onto the summed tensor, so that it needs no collective of its own; :meth:`alone` sums a tensor
+    without it."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor], torch.Tensor]):
+        self.alone, self.rider = reduce, None
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.rider is None:
+            return self.alone(tensor)
+        sent = self.rider.outgoing(tensor.device)
+        summed = self.alone(torch.cat([tensor.flatten(), sent.to(tensor.dtype)]))
+        self.rider.received(summed[tensor.numel() :])
+        return summed[: tensor.numel()].view_as(tensor)

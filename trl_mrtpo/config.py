@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields
 from transformers import TrainingArguments
 from trl import GRPOConfig
 
-from .checks.validation import check_config_ranges, check_field_types, check_finite_fields
+from .checks.config import check_config_ranges, check_field_types, check_finite_fields
 from .constants import REPLAY_BATCH_SIZE
 
 # whether the installed transformers reads activation_checkpointing (5.17 and older: only gradient_checkpointing)

@@ -95,6 +95,19 @@ def warmup_beta(beta: float, step: int, warmup_steps: float) -> float:
     return float(beta * (3 * u**2 - 2 * u**3))
 
 
+def read_relevance(relevance: torch.Tensor, replayed: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Step 4's q as the method reads it, from any relevance provider: 0 off the replayed pairs' tokens (padding,
+    tool results, pairs not replayed), and rounding below 0 (a provider's [-1e-6, 0)) read as 0.
+
+    Args:
+        relevance: ``[B, K, C]`` q as the provider returned it.
+        replayed: ``[B, K]`` bool, the pairs replayed.
+        mask: ``[B, C]`` the credit mask.
+    """
+    read = replayed[..., None] & mask[:, None, :].bool()
+    return relevance.masked_fill(~read, 0.0).clamp(min=0.0)
+
+
 def token_weights(relevance: torch.Tensor, mask: torch.Tensor, beta: float | torch.Tensor) -> torch.Tensor:
     """Step 5: ``w_t = (1 - beta) + beta * q_t / qbar`` per response (and per reward on leading dims).
 

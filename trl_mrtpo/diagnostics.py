@@ -6,11 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import gather_object
+from transformers.utils import logging
 
+from . import _trl
 from .batch import ScoredBatch
 from .credit import TokenCredit
-from .rules import Stateful
+from .state import Stateful
 from .utils import completion_text
+
+logger = logging.get_logger(__name__)
 
 
 def mass_shares(relevance: torch.Tensor, mask: torch.Tensor, mass: float = 0.8) -> torch.Tensor:
@@ -170,3 +175,48 @@ class CreditRecord:
             if batch.info_blocks is None
             else [[b and b.text for b in row] for row in batch.info_blocks],
         )
+
+
+def log_credit(
+    trainer, mode: str, credit: TokenCredit, relevance, replayed, mask, beta: float, seconds: tuple
+) -> None:
+    """A generation batch's credit figures (:func:`credit_metrics`, the processes' means, one collective), the collapse
+    monitor's warnings, the completions table's credit column, and the advantages TRL logged replaced by what the
+    loss will see; ``seconds``: the replay's and the whole credit's."""
+    # a rule that replays without reading q (a log-likelihood contrast, say) has no q statistics
+    with_q = replayed if "relevance" in trainer.credit_rule.reads else torch.zeros_like(replayed)
+    names, betas = trainer.reward_func_names, trainer.reward_strength.logged_betas(beta, trainer.reward_func_names)
+    betas = {k: v for (k, v), b in zip(betas.items(), trainer.info_block_builders) if b is not None}  # never replayed
+    local = credit_metrics(credit, relevance, replayed, with_q, mask, names, beta, betas, seconds)
+    # one collective per generation batch, entered by every process: each logs the processes' mean
+    metrics = process_means(gather_object([local]))
+    for key, value in metrics.items():
+        _trl.log_metric(trainer, mode, key, value)
+
+    for warning in trainer._collapse_monitor.warnings(metrics) if mode == "train" else ():  # the same on every process
+        logger.warning(warning)
+
+    # A readable line per response in TRL's completions table (console, W&B, trackio): where credit went.
+    # Decoding every token costs time each step, so only when that table is logged.
+    if trainer.log_completions:
+        from .observability.summaries import credit_summaries
+
+        ids, names = trainer.last_credit.completion_ids, trainer.reward_func_names
+        summaries = credit_summaries(trainer.processing_class, ids, mask, credit.advantages, relevance, with_q, names)
+        _trl.log_completion_column(trainer, "mrtpo_credit", gather_object(summaries))
+
+    # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.
+    per_response = (credit.advantages * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    _trl.replace_logged_advantages(trainer, trainer.accelerator.gather(per_response).tolist())
+
+
+def first_step_line(trainer, responses: int) -> str | None:
+    """The line printed before training's first generation (the progress bar only moves when a step ends, which on a
+    CPU can take minutes); None where nothing is said: outside training, past step 0, or with progress bars off."""
+    if not trainer.is_in_train or trainer.state.global_step > 0 or trainer.args.disable_tqdm:
+        return None
+    replay = ", replaying the info blocks" if trainer._replays and trainer._beta() > 0 else ""
+    return (
+        f"Step 1: sampling {responses} responses per process ({trainer.num_generations} per prompt), scoring "
+        f"{len(trainer.reward_funcs)} rewards{replay}; the progress bar moves when the step ends."
+    )

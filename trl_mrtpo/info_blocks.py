@@ -276,6 +276,14 @@ def removed_groups(wanted: Sequence[int], groups: Sequence[int]) -> list[int]:
     return list(dict.fromkeys(groups[k] for k in wanted))
 
 
+def per_reward(builders: Any, count: int) -> list:
+    """A per-reward builder argument (``info_blocks``, ``failure_boundaries``) as a list: None is no builder for any
+    of the ``count`` rewards, one builder alone is a list of one (its length is checked where it is given)."""
+    if builders is None:
+        return [None] * count
+    return list(builders) if isinstance(builders, (list, tuple)) else [builders]
+
+
 def for_environment_rewards(builders: Any, functions: int, rewards: int) -> Any:
     """A per-reward builder list given for the ``functions`` reward functions only, extended with None for the rewards
     TRL adds after them (``rewards`` in all) from environments that own their reward (``get_reward``): those get no
@@ -393,3 +401,19 @@ def leaked_information(
         )
         leaks.update({names[k]: holder for k in range(len(blocks)) if blocks[k] is not None and groups[k] == g})
     return leaks
+
+
+def warn_leaks(leaks: dict[str, str], warned: dict[str, str]) -> None:
+    """Once per reward (``warned``: reward -> what holds its text, updated): its block's text survives its removal,
+    so its q cannot measure that information."""
+    for name, holder in leaks.items():
+        if name not in warned:
+            warnings.warn(
+                f"Reward {name!r}: its info block's text is still in the context that removes it, inside "
+                f"{holder}, so its q cannot measure that information (a block contained in another, or repeating "
+                "prompt text). Give rewards that judge with the same information the same block text: they "
+                "then share it as one information group (docs/kits.md).",
+                UserWarning,
+                stacklevel=4,
+            )
+        warned[name] = holder

@@ -20,6 +20,7 @@ from trl import GRPOConfig
 from ._trl import get_comet_experiment_url, get_trackio_space_url
 from .config import MRTPOConfig
 from .constants import LOCAL_MODEL_FILE
+from .hub_ids import local_copies, write_hub_ids
 from .utils import function_name, local_copy
 
 # Settings a reader needs whatever their value: MRTPO's own, then the training essentials.
@@ -175,3 +176,27 @@ def _wandb_url() -> str | None:
     import wandb
 
     return wandb.run.url if wandb.run is not None else None
+
+
+class ModelCards:
+    """The trainer's model card: written beside the weights at every save (``save_model``, checkpoints; it replaces
+    PEFT's blank template) and by ``create_model_card``, on the main process."""
+
+    def _save(self, output_dir: str | None = None, state_dict=None) -> None:
+        """Saves as transformers does, then this run's model card beside the weights (``save_model``, checkpoints: it
+        replaces PEFT's blank template); an adapter of a local copy of a Hub model names the Hub id
+        (:mod:`.hub_ids`)."""
+        folder = output_dir or self.args.output_dir
+        super()._save(output_dir, state_dict)
+        write_hub_ids(local_copies(self.accelerator.unwrap_model(self.model)), folder)
+        self._write_model_card(folder)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """The model card (``README.md`` in ``output_dir``): TRL's, with the real base model, the data, and the
+        MRTPO settings, rewards, info blocks and recipe in the training procedure (:mod:`trl_mrtpo.model_card`)."""
+        self._write_model_card(self.args.output_dir, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def _write_model_card(self, folder: str, **details) -> None:
+        if not self.is_world_process_zero():
+            return
+        build_model_card(self, **details).save(os.path.join(folder, "README.md"))

@@ -17,6 +17,7 @@ from torch import nn
 
 from .constants import MIN_SHARED_PREFIX, REPLAY_BATCH_SIZE
 from .replay import placed_relevance, replay_relevance
+from .utils import function_name
 
 
 class Relevance(NamedTuple):
@@ -74,3 +75,12 @@ class ReplayRelevance:
             q, record.wanted, record.mask, record.varying.shape[1], record.joint, record.groups
         )
         return Relevance(relevance, replayed, any(record.wanted))
+
+
+def provider_name(provider: RelevanceProvider) -> str:
+    """What errors call a relevance provider: "the replay" for the built-in one (and its subclasses)."""
+    return (
+        "the replay"
+        if isinstance(provider, ReplayRelevance)
+        else f"the relevance provider {function_name(provider)!r}"
+    )

@@ -36,7 +36,7 @@ from .constants import MIN_SHARED_PREFIX, PACKED_ROW_TOKENS, PROBE_HALF_TOLERANC
 from .info_blocks import removed_groups
 from .ops.divergence import device_rule_applies, divergence_backend, stacked_divergence
 from .ops.js import softcapped_
-from .rules import Stateful
+from .state import Stateful
 
 logger = logging.get_logger(__name__)
 

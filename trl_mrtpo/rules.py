@@ -13,7 +13,7 @@ dropped, steps 6-8 replaced, the result rescaled). Every term reaches the rule o
 there. What a term adds to a batch is a :class:`Contribution`.
 
 A rule's or a term's state (running readings a resumed run needs) is its own object, written and read by the
-trainer's one checkpoint mechanism (:mod:`trl_mrtpo.credit_state`) through ``state_entries`` (and ``state`` and
+trainer's one checkpoint mechanism (:mod:`trl_mrtpo.state`) through ``state_entries`` (and ``state`` and
 ``restore`` where an entry is not an attribute); nothing is kept at module level.
 """
 
@@ -25,33 +25,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from .credit import ReduceSum, TokenCredit, replayed_token_weights, weighted_token_advantages
+from .credit import ReduceSum, TokenCredit, replayed_token_weights
+from .state import Stateful
 from .utils import import_path, public_name
 
 Combine = Callable[..., TokenCredit]  # steps 6-8: (advantages, weights, mask, reward_weights, rho, reduce_sum, ...)
-
-
-class Stateful:
-    """What a rule or a term keeps between generation batches and checkpoints: the entries ``state_entries`` names,
-    by default attributes of those names (none)."""
-
-    state_entries: ClassVar[tuple[str, ...]] = ()
-
-    def identity(self) -> dict:
-        """Settings a checkpoint was written under; a resume under others is refused."""
-        return {}
-
-    def state(self) -> dict:
-        """The entries (tensors, numbers, strings, None, and lists or dicts of them) a resumed run needs."""
-        return {entry: getattr(self, entry) for entry in self.state_entries}
-
-    def restore(self, state: dict) -> None:
-        """Sets each entry; a tensor goes to the device of the one it replaces (the state is written on the CPU)."""
-        for entry in self.state_entries:
-            value, current = state[entry], getattr(self, entry, None)
-            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
-                value = value.to(current.device)
-            setattr(self, entry, value)
 
 
 @dataclass
@@ -89,7 +67,7 @@ class Contribution:
 
 @dataclass
 class CreditInputs:
-    """One generation batch's local slice as a rule reads it."""
+    """One generation batch's local slice as a rule and a term read it."""
 
     batch: Any  # trl_mrtpo.batch.ScoredBatch
     relevance: torch.Tensor  # [B, K, C] q, read where ``replayed``
@@ -98,10 +76,9 @@ class CreditInputs:
     beta: float  # beta_n of step 9
     betas: float | torch.Tensor  # step 5's beta: beta_n, or [K] with per-reward strength
     max_second_moment_ratio: float | None  # rho of step 7
-    reduce_sum: ReduceSum | None  # sums over data-parallel processes (None on one)
+    reduce_sum: ReduceSum | None  # the batch's sum over data-parallel processes (None on one)
     process: torch.Tensor | None = None  # [B, C] added token advantages (terms)
     failure_suffix: torch.Tensor | None = None  # [B, K, C] bool: negative credit dropped here (terms)
-    combine: Combine | None = None  # a term's replacement for steps 6-8 (None: weighted_token_advantages)
 
     @property
     def groups(self) -> torch.Tensor:
@@ -109,33 +86,21 @@ class CreditInputs:
         share it, and their replayed q is one."""
         return self.batch.information_groups
 
-    def combined(self, weights: torch.Tensor, max_second_moment_ratio: float | None) -> TokenCredit:
-        """Steps 6-8 with ``weights`` ``[B, K, C]``, with the terms' additions."""
-        batch = self.batch
-        return (self.combine or weighted_token_advantages)(
-            batch.group_advantages,
-            weights,
-            batch.mask,
-            batch.reward_weights,
-            max_second_moment_ratio,
-            self.reduce_sum,
-            process=self.process,
-            failure_suffix=self.failure_suffix,
-        )
-
 
 class CreditRule(Stateful):
     """A rule's defaults are GDPO's: nothing replayed, every weight 1.
 
     ``removal``: the contexts the relevance provider replays (``"each"``: one per reward's block, ``"all"``: one
     without any block, None: none). ``reads``: the quantities the rule needs from the policy. ``full_strength``:
-    beta ramps to 1 rather than to ``credit_beta``. ``keeps_trl_advantages``: TRL's own advantages are kept (plain
-    GRPO).
+    beta ramps to 1 rather than to ``credit_beta``. ``capped``: step 7's cap bounds its weights' redistribution
+    (``max_second_moment_ratio``; False: uncapped). ``keeps_trl_advantages``: TRL's own advantages are kept (plain
+    GRPO). Steps 6-8 run on :meth:`weights` (the trainer calls them).
     """
 
     removal: ClassVar[str | None] = None
     reads: ClassVar[tuple[str, ...]] = ()
     full_strength: ClassVar[bool] = False
+    capped: ClassVar[bool] = True
     keeps_trl_advantages: ClassVar[bool] = False
 
     def __init__(self, setup: CreditSetup):
@@ -148,10 +113,6 @@ class CreditRule(Stateful):
     def weights(self, inputs: CreditInputs) -> torch.Tensor:
         """Step 5: ``[B, K, C]`` token weights, 1 on pairs that were not replayed."""
         return replayed_token_weights(inputs.relevance, inputs.replayed, inputs.batch.mask, inputs.betas)
-
-    def advantages(self, inputs: CreditInputs) -> TokenCredit:
-        """Steps 5-8."""
-        return inputs.combined(self.weights(inputs), inputs.max_second_moment_ratio)
 
     def replayed(self, inputs: CreditInputs) -> torch.Tensor:
         """``[B, K]`` the pairs whose weights the rule computed from the policy (logged, shown by ``inspect``)."""
@@ -223,6 +184,16 @@ class CreditTerm(Stateful):
     def card_lines(self, code: Callable[[str], str]) -> list[str]:
         """What the model card lists of the term under its settings (``code`` renders a name as a code span)."""
         return []
+
+
+def rule_label(name: str) -> str:
+    """What errors, the guard and the checkpoint call the rule ``credit_assignment`` names."""
+    return f"the credit rule '{name}'"
+
+
+def term_label(name: str) -> str:
+    """What errors, the guard and the checkpoint call a credit term."""
+    return f"the term '{name}'"
 
 
 def given_terms(credit_terms: Any) -> list[CreditTerm | type[CreditTerm]]:

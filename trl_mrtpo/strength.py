@@ -8,7 +8,7 @@ import torch
 
 from .constants import STRENGTH_MOMENTUM, STRENGTH_PROBE_INTERVAL
 from .credit import ReduceSum, relevance_specificity, reward_strength
-from .rules import Stateful
+from .state import Stateful
 
 
 class RewardStrength(Stateful):

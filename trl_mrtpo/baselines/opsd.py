@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from .._trl import log_metric
-from ..checks.blocks import check_builders
-from ..checks.validation import checked_reward
-from ..info_blocks import build_block
+from ..checks.batch import checked_reward
+from ..checks.inputs import check_builders
+from ..info_blocks import build_block, per_reward
 from ..steps.process_rewards import reward_columns
 from ..utils import function_name
 
@@ -141,7 +141,8 @@ def opsd_trainer_class():
             self.reward_func_names = [function_name(f) for f in reward_funcs]
             # checked where they return, as in MRTPOTrainer: a bad value names the function and the sample
             self.scoring_funcs = [checked_reward(f, name) for f, name in zip(reward_funcs, self.reward_func_names)]
-            builders = check_builders(info_blocks, self.reward_func_names)
+            check_builders(info_blocks, self.reward_func_names)
+            builders = per_reward(info_blocks, len(self.reward_func_names))
             train_dataset = with_privileged_context(train_dataset, builders, self.reward_func_names, separator)
             super().__init__(
                 model,

@@ -1,4 +1,4 @@
-"""The words of a non-finite credit refusal (:class:`~trl_mrtpo.checks.finite_credit.CreditGuard`): what each
+"""The words of a non-finite credit refusal (:class:`~trl_mrtpo.checks.guard.CreditGuard`): what each
 checked part is and what to do, loaded only when a batch is refused."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..constants import NEGATIVE_Q_TOLERANCE
+from ..rules import rule_label, term_label
 
 
 def credit_parts(provider: str, rule: str, terms: Sequence[str]) -> dict[str, tuple[str, str]]:
@@ -18,7 +19,7 @@ def credit_parts(provider: str, rule: str, terms: Sequence[str]) -> dict[str, tu
         else f"Check what {provider} returns."
     )
     term_hint = "Check the term's inputs (its reward functions' values) and its arithmetic."
-    labels = [*(f"the term '{t}'" for t in terms), f"the credit rule '{rule}'"]  # in the order q passes them
+    labels = [*map(term_label, terms), rule_label(rule)]  # in the order q passes them
     own_hint = {label: term_hint for label in labels[:-1]} | {labels[-1]: "Check the rule's relevance()."}
     # in the order the trainer meets them: the first part flagged is named (what follows inherits its NaN)
     return {

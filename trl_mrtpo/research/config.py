@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..checks.validation import options_beyond
+from ..checks.inputs import options_beyond
 from ..config import MRTPOConfig
 from ..constants import MIN_SHARED_PREFIX
 

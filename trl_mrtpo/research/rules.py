@@ -60,15 +60,16 @@ class CoRT(CreditRule):
     removal = "all"
     reads = ("logprob_contrast",)
     full_strength = True
+    capped = False
 
-    def advantages(self, inputs: CreditInputs):
+    def weights(self, inputs: CreditInputs) -> torch.Tensor:
         args, batch = self.setup.args, inputs.batch
         weights = torch.ones_like(inputs.relevance)
         if "logprob_contrast" in inputs.quantities:
             contrast, replayed = inputs.quantities["logprob_contrast"]
             profile = cort_weights(contrast, batch.mask, args.cort_eta * inputs.beta, args.cort_tau, args.cort_offset)
             weights = torch.where(replayed[:, None, None], profile[:, None, :], weights)
-        return inputs.combined(weights, None)
+        return weights
 
     def replayed(self, inputs: CreditInputs) -> torch.Tensor:
         if "logprob_contrast" not in inputs.quantities:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from trl import ScriptArguments
 
 from ..chat_templates import chat_template
-from ..checks.validation import check_field_types
+from ..checks.config import check_field_types
 from ..kits import KIT_NAMES, data_loaders, get_kit, resolve
 
 
@@ -248,7 +248,7 @@ def recipe_inputs(script_args: MRTPOScriptArguments, training_args, model_args, 
     (:func:`check_recipe`), its rewards and info blocks (one block or None per reward), its failure boundaries and
     process rewards, its model (a local folder must exist) and its data. A mistake raises ``TypeError``,
     ``ValueError``, ``ImportError`` or ``FileNotFoundError`` naming it, which ``train`` shows after its usage line."""
-    from ..checks.blocks import check_builders
+    from ..checks.inputs import check_builders
     from ..utils import function_name
 
     trainer_class, template = check_recipe(script_args, training_args)
@@ -399,7 +399,7 @@ def check_recipe(script_args: MRTPOScriptArguments, training_args) -> tuple[type
     imported from the working directory too, as the trainer resolves it), its trainer against its settings (a
     research-only option without ``trainer: research``) and its chat template (a file that is missing, empty or
     does not parse). Returns ``(trainer class, chat template text or None)``."""
-    from ..checks.validation import check_credit_settings
+    from ..checks.inputs import check_credit_settings
     from ..rules import resolve_credit_rule
 
     check_credit_settings(training_args, resolve_credit_rule(training_args))

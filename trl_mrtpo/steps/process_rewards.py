@@ -25,9 +25,10 @@ import torch
 from accelerate.utils import gather_object
 
 from ..batch import ScoredBatch
-from ..checks.blocks import check_builders
-from ..checks.validation import own_copies, within_float32
-from ..info_blocks import Prompt, call_builder
+from ..checks.batch import own_copies
+from ..checks.config import within_float32
+from ..checks.inputs import check_builders
+from ..info_blocks import Prompt, call_builder, per_reward
 from ..rules import Contribution, CreditSetup, CreditTerm, resolve_credit_rule
 from ..trajectories import Trajectory, Turn
 from ..utils import completion_text, function_name
@@ -403,7 +404,9 @@ class StepCredit(CreditTerm):
         use for the start-up checks."""
         process_rewards = check_process_rewards(setup.options.get("process_rewards"))
         weights = process_reward_weights(setup.args.process_reward_weights, len(process_rewards))
-        builders = check_builders(setup.options.get("failure_boundaries"), setup.reward_names, "failure_boundaries")
+        builders = setup.options.get("failure_boundaries")
+        check_builders(builders, setup.reward_names, "failure_boundaries")
+        builders = per_reward(builders, len(setup.reward_names))
         keeps_trl = (setup.rule or resolve_credit_rule(setup.args)).keeps_trl_advantages
         rules = check_step_rules(process_rewards, builders, keeps_trl)
         return cls(process_rewards, weights, builders, setup.reward_names, rules)

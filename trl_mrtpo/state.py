@@ -1,26 +1,55 @@
-"""MRTPO's checkpointed state: one file per process beside TRL's, ``{"version", "release", "run": identity, "parts":
-{part: entries}}``, read with ``torch.load(weights_only=True)``. One check, :func:`state_problems`, runs where it is
-written and where it is read, so a run's own checkpoint always resumes, as the run would have continued."""
+"""State kept across generation batches and checkpoints (docs/architecture.md): what a part keeps
+(:class:`Stateful`: the collapse monitor, per-reward strength, the replay's memory, the rule, the terms), and MRTPO's
+checkpointed state, one file per process beside TRL's, ``{"version", "release", "run": identity, "parts": {part:
+entries}}``, read with ``torch.load(weights_only=True)``. One check, :func:`state_problems`, runs where it is written
+and where it is read, so a run's own checkpoint always resumes, as the run would have continued;
+:class:`CreditCheckpoints` writes and reads it where TRL writes and reads its own."""
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
+import random
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from transformers.utils import logging
-
-from .rules import Stateful
 
 logger = logging.get_logger(__name__)
 STATE_VERSION = 8  # of the state files; a release reads its own (0.2.0 wrote version 1)
 STATE_FILE = re.compile(r"mrtpo_state_(\d+)\.pt")
 FRESH = "delete it to resume with a fresh MRTPO state"
+
+
+class Stateful:
+    """What a rule or a term keeps between generation batches and checkpoints: the entries ``state_entries`` names,
+    by default attributes of those names (none)."""
+
+    state_entries: ClassVar[tuple[str, ...]] = ()
+
+    def identity(self) -> dict:
+        """Settings a checkpoint was written under; a resume under others is refused."""
+        return {}
+
+    def state(self) -> dict:
+        """The entries (tensors, numbers, strings, None, and lists or dicts of them) a resumed run needs."""
+        return {entry: getattr(self, entry) for entry in self.state_entries}
+
+    def restore(self, state: dict) -> None:
+        """Sets each entry; a tensor goes to the device of the one it replaces (the state is written on the CPU)."""
+        for entry in self.state_entries:
+            value, current = state[entry], getattr(self, entry, None)
+            if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+                value = value.to(current.device)
+            setattr(self, entry, value)
 
 
 def _tensors(value: Any):
@@ -179,3 +208,52 @@ class CheckpointedState:
         step = json.loads(trainer_state.read_text()).get("global_step") if trainer_state.is_file() else None
         at = "" if step is None else f" at step {step}"
         return f"Resumed MRTPO's state{at} from {path}: {', '.join(restored)}."
+
+
+class CreditCheckpoints:
+    """MRTPO's state in TRL's checkpoints (:class:`CheckpointedState`): serialised before transformers writes the
+    checkpoint, written beside each process's RNG state (so before a Hub upload), read back where TRL reads its own."""
+
+    def _credit_state(self) -> CheckpointedState:
+        run = {"reward_names": list(self.reward_func_names), "credit_assignment": self.args.credit_assignment}
+        return CheckpointedState(run, self._stateful())
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self._state_payload = None if self.args.save_only_model else self._credit_state().serialised()
+        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)  # only when the optimizer is saved too: never with save_only_model
+        self._credit_state().write(output_dir, self.accelerator.process_index, self._state_payload)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        restored = (
+            None if checkpoint is None else self._credit_state().read(checkpoint, self.accelerator.process_index)
+        )
+        if restored and not self.args.disable_tqdm:  # said where the first step is announced
+            self.accelerator.print(restored)
+
+
+@contextmanager
+def left_as_it_was(trainer, windows: list[dict]) -> Iterator[None]:
+    """While in the context the trainer runs as it would; after it, the run is as it was: every part's state
+    (per-reward strength, the collapse streaks, the rule's and the terms'), the reward checks' early batches
+    (``windows``), TRL's metrics, logs and token count, and every random generator (``sample_credit``)."""
+    parts = [(part, copy.deepcopy(part.state())) for part in trainer._stateful().values()]
+    windows = [(window, copy.deepcopy(window)) for window in windows]
+    kept = copy.deepcopy((trainer._metrics, trainer._logs, trainer.state.num_input_tokens_seen))
+    generators = random.getstate(), np.random.get_state()
+    devices = [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):  # torch's generators, the CPU's and this process's card
+            yield
+    finally:
+        for part, state in parts:
+            part.restore(state)
+        for window, before in windows:
+            window.clear()
+            window.update(before)
+        trainer._metrics, trainer._logs, trainer.state.num_input_tokens_seen = kept
+        random.setstate(generators[0])
+        np.random.set_state(generators[1])
