@@ -144,23 +144,28 @@ def test_inspect_verdicts_match_the_gyms_deciding_words(tmp_path):
     # Replayed as training replays them, q peaks on the deciding word for the first call in 31, 31, 32 of 31-32
     # trajectories, the answer in 28/29, 27/29, 31/31, the last call in 7, 18, 7 of 31-32; but the control (the
     # irrelevant sentence appended: ten unknown words to this word-level policy, right before the response) moves the
-    # policy more than any block (q / control 0.16-0.77x), so every verdict is "under twice the control's"
-    # (docs/inspect.md). What holds on every path: "will move" is said only for a reward whose q peaks on its deciding
-    # word in most trajectories, never for the last call, and a reward whose q peaks there in nearly every trajectory
-    # is told where its credit moves.
+    # policy more than any block (q / control 0.16-0.77x), and where trajectories form pairs that a reward scores
+    # differently the control's q peaks where they differ as often as the reward's (8 of 10 for the first call on
+    # avx2): the pair test then says that nothing shows the block is what moves the credit (docs/inspect.md). What
+    # holds on every path: "will move" or "lands where it is decided" is said only for a reward whose q peaks on its
+    # deciding word in most trajectories, never for the last call, and a reward whose q peaks there in nearly every
+    # trajectory is told where its credit moves.
     for verdict in verdicts:
         hits, total = peaks[verdict.reward]
         assert total >= 8
-        if verdict.verdict.startswith("token credit will move"):
+        if verdict.verdict.startswith("token credit will move") or "lands where it is decided" in verdict.verdict:
             assert hits / total >= 0.75, (verdict, peaks)
         # a reward whose q peaks on its deciding word in nearly every trajectory is never told its credit will not
         # move: the verdict says where it moves (with or without evidence that its block is what moves it)
         if hits / total >= 0.9:
             assert re.match(
-                r"(token credit will move|q is under twice .*: its credit still moves)", verdict.verdict
+                r"(token credit will move|q is under twice .*: its credit still moves|pair test: .*its credit (lands|"
+                r"moves))",
+                verdict.verdict,
             ), (
                 verdict,
                 peaks,
             )
     by_name = {v.reward: v.verdict for v in verdicts}
     assert not by_name["last_call"].startswith("token credit will move"), (by_name, peaks)
+    assert "lands where it is decided" not in by_name["last_call"], (by_name, peaks)

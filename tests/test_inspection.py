@@ -1,8 +1,10 @@
 """Heatmap page and localisation report: exact numbers on a hand-made record, and the inspect command end to end."""
 
+import math
 import re
 
 import pytest
+import torch
 
 from tests.helpers import CharTokenizer, record_for
 from trl_mrtpo.kits import get_kit
@@ -12,6 +14,7 @@ from trl_mrtpo.scripts.inspection import (
     format_verdicts,
     inspect_credit,
     localisation_report,
+    reward_verdicts,
     token_mask,
 )
 
@@ -660,3 +663,134 @@ def test_a_trajectory_the_recipes_tool_rounds_would_cut_is_refused_by_line(tmp_p
     with pytest.raises(ValueError, match=r"recorded.jsonl line 1: 2 of its 3 assistant turns were replayed: .*"
                                          r"max_tool_calling_iterations \(1\)"):  # fmt: skip
         replay_recorded(tmp_path, counter_model, recorded, recipe_args=recipe)
+
+
+def pair_record(texts, rewards, relevance, contributions=None, steps=None):
+    """A synthetic record of one prompt's responses (character tokens), every pair replayed."""
+    from trl_mrtpo.diagnostics import CreditRecord
+
+    length = max(map(len, texts))
+    ids = torch.tensor([[ord(c) for c in text.ljust(length)] for text in texts])
+    mask = torch.tensor([[1] * len(text) + [0] * (length - len(text)) for text in texts])
+    rewards = torch.tensor(rewards, dtype=torch.float32)
+    B, K = rewards.shape
+    return CreditRecord(
+        prompts=[[{"role": "user", "content": "What is 3 + 4?"}]] * B,
+        completions=list(texts),
+        completion_ids=ids,
+        mask=mask,
+        rewards=rewards,
+        group_advantages=torch.zeros(B, K),
+        relevance=relevance,
+        replayed=torch.ones(B, K, dtype=torch.bool),
+        weights=torch.ones(B, K, length),
+        advantages=torch.zeros(B, length),
+        beta=0.5,
+        reward_betas=torch.full((K,), 0.5),
+        contributions=contributions or {},
+        steps=steps or {},
+    )
+
+
+def test_verdicts_on_pairs_that_pass_and_fail():
+    """Two responses to one prompt that differ in their last character ("= 7" passes, "= 8" fails): a reward whose q
+    peaks on that character is told its credit lands where it is decided; one whose block primes '+' (outside the
+    deciding span) is told its credit would move onto tokens that do not decide it; where the control's q peaks on
+    the deciding character too, nothing shows the block moves it; a reward that scores both alike has no pair and
+    keeps the q/control sentence, saying so, and never asks for --completions when they were given. A process
+    reward's contribution gets a row naming its steps and where the largest blame lands."""
+    texts = ["3 + 4 = 7", "3 + 4 = 8"]
+    names = ["correct", "primed", "same", CONTROL_NAME]
+
+    def profile(peak: int, height: float = 0.9) -> list[float]:
+        return [height if t == peak else 0.01 for t in range(9)]
+
+    relevance = torch.tensor(
+        [[profile(8), profile(2), profile(0, 0.05), profile(4, 0.2)] for _ in texts], dtype=torch.float32
+    )
+    blame = torch.tensor([[0.1] * 9, [0.1] * 4 + [-0.7] * 5])
+    process = "process reward 'equations'"
+    record = pair_record(texts, [[1, 1, 1, 0], [0, 0, 1, 0]], relevance, {process: blame}, {process: [[3, 8], [3, 8]]})
+    verdicts = {v.reward: v for v in reward_verdicts(record, CharTokenizer(), names, 2, None, completions_given=True)}
+    correct, primed, same = verdicts["correct"], verdicts["primed"], verdicts["same"]
+    assert (correct.pairs, correct.pair_hits, correct.control_hits) == (1, 1, 0)
+    assert (
+        correct.verdict.startswith("pair test: in 1 of 1 pairs")
+        and "lands where it is decided ('7')" in correct.verdict
+    )
+    assert math.isclose(correct.deciding_share, 1.8 / (2 * (0.9 + 8 * 0.01)), rel_tol=1e-5)
+    assert (primed.pairs, primed.pair_hits) == (1, 0)
+    assert "peaks outside the tokens they differ in (on '+'" in primed.verdict
+    assert same.pairs == 0 and same.verdict.startswith("never varies")
+    # responses that share too few tokens to align form no pair: the q/control sentence, and what would give a pair
+    loud = torch.tensor([[profile(8), profile(2), profile(0, 0.05), profile(4)]] * 2)  # the control moves as much
+    apart = pair_record(["3 + 4 = 7", "seven: 7!"], [[1, 1, 1, 0], [0, 0, 1, 0]], loud)
+    (unpaired, *_) = reward_verdicts(apart, CharTokenizer(), names, 2, None, completions_given=True)
+    assert unpaired.pairs == 0 and "no two responses to one prompt that it scores differently" in unpaired.verdict
+    assert "--completions file" in unpaired.verdict and "with --completions" not in unpaired.verdict
+    assert verdicts[process].verdict == (
+        "4 steps found and scored in 2 of 2 responses; the largest blame lands on step 2 of response 1, "
+        "'4 = 8' (-0.70 to the loss)."
+    )
+    record.relevance[:, 3] = torch.tensor(profile(8, 0.5))  # the control moves on the deciding character as well
+    (control_too, *_) = reward_verdicts(record, CharTokenizer(), names, 2, None)
+    assert "but so does the control's (1)" in control_too.verdict and "lands where" not in control_too.verdict
+    table = format_verdicts(list(verdicts.values()))
+    assert "1/1" in table and process in table
+
+
+def math_text(completion) -> str:
+    return completion if isinstance(completion, str) else completion[-1]["content"]
+
+
+def math_correct(completions, answer, **kwargs):
+    """1 when the line '#### <n>' holds the gold answer."""
+    found = [re.search(r"^#### (\d+)\s*$", math_text(c), re.M) for c in completions]
+    return [float(m is not None and m.group(1) == a) for m, a in zip(found, answer)]
+
+
+def math_format(completions, **kwargs):
+    """1 when the last line is '#### ' and a number."""
+    return [float(re.search(r"\n#### \d+\s*$", math_text(c)) is not None) for c in completions]
+
+
+def math_equations(completions, **kwargs):
+    """A process reward: each line 'a op b = c' is a step, scored 1 when it is right."""
+    scored = []
+    for text in map(math_text, completions):
+        steps = []
+        for line in re.finditer(r"[^\n]+", text):
+            eq = re.fullmatch(r"\s*(\d+)\s*([*+-])\s*(\d+)\s*=\s*(\d+)\s*", line.group())
+            if eq:
+                a, b, result = int(eq[1]), int(eq[3]), int(eq[4])
+                steps.append((line.start(), line.end(), float({"*": a * b, "+": a + b, "-": a - b}[eq[2]] == result)))
+        scored.append(steps)
+    return scored
+
+
+@pytest.mark.slow
+def test_inspect_on_a_math_task_reads_pairs_and_shows_the_step_credit(tmp_path):
+    """Hand-written responses to one grade-school problem (tests/fixtures/math_pairs.jsonl): right; wrong final
+    answer; a wrong step and answer; no '####' line. The embedded model without an adapter, measured before this
+    test was written: the correctness reward's q peaks on '\\n' before the answer line in two of its three pairs and
+    on the wrong final digit of the wrong step's response (q 0.63) in the third, so its verdict is the pair test's
+    (1 of 3); the process reward's row puts the largest blame on the wrong step, '3 * 4 = 13' (-0.93 to the loss),
+    and its row is in the heatmap."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "math_pairs.jsonl"
+    page = tmp_path / "math.html"
+    record, _, verdicts = inspect_credit(
+        model="embedded", reward_funcs=[math_correct, math_format], completions=str(fixture), output=str(page),
+        info_blocks=[lambda row, **_: f"Reference answer: #### {row['answer']}",
+                     lambda **_: "Format: the last line is '#### ' and the number."],
+        process_rewards=[math_equations], return_verdicts=True,
+    )  # fmt: skip
+    by_name = {v.reward: v for v in verdicts}
+    correct = by_name["math_correct"]
+    assert (correct.pairs, correct.pair_hits) == (3, 1) and correct.verdict.startswith("pair test:"), correct
+    steps = by_name["process reward 'math_equations'"]
+    assert steps.verdict.startswith("4 steps found and scored in 4 of 4 responses; the largest blame lands on step 1 "
+                                    "of response 2, '3 * 4 = 13'"), steps  # fmt: skip
+    assert "process reward &#x27;math_equations&#x27;: 1 steps, added after the cap" in page.read_text()
+    assert record.contributions["process reward 'math_equations'"][2].min() < -0.5

@@ -275,6 +275,7 @@ class TokenCredit:
     advantages: torch.Tensor  # [B, C] token advantages handed to TRL's loss
     weights: torch.Tensor  # [B, K, C] token weights w_{k,t}
     cap_factor: float  # s of step 7
+    rescale: float = 1.0  # the std step 8 divided by (1: unscaled), which turns an added part into what the loss sees
 
 
 def replayed_token_weights(
@@ -326,7 +327,7 @@ def weighted_token_advantages(
     scaled = advantages * reward_weights.to(advantages)
     factors = torch.full_like(scaled[0], s)
     scores = without_masked_penalties(scores, scaled, weights, factors, mask_f, failure_suffix)
-    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, s)
+    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, s, std or 1.0)
 
 
 def without_masked_penalties(

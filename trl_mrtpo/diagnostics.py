@@ -3,7 +3,7 @@ per response the completions table shows."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import gather_object
@@ -12,6 +12,7 @@ from transformers.utils import logging
 from . import _trl
 from .batch import ScoredBatch
 from .credit import TokenCredit
+from .rules import Contribution
 from .state import Stateful
 from .utils import completion_text
 
@@ -150,13 +151,28 @@ class CreditRecord:
     reward_betas: torch.Tensor  # [K] each reward's beta in step 5 (beta_n * g_k with per-reward strength)
     groups: torch.Tensor | None = None  # [B, K] information groups (None: each reward its own)
     info_blocks: list[list[str | None]] | None = None  # per response, each reward's info block text (None: not built)
+    # each term's part of the final advantages by name ([B, C], after the rescale: what the loss sees of it) and where
+    # its steps end (per response, token positions); the rewards' negative credit dropped there ([B, K, C] bool)
+    contributions: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: dict[str, list[list[int]]] = field(default_factory=dict)
+    failure_suffix: torch.Tensor | None = None
 
     @classmethod
     def of(
-        cls, batch: ScoredBatch, credit: TokenCredit, relevance, replayed, beta: float, betas: float | torch.Tensor
+        cls,
+        batch: ScoredBatch,
+        credit: TokenCredit,
+        relevance,
+        replayed,
+        beta: float,
+        betas: float | torch.Tensor,
+        added: Contribution | None = None,
     ) -> CreditRecord:
+        """The batch's record; ``added``: what the terms added (:class:`~trl_mrtpo.rules.Contribution`)."""
         num_rewards = batch.group_advantages.shape[1]
         reward_betas = betas if isinstance(betas, torch.Tensor) else torch.full((num_rewards,), float(betas))
+        added = added or Contribution()
+        mask = batch.mask.to(credit.advantages.dtype)
         return cls(
             prompts=batch.prompts,
             completions=[completion_text(c) for c in batch.completions],
@@ -174,6 +190,9 @@ class CreditRecord:
             info_blocks=None
             if batch.info_blocks is None
             else [[b and b.text for b in row] for row in batch.info_blocks],
+            contributions={name: part.to(mask) * mask / credit.rescale for name, part in added.parts.items()},
+            steps=dict(added.steps),
+            failure_suffix=added.failure_suffix,
         )
 
 
@@ -202,7 +221,10 @@ def log_credit(
         from .observability.summaries import credit_summaries
 
         ids, names = trainer.last_credit.completion_ids, trainer.reward_func_names
-        summaries = credit_summaries(trainer.processing_class, ids, mask, credit.advantages, relevance, with_q, names)
+        contributions = trainer.last_credit.contributions
+        summaries = credit_summaries(
+            trainer.processing_class, ids, mask, credit.advantages, relevance, with_q, names, contributions
+        )
         _trl.log_completion_column(trainer, "mrtpo_credit", gather_object(summaries))
 
     # TRL logged the sequence-level advantages it computed; replace them with what the loss will see.

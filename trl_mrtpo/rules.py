@@ -47,22 +47,27 @@ class CreditSetup:
 class Contribution:
     """What a term adds to one local batch: token advantages added after the cap (``process``, ``[B, C]``), where a
     reward's negative credit is dropped (``failure_suffix``, ``[B, K, C]`` bool), and ``(name, value)`` pairs logged
-    as ``mrtpo/term/<term>/<name>`` under the term's own name."""
+    as ``mrtpo/term/<term>/<name>`` under the term's own name. ``parts`` names what ``process`` sums (``[B, C]``
+    each, e.g. one per process reward) and ``steps`` where each part's steps end (per response, token positions),
+    for inspection: the credit does not read them."""
 
     process: torch.Tensor | None = None
     failure_suffix: torch.Tensor | None = None
     logged: Sequence[tuple[str, float]] = ()
+    parts: dict[str, torch.Tensor] = field(default_factory=dict)
+    steps: dict[str, list[list[int]]] = field(default_factory=dict)
 
     def joined(self, other: Contribution) -> Contribution:
-        """Two terms' additions: process advantages add up, failure suffixes unite (each term's figures are logged
-        before they are joined)."""
+        """Two terms' additions: process advantages add up, failure suffixes unite, parts and steps are kept by name
+        (each term's figures are logged before they are joined)."""
 
         def join(a, b):
             if a is None or b is None:
                 return b if a is None else a
             return a | b if a.dtype == torch.bool else a + b
 
-        return Contribution(join(self.process, other.process), join(self.failure_suffix, other.failure_suffix))
+        process, suffix = join(self.process, other.process), join(self.failure_suffix, other.failure_suffix)
+        return Contribution(process, suffix, (), {**self.parts, **other.parts}, {**self.steps, **other.steps})
 
 
 @dataclass

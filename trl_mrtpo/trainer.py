@@ -265,7 +265,8 @@ class MRTPOTrainer(CreditCheckpoints, ModelCards, GRPOTrainer):
         self._guard.final(credit, batch.mask)
         output["advantages"] = credit.advantages
         # The local batch's credit, kept for inspection (heatmaps, localisation) until the next generation.
-        self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta, self.reward_strength.betas(beta))
+        betas = self.reward_strength.betas(beta)
+        self.last_credit = CreditRecord.of(batch, credit, relevance, replayed, beta, betas, added)
         total_seconds = time.perf_counter() - started
         log_credit(self, mode, credit, relevance, replayed, batch.mask, beta, (self._replay_seconds, total_seconds))
         return output

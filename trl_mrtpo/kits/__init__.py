@@ -86,6 +86,10 @@ class Kit:
         environment (`Callable` or `None`):
             For a multi-turn tool task: the environment class (TRL's ``environment_factory``) whose methods are the
             tools; None for single-turn kits.
+        examples (`str` or `None`):
+            A ``--completions`` file under ``kits/examples/``: responses to one prompt, each reward's failing one
+            differing from the passing one in a few tokens (``trl-mrtpo inspect --completions example``: the pair
+            test, docs/inspect.md).
     """
 
     name: str
@@ -98,6 +102,12 @@ class Kit:
     loaders: dict[str, Callable[..., Any]] = field(default_factory=dict)
     failure_boundaries: list[Callable | None] = field(default_factory=list)
     environment: Callable[[], Any] | None = None
+    examples: str | None = None
+
+    @property
+    def examples_path(self) -> str | None:
+        """The kit's pass/fail examples as a ``--completions`` file (None: it ships none)."""
+        return None if self.examples is None else str(Path(__file__).parent / "examples" / self.examples)
 
     def __post_init__(self):
         if len(self.rewards) != len(self.info_blocks):

@@ -98,4 +98,5 @@ KIT = Kit(
     info_blocks=[constraint_block("end_phrase"), constraint_block("keyword"), constraint_block("lowercase"), None],
     dataset=make_basic_dataset,
     spans=basic_spans,
+    examples="basic.jsonl",
 )

@@ -108,4 +108,5 @@ KIT = Kit(
     info_blocks=[constraint_block(name) for name in CONSTRAINTS],
     dataset=make_short_answer_dataset,
     spans=short_answer_spans,
+    examples="short.jsonl",
 )

@@ -7,6 +7,8 @@ import math
 import statistics
 from collections.abc import Sequence
 
+import torch
+
 from ..diagnostics import CreditRecord
 from ..outputs import GENERATOR_META
 from .summaries import token_strings
@@ -86,6 +88,31 @@ def _reward_betas_text(record: CreditRecord, reward_names: Sequence[str]) -> str
     return f" (per reward, after per-reward strength: {listed})"
 
 
+def _contribution_rows(
+    record: CreditRecord, j: int, tokens: Sequence[str], reward_names: Sequence[str], per_reward: torch.Tensor
+) -> list[str]:
+    """Response ``j``'s rows of what the terms added: each part of the final advantages as the loss sees it (a
+    process reward's steps, each token hovered with its step), and per reward the negative credit its failure
+    suffix dropped."""
+    rows, length = [], len(tokens)
+    for name, part in record.contributions.items():
+        values = part[j, :length].tolist()
+        ends = [end for end in (record.steps.get(name) or [[]] * (j + 1))[j] if end < length]
+        step_of = [sum(end < t for end in ends) for t in range(length)]  # a step ends on its last token
+        hovers = [f"step {step_of[t] + 1} of {len(ends)}: {v:+.4f}" for t, v in enumerate(values)]
+        row, credit_scale, _ = _token_row(tokens, values, hovers)
+        label = f"{html.escape(name)}: {len(ends)} steps, added after the cap{_colour_bars(credit_scale, None)}"
+        rows.append(f'<div class="row"><div class="label">{label}</div>{row}</div>')
+    suffix = record.failure_suffix
+    for k, name in enumerate(reward_names if suffix is not None else ()):
+        dropped = (per_reward[j, k, :length].clamp(max=0) * suffix[j, k, :length]).tolist()
+        if any(dropped):
+            row, credit_scale, _ = _token_row(tokens, dropped, [f"dropped {v:+.4f}" for v in dropped])
+            label = f"{html.escape(name)}: penalty dropped by its failure suffix{_colour_bars(credit_scale, None)}"
+            rows.append(f'<div class="row"><div class="label">{label}</div>{row}</div>')
+    return rows
+
+
 def credit_heatmap_html(
     record: CreditRecord,
     tokenizer,
@@ -93,8 +120,9 @@ def credit_heatmap_html(
     title: str = "MRTPO token credit",
     max_responses: int | None = None,
 ) -> str:
-    """One page: per response, a row per reward, then the summed token advantage row (what the loss receives,
-    after the cap and batch rescale).
+    """One page: per response, a row per reward, a row per term's contribution (each process reward's part, each
+    reward's dropped penalty), then the summed token advantage row (what the loss receives, after the cap and batch
+    rescale).
 
     In a reward's row each token's background is that reward's signed token advantage ``A_k * w_k,t`` (green
     positive, red negative) and, when the reward was replayed, a blue bar under the token is its q: where that
@@ -138,6 +166,7 @@ def credit_heatmap_html(
             block = record.info_blocks[j][k] if record.info_blocks else None
             hover = "" if block is None else f' title="{html.escape(f"info block: {block}")}"'
             parts.append(f'<div class="row"><div class="label"{hover}>{label}{bars}</div>{row}</div>')
+        parts.extend(_contribution_rows(record, j, tokens, reward_names, per_reward))
         final = record.advantages[j, :length].tolist()
         row, credit_scale, _ = _token_row(tokens, final, [f"A_t={v:+.4f}" for v in final])
         label = f"<b>summed token advantage (to the loss)</b>{_colour_bars(credit_scale, None)}"

@@ -86,7 +86,9 @@ def preserved_token_advantages(
         scores, baseline = scores + process.to(scores) * mask_f, baseline + process.to(scores) * mask_f
     std = batch_std(baseline, mask, reduce_sum)
     scores = without_masked_penalties(scores, scaled, weights, factors.to(scaled), mask_f, failure_suffix)
-    return TokenCredit(batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, float(factors.min()))
+    return TokenCredit(
+        batch_rescale(scores, mask, reduce_sum, std).to(dtype), weights, float(factors.min()), std or 1.0
+    )
 
 
 def null_corrected_relevance(

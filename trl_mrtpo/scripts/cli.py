@@ -36,6 +36,18 @@ def counting(minimum: int):
 positive = counting(1)
 
 
+def add_shared(parser: argparse.ArgumentParser) -> None:
+    """``--model``, ``--threads`` and ``--overwrite``, which every command that loads a model and writes takes."""
+    parser.add_argument("--model", default="embedded", help="'embedded' (default: SmolLM2-135M-Instruct, offline), "
+                        "a Hub id or a local folder")  # fmt: skip
+    parser.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
+    )
+
+
 def _pin_threads(threads: int | None) -> None:
     import torch
 
@@ -50,47 +62,45 @@ def flags_for(function, args: argparse.Namespace, *leave_out: str) -> dict:
     return {name: value for name, value in vars(args).items() if name in names}
 
 
-def run_demo(args: argparse.Namespace):
+def in_usage_line(args: argparse.Namespace, run, *refusals: type[Exception]):
+    """``run()``, with an output it would not overwrite (checked before anything loads) and ``refusals`` ending in the
+    command's usage line, as a bad flag does."""
     from ..outputs import OutputRefused
+
+    try:
+        return run()
+    except (OutputRefused, *refusals) as refused:
+        args.parser.error(str(refused))
+
+
+def run_demo(args: argparse.Namespace):
     from .demo import compare_demo, run_demo
 
     _pin_threads(args.threads)
     settings = flags_for(run_demo, args, "method")  # compare_demo passes them on to run_demo
-    try:
-        return compare_demo(**settings) if args.compare else run_demo(method=args.method, **settings)
-    except OutputRefused as refused:  # checked before anything loads: the usage line, as for a bad flag
-        args.parser.error(str(refused))
+    return in_usage_line(
+        args, lambda: compare_demo(**settings) if args.compare else run_demo(method=args.method, **settings)
+    )
 
 
 def run_eval(args: argparse.Namespace):
-    from ..outputs import OutputRefused
     from .evaluation import run_evaluation
 
     _pin_threads(args.threads)
-    try:
-        return run_evaluation(**flags_for(run_evaluation, args))
-    except OutputRefused as refused:
-        args.parser.error(str(refused))
+    return in_usage_line(args, lambda: run_evaluation(**flags_for(run_evaluation, args)))
 
 
 def run_inspect(args: argparse.Namespace):
-    from ..outputs import OutputRefused
-    from .inspection import inspect_credit, recipe_inspection
-    from .policy import check_policy_folders
+    from .inspection import inspect_credit, inspected_task
 
     _pin_threads(args.threads)
-    settings = flags_for(inspect_credit, args, "model", "task")
+    settings = flags_for(inspect_credit, args, "model", "task", "completions")
     if settings.get("max_new_tokens") is None:  # a recipe's max_completion_length, else inspect_credit's 64
         settings.pop("max_new_tokens", None)
-    try:  # a mistake in the flags or the recipe ends in the usage line, before any model loads
-        task = recipe_inspection(args.config) if args.config else {"model": args.model, "task": args.task}
-        check_policy_folders(task["model"], args.adapter)
-    except (TypeError, ValueError, FileNotFoundError) as error:
-        args.parser.error(str(error))
-    try:
-        return inspect_credit(return_verdicts=True, verbose=True, **{**task, **settings})
-    except OutputRefused as refused:  # checked before anything loads
-        args.parser.error(str(refused))
+    # a mistake in the flags or the recipe ends in the usage line, before any model loads
+    named = (args.config, args.model, args.task, args.adapter, args.completions)
+    task = in_usage_line(args, lambda: inspected_task(*named), TypeError, ValueError, FileNotFoundError)
+    return in_usage_line(args, lambda: inspect_credit(return_verdicts=True, verbose=True, **{**task, **settings}))
 
 
 def run_gym(args: argparse.Namespace) -> str:
@@ -127,29 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
         default = DEMO_SETTINGS[flag.replace("-", "_")]
         demo.add_argument(f"--{flag}", type=kind, default=default, help=f"{what} (default {default})")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
+    add_shared(demo)
     demo.add_argument("--output-dir", default="mrtpo-demo", help="where the adapter, card, curves and heatmap go")
     demo.add_argument("--method", choices=("mrtpo", "gdpo"), default="mrtpo", help="credit assignment (default mrtpo)")
-    demo.add_argument(
-        "--compare", action="store_true", help="run gdpo then mrtpo on the same task and seed, then plot both"
-    )
-    demo.add_argument(
-        "--model",
-        default="embedded",
-        help="'embedded' (default: SmolLM2-135M-Instruct, offline), a Hub id or a local folder",
-    )
+    demo.add_argument("--compare", action="store_true", help="gdpo then mrtpo on one task and seed, both plotted")
     demo.add_argument(
         "--report-to", default="none", help="trackers for the metrics and the heatmap (tensorboard, wandb, trackio)"
-    )
-    demo.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
     )
     demo.set_defaults(func=run_demo, parser=demo)
 
     evaluate = sub.add_parser("eval", help="Evaluate a model on BFCL, IFEval, IFBench, Spider or BIRD.")
-    evaluate.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
     evaluate.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply (e.g. a demo output)")
     evaluate.add_argument(
         "--benchmarks", nargs="+", default=["bfcl_simple_python", "ifeval", "ifbench"], choices=BENCHMARKS
@@ -161,19 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--sql-path", default=None, help="Spider/BIRD folder")
     evaluate.add_argument("--sql-split-file", default=None, help="e.g. dev.json (Spider) or dev/dev.json (BIRD)")
     evaluate.add_argument("--database-dir", default="database", help="databases folder inside --sql-path")
-    evaluate.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
+    add_shared(evaluate)
     evaluate.add_argument("--output", default=None, help="write the results as JSON here")
-    evaluate.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
-    )
     evaluate.set_defaults(func=run_eval, parser=evaluate)
 
     inspect = sub.add_parser(
         "inspect", help="Sample and replay a few prompts: token-credit heatmap (HTML) and localisation report."
     )
-    inspect.add_argument("--model", default="embedded", help="hub id, local folder, or 'embedded' (default)")
     inspect.add_argument("--adapter", default=None, help="a LoRA adapter folder to apply")
     inspect.add_argument("--task", choices=SINGLE_TURN_KITS, default="basic")
     inspect.add_argument(
@@ -187,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="replay existing responses instead of sampling: JSONL, one line per response with prompt, completion "
         "and the row fields the task reads (the same number of responses per prompt); a completion is a string, or "
-        "a recorded tool trajectory (the messages TRL's tool loop produces), replayed through TRL's tool loop",
+        "a recorded tool trajectory (the messages TRL's tool loop produces), replayed through TRL's tool loop; "
+        "'example': the task kit's pass/fail pairs (the pair test)",
     )
     inspect.add_argument("--num-prompts", type=positive, default=4, help="prompts to sample (default 4)")
     inspect.add_argument("--num-generations", type=counting(2), default=4, help="responses per prompt (default 4)")
@@ -204,14 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--beta", type=float, default=None, help="credit_beta for the weights shown (default: the recipe's, else 0.5)"
     )
     inspect.add_argument("--seed", type=int, default=0)
-    inspect.add_argument("--threads", type=positive, default=None, help=THREADS_HELP)
+    add_shared(inspect)
     inspect.add_argument("--output", default="mrtpo-credit.html", help="the HTML page")
     inspect.add_argument("--report", default=None, help="write the localisation report as CSV here")
-    inspect.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace files or write into a non-empty folder that trl-mrtpo did not write (nothing else is removed)",
-    )
     inspect.set_defaults(func=run_inspect, parser=inspect)
 
     gym = sub.add_parser(
@@ -220,11 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "seeds, with paired statistics (about 15 minutes on 2 cores; --quick: about a minute).",
     )
     gym.add_argument("--quick", action="store_true", help="smoke-sized grid (CI)")
-    gym.add_argument(
-        "--large",
-        action="store_true",
-        help="the GPU grid: 16 seeds, K=6, a 4-layer policy of width 128, on CUDA (benchmarks/gpu_gym.sh)",
-    )
+    gym.add_argument("--large", action="store_true", help="the GPU grid: 16 seeds, K=6, on CUDA (gpu_gym.sh)")
     gym.add_argument("--sweeps", action="store_true", help="also run the gdpo vs mrtpo sweeps (K, placement, ...)")
     gym.add_argument("--seeds", type=positive, default=None, help="number of seeds (default 8; --quick: 2)")
     gym.add_argument("--sweep-seeds", type=positive, default=4, help="seeds per sweep point (default 4)")
@@ -232,12 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     gym.add_argument("--methods", nargs="+", default=None, choices=methods, help="default: all six modes")
     gym.add_argument("--jobs", type=positive, default=2, help="parallel runs, one core each (default 2)")
     gym.add_argument("--work-dir", default="gym_runs", help="finished runs and cached supervised policies (resumable)")
-    gym.add_argument(
-        "--output-dir",
-        default="gym_results",
-        help="CSV, PNG and markdown results (default: gym_results/ in the working directory; the published results "
-        "were written with --output-dir benchmarks/results/credit_gym)",
-    )
+    gym.add_argument("--output-dir", default="gym_results", help="CSV, PNG and markdown results (default gym_results)")
     gym.set_defaults(func=run_gym)
 
     sub.add_parser(

@@ -73,6 +73,9 @@ def with_control(record: CreditRecord, control: CreditRecord) -> CreditRecord:
             own + (control.info_blocks[j] if control.info_blocks else [None])
             for j, own in enumerate(record.info_blocks)
         ],
+        failure_suffix=None
+        if record.failure_suffix is None
+        else torch.nn.functional.pad(record.failure_suffix, (0, 0, 0, 1), value=False),
     )
 
 
@@ -526,7 +529,7 @@ def inspect_credit(
     names = [*trainer.reward_func_names, CONTROL_NAME]
     located = localisation_report(record, tokenizer, rows, kit, names, num_generations) if kit else []
     verdicts = reward_verdicts(
-        record, tokenizer, names, num_generations, reward_strength_floor, trainer.information_leaks
+        record, tokenizer, names, num_generations, reward_strength_floor, trainer.information_leaks, bool(completions)
     )
     if verbose:
         print(format_report(located) if located else NO_REPORT)
@@ -569,6 +572,10 @@ class Verdict:
     strength: float
     verdict: str
     peaks_apart: float = math.nan
+    pairs: int = 0  # pairs of responses to one prompt it scores differently that differ in a few tokens
+    pair_hits: int = 0  # of those, the pairs where its q peaks on the tokens they differ in
+    control_hits: int = 0  # the same for the control's q, on the same pairs
+    deciding_share: float = math.nan  # the share of its q on those tokens, over its pairs
 
 
 def reward_verdicts(
@@ -578,6 +585,7 @@ def reward_verdicts(
     num_generations: int,
     strength_floor: float | None = MRTPOConfig.reward_strength_floor,
     leaks: dict[str, str] | None = None,
+    completions_given: bool = False,
 ) -> list[Verdict]:
     """One :class:`Verdict` per reward of an inspected record (the last name is the control).
 
@@ -590,6 +598,10 @@ def reward_verdicts(
     rewards (the control slot left out), not training's running mean. A reward in ``leaks`` (the trainer's
     ``information_leaks``) is told that its block's text survives its removal. Every figure reads the model's tokens
     (:func:`model_positions`: tool results left out).
+    Where the batch holds pairs of responses to one prompt that the reward scores differently and that differ in a few
+    tokens (:func:`deciding_pairs`), the verdict is the pair test's (:func:`pair_verdict`); q/control stays a
+    column. A term's contribution (a process reward's) gets a row of its own (:func:`contribution_verdict`). With
+    ``completions_given`` the advice never asks for ``--completions``.
     """
     from ..credit import group_advantages, relevance_specificity, reward_strength
 
@@ -627,6 +639,16 @@ def reward_verdicts(
         )[:3]
         tokens = [token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for _, j, t in peaks]
         strength = strengths[task.index(k)].item()
+        pairs = [
+            p
+            for p in deciding_pairs(record, k, num_generations, positions)
+            if all(record.replayed[j, c] for j in p[:2] for c in (k, control))
+        ]
+        (hits, share, pair_peaks), (control_hits, *_) = (pair_test(record, c, pairs, positions) for c in (k, control))
+        shown = [(j, t) for j, t, hit in pair_peaks if hit == (2 * hits >= len(pairs))]  # the peaks the verdict names
+        pair_tokens = list(
+            dict.fromkeys(token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for j, t in shown)
+        )
         if not both:
             text = (
                 "replayed for no response here (it has no info block, or none applied): its credit stays uniform, "
@@ -643,23 +665,131 @@ def reward_verdicts(
                 "never varies within a group here: training would replay nothing for it and keep its credit "
                 "uniform; more generations per prompt, or a graded reward, would let it vary."
             )
-        elif ratio >= VERDICT_RATIO and strength == 0:
+        elif strength == 0:  # whatever q shows, training keeps this reward's credit uniform while it rests
+            stands_out = "stands out from the control but " if ratio >= VERDICT_RATIO else ""
             text = (
-                f"q stands out from the control but has the shape of the other rewards' q (specificity "
+                f"q {stands_out}has the shape of the other rewards' q (specificity "
                 f"{specificity[task.index(k)].item():.3f}, at or under the floor {strength_floor}): per-reward "
                 "strength would rest it and keep its credit uniform. A block that names what only this reward's "
                 "verifier checks would set it apart."
             )
+        elif pairs:
+            text = pair_verdict(hits, control_hits, len(pairs), share, pair_tokens)
         elif ratio >= VERDICT_RATIO:
-            text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}."
+            text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}"
+            text += f"{NO_PAIRS}."
         else:
+            action = UNDER_TWICE_ACTION["given" if completions_given else tool_rollouts]
             text = (
                 f"q is under twice the control's: its credit still moves to where its q peaks "
-                f"({', '.join(map(repr, tokens))}); {UNDER_TWICE_ACTION[tool_rollouts]} (note below)."
+                f"({', '.join(map(repr, tokens))}); {action} (note below){NO_PAIRS}."
             )
         peaks_apart = sum(apart) / len(apart) if apart else math.nan
-        verdicts.append(Verdict(name, varying, ratio, concentration, tokens, strength, text, peaks_apart))
-    return verdicts
+        verdicts.append(
+            Verdict(
+                name,
+                varying,
+                ratio,
+                concentration,
+                tokens,
+                strength,
+                text,
+                peaks_apart,
+                len(pairs),
+                hits,
+                control_hits,
+                share,
+            )  # fmt: skip
+        )
+    return verdicts + [contribution_verdict(record, name, tokenizer, positions) for name in record.contributions]
+
+
+PAIR_OVERLAP = 0.5  # a pair's token alignment keeps at least this share of the longer response
+
+
+def deciding_pairs(
+    record: CreditRecord, k: int, num_generations: int, positions: list[torch.Tensor]
+) -> list[tuple[int, int, list[int], list[int]]]:
+    """Pairs of responses to one prompt that reward ``k`` scores differently and whose model tokens align (their
+    longest common blocks, :class:`difflib.SequenceMatcher`) on at least :data:`PAIR_OVERLAP` of the longer one:
+    ``(a, b, a's deciding tokens, b's)``, the tokens outside the common blocks (indices into ``positions``), where
+    the pair differs and so where the reward decides."""
+    import difflib
+    import itertools
+
+    pairs = []
+    for start in range(0, len(positions), num_generations):
+        for a, b in itertools.combinations(range(start, min(start + num_generations, len(positions))), 2):
+            scores = record.rewards[a, k].item(), record.rewards[b, k].item()
+            if math.isnan(scores[0]) or math.isnan(scores[1]) or scores[0] == scores[1]:
+                continue
+            ids = [record.completion_ids[j, positions[j]].tolist() for j in (a, b)]
+            blocks = difflib.SequenceMatcher(None, *ids, autojunk=False).get_matching_blocks()
+            if sum(block.size for block in blocks) < PAIR_OVERLAP * max(map(len, ids)):
+                continue
+            common = [{i for block in blocks for i in range(block[side], block[side] + block.size)} for side in (0, 1)]
+            deciding = [[i for i in range(len(ids[side])) if i not in common[side]] for side in (0, 1)]
+            if deciding[0] or deciding[1]:
+                pairs.append((a, b, *deciding))
+    return pairs
+
+
+def pair_test(
+    record: CreditRecord, column: int, pairs: list, positions: list[torch.Tensor]
+) -> tuple[int, float, list[tuple[int, int, bool]]]:
+    """In how many ``pairs`` the q of ``column`` (a reward, or the control) peaks on a deciding token (over both
+    responses' tokens), the share of its q mass on them, and each pair's peak: ``(response, token, deciding)``."""
+    hits, inside, total, peaks = 0, 0.0, 0.0, []
+    for a, b, deciding_a, deciding_b in pairs:
+        q = [record.relevance[j, column, positions[j]].double() for j in (a, b)]
+        both = torch.cat(q)
+        deciding = torch.zeros(len(both), dtype=torch.bool)
+        deciding[deciding_a] = True
+        deciding[[len(q[0]) + i for i in deciding_b]] = True
+        peak = int(both.argmax())
+        j, t = (a, peak) if peak < len(q[0]) else (b, peak - len(q[0]))
+        hit = bool(both.max() > 0) and bool(deciding[peak])
+        hits, peaks = hits + hit, [*peaks, (j, positions[j][t].item(), hit)]
+        inside, total = inside + both[deciding].sum().item(), total + both.sum().item()
+    return hits, inside / total if total > 0 else math.nan, peaks
+
+
+def pair_verdict(hits: int, control: int, count: int, share: float, tokens: list[str]) -> str:
+    """The verdict the pair test gives (docs/inspect.md, "The pair test")."""
+    peaks = ", ".join(map(repr, tokens))
+    found = f"in {hits} of {count} pairs of responses it scores differently its q peaks on the tokens they differ in"
+    if 2 * hits >= count and hits > control:
+        there = f"{share:.0%} of its q there; the control: {control}"
+        return f"pair test: {found} ({there}): its credit lands where it is decided ({peaks})."
+    if 2 * hits >= count:
+        return (
+            f"pair test: {found}, so its credit moves onto them ({peaks}), but so does the control's ({control}): any "
+            "change of context moves those tokens; nothing shows that this reward's information is what moves them."
+        )
+    return (
+        f"pair test: in {count - hits} of {count} pairs of responses it scores differently its q peaks outside the "
+        f"tokens they differ in (on {peaks}): its credit would move onto tokens that do not decide it; make the block "
+        "carry what the verifier decides with (an example in a block can prime the tokens it names), or give the "
+        "reward no block."
+    )
+
+
+def contribution_verdict(record: CreditRecord, name: str, tokenizer, positions: list[torch.Tensor]) -> Verdict:
+    """A row for a term's part of the final advantages (a process reward's): how many steps it found and scored,
+    and the step where the largest blame (the most negative advantage, after the rescale) lands."""
+    part, ends = record.contributions[name], record.steps.get(name) or [[] for _ in positions]
+    found, responses = sum(map(len, ends)), sum(1 for e in ends if e)
+    values = [(part[j, t].item(), j, t) for j, where in enumerate(positions) for t in where.tolist()]
+    value, j, t = min(values, default=(0.0, 0, 0))
+    counted = f"{found} steps found and scored in {responses} of {len(positions)} responses"
+    if value >= 0:
+        return Verdict(name, math.nan, math.nan, math.nan, [], math.nan, f"{counted}; no step is blamed here.")
+    start = max((end + 1 for end in ends[j] if end < t), default=0)
+    end = min((end for end in ends[j] if end >= t), default=t)
+    span = tokenizer.decode(record.completion_ids[j, start : end + 1].tolist())
+    step = sum(e < t for e in ends[j]) + 1
+    text = f"{counted}; the largest blame lands on step {step} of response {j}, {span!r} ({value:+.2f} to the loss)."
+    return Verdict(name, math.nan, math.nan, math.nan, [span], math.nan, text)
 
 
 # What to do about a reward whose q is under twice the control's, by the kind of rollout (one line per reward), and
@@ -667,7 +797,10 @@ def reward_verdicts(
 UNDER_TWICE_ACTION = {
     False: "replay a few responses that pass and a few that fail with --completions",
     True: "compare its q on trajectories whose calls pass and fail; check that its block carries the tools' feedback",
+    "given": "add to the --completions file two responses to one prompt that differ only where this reward decides, "
+    "one passing and one failing, for the pair test",
 }
+NO_PAIRS = " (judged by q/control: no two responses to one prompt that it scores differently differ in a few tokens)"
 UNDER_TWICE_NOTE = (
     "Note: q under twice the control's (an irrelevant sentence appended) has two causes this batch cannot tell "
     "apart: the model does not read the block at this size, or the block lacks what decides the reward. If q lands on "
@@ -679,18 +812,27 @@ VERDICT_COLUMNS = (
     "q/control: the reward's summed q over the control's (the irrelevant sentence appended), on the same responses",
     "80% mass in: mean share of a response's tokens holding 80% of the reward's q",
     "peak apart: share of responses whose q peaks on another token than the control's",
+    "pairs hit: pairs of responses to one prompt it scores differently (differing in a few tokens) where its q peaks "
+    "on the tokens they differ in, of all such pairs (the pair test decides the verdict where there are pairs)",
     "strength: per-reward strength g_k read on this batch (1: full redistribution, 0: the reward rests)",
 )
 
 
+def _cell(value: float, form: str, width: int) -> str:
+    return f"{'-':>{width}}" if math.isnan(value) else f"{value:>{width}{form}}"
+
+
 def format_verdicts(verdicts: list[Verdict]) -> str:
     lines = [
-        f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}{'peak apart':>12}{'strength':>10}  verdict"
+        f"{'reward':<28}{'varies':>8}{'q/control':>11}{'80% mass in':>13}{'peak apart':>12}{'pairs hit':>11}"
+        f"{'strength':>10}  verdict"
     ]
     for v in verdicts:
+        pairs = f"{v.pair_hits}/{v.pairs}" if v.pairs else "-"
+        ratio = _cell(v.q_over_control, ".2f", 10) + ("x" if not math.isnan(v.q_over_control) else " ")
         lines.append(
-            f"{v.reward:<28}{v.varying:>8.0%}{v.q_over_control:>10.2f}x{v.concentration:>12.0%}{v.peaks_apart:>12.0%}"
-            f"{v.strength:>10.2f}   {v.verdict}"
+            f"{v.reward:<28}{_cell(v.varying, '.0%', 8)}{ratio}{_cell(v.concentration, '.0%', 13)}"
+            f"{_cell(v.peaks_apart, '.0%', 12)}{pairs:>11}{_cell(v.strength, '.2f', 10)}   {v.verdict}"
         )
     note = [UNDER_TWICE_NOTE, ""] if any(v.verdict.startswith("q is under twice") for v in verdicts) else []
     return "\n".join([*lines, "", *note, *VERDICT_COLUMNS])
@@ -712,6 +854,25 @@ def recipe_credit_settings(args: MRTPOConfig) -> dict:
     grpo = {f.name for f in dataclasses.fields(GRPOConfig)}
     names = [f.name for f in dataclasses.fields(args) if f.init and f.name not in grpo]
     return {name: getattr(args, name) for name in dict.fromkeys([*names, *ROLLOUT_FIELDS, *CONTEXT_FIELDS])}
+
+
+def inspected_task(config: str | None, model: str, task: str, adapter: str | None, completions: str | None) -> dict:
+    """What ``trl-mrtpo inspect`` inspects: the recipe's (``config``) or ``task`` and ``model``, its policy folders
+    checked, and ``completions`` (``"example"``: the task kit's pass/fail pairs, :attr:`Kit.examples_path`). Loads
+    no model: a mistake raises here, naming it."""
+    from .policy import check_policy_folders
+
+    inspected = recipe_inspection(config) if config else {"model": model, "task": task}
+    check_policy_folders(inspected["model"], adapter)
+    if completions == "example":
+        kit = inspected.get("task")
+        completions = get_kit(kit).examples_path if kit in KIT_NAMES else None
+        if completions is None:
+            raise ValueError(
+                f"--completions example: the {kit or 'recipe'!s} task ships no pass/fail examples; give a JSONL file "
+                f"of your own (docs/inspect.md, 'The pair test'), or a task that ships them."
+            )
+    return {**inspected, "completions": completions}
 
 
 def recipe_inspection(config: str) -> dict:

@@ -294,7 +294,8 @@ def process_credit(
     views: Sequence[Trajectory | None] | None = None,
 ) -> tuple[torch.Tensor, list[tuple[str, float]]]:
     """``[B, C]`` float64 the weighted sum of the process rewards' token advantages of this process's ``B``
-    responses (docs/method.md, "Process rewards"), and ``(name, mean step score)`` per scored response for the logs.
+    responses (docs/method.md, "Process rewards"), ``(name, mean step score)`` per scored response for the logs, and
+    by name each process reward's weighted ``[B, C]`` part and its steps' last tokens per response (inspection).
 
     Each function scores the steps of every completion (character spans, checked by :func:`checked_steps`); step
     ends land on tokens by :func:`token_positions`. In a batch of tool rollouts (``views`` given: each response's
@@ -306,7 +307,7 @@ def process_credit(
     tool_batch = {} if views is None else {"trajectories": list(views)}
     views = views or [None] * len(texts)
     total = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
-    means = []
+    means, parts, step_ends = [], {}, {}
     for func, name, weight in zip(funcs, names, weights):
         results = func(
             **own_copies(dict(prompts=prompts, completions=completions, **tool_batch)),
@@ -340,8 +341,10 @@ def process_credit(
             if values:
                 means.append((name, sum(values) / len(values)))
         advantages = process_advantages(scores, ends, num_generations, mask.shape[1])
-        total += weight * advantages[rank * len(texts) : (rank + 1) * len(texts)].to(mask.device)
-    return total, means
+        parts[name] = weight * advantages[rank * len(texts) : (rank + 1) * len(texts)].to(mask.device)
+        step_ends[name] = [positions for _, positions in local]
+        total += parts[name]
+    return total, means, parts, step_ends
 
 
 def failure_suffix(
@@ -431,9 +434,9 @@ class StepCredit(CreditTerm):
         use), and each process reward's mean step score per scored response, logged as
         ``mrtpo/term/process/<name>``."""
         completion_ids = batch.completion_ids
-        process, means = None, []
+        process, means, parts, steps = None, [], {}, {}
         if self.process_rewards:
-            process, means = process_credit(
+            process, means, parts, steps = process_credit(
                 self.process_rewards,
                 [function_name(func) for func in self.process_rewards],
                 self.process_weights,
@@ -464,4 +467,5 @@ class StepCredit(CreditTerm):
                 batch.mask.shape[1],
                 batch.views,
             ).to(batch.mask.device)
-        return Contribution(process, suffix, means)
+        named = {f"process reward '{name}'": part for name, part in parts.items()}
+        return Contribution(process, suffix, means, named, {f"process reward '{n}'": e for n, e in steps.items()})
