@@ -372,34 +372,10 @@ def halves(prompts, completions, completion_ids, **_):
 
 
 def test_process_rewards_end_to_end_give_outcome_plus_process_credit(tiny_model, tiny_tokenizer, tmp_path):
-    trainer = recording_trainer(
-        model=tiny_model,
-        reward_funcs=[graded_length],
-        args=make_args(tmp_path, credit_assignment="gdpo", max_steps=1, process_reward_weights=[0.5]),
-        train_dataset=make_basic_dataset(8),
-        processing_class=tiny_tokenizer,
-        process_rewards=[halves],
-    )
-    trainer.train()
-    record = trainer.last_credit
-    ids = [row[: int(m.sum())].tolist() for row, m in zip(record.completion_ids, record.mask)]
-    step_lists = []
-    for text, row_ids in zip(record.completions, ids):
-        steps = checked_steps(halves(None, [text], None)[0], "halves", 0, text)
-        ends = token_positions(tiny_tokenizer, row_ids, text, [s.end for s in steps])
-        step_lists.append([(s.score, end) for s, end in zip(steps, ends)])
-    process = reference_process_advantages(step_lists, 4, record.mask.shape[1])
-    assert process.abs().max() > 0  # the process reward varies: the check below is not vacuous
-    summed = (record.group_advantages.double().sum(-1)[:, None] + 0.5 * process) * record.mask
-    expected = summed / summed[record.mask.bool()].std()
-    torch.testing.assert_close(record.advantages.double(), expected, rtol=1e-5, atol=1e-6)
-    assert "mrtpo/term/process/halves" in trainer.state.log_history[0]
-
-
-def test_a_process_rewards_contribution_is_in_last_credit_and_the_heatmap(tiny_model, tiny_tokenizer, tmp_path):
-    """trainer.last_credit records the process reward's part of the final advantages as the loss sees it (after the
-    rescale, against a float64 reference) and where its steps end; the heatmap shows it as a row of its own and the
-    completions table's credit line names where it blames (none had a row for a process reward)."""
+    """The final advantages are the outcome's plus the process reward's, against a float64 reference; and its part of
+    them is visible: trainer.last_credit records it as the loss sees it (after the rescale) with where its steps end,
+    the heatmap shows it as a row of its own and the completions table's credit line names where it blames (none had
+    a row for a process reward)."""
     from trl_mrtpo.observability.viz import credit_heatmap_html
 
     trainer = recording_trainer(
@@ -421,16 +397,18 @@ def test_a_process_rewards_contribution_is_in_last_credit_and_the_heatmap(tiny_m
         ends = token_positions(tiny_tokenizer, row_ids, text, [s.end for s in steps])
         step_lists.append([(s.score, end) for s, end in zip(steps, ends)])
     process = reference_process_advantages(step_lists, 4, record.mask.shape[1])
+    assert process.abs().max() > 0  # the process reward varies: the check below is not vacuous
     summed = (record.group_advantages.double().sum(-1)[:, None] + 0.5 * process) * record.mask
     std = summed[record.mask.bool()].std()
-    # live logging: the completions table's credit line names where the process reward blames
-    assert any("process reward 'halves' blames" in line for line in trainer._logs["extra"]["mrtpo_credit"])
+    torch.testing.assert_close(record.advantages.double(), summed / std, rtol=1e-5, atol=1e-6)
     (name,) = record.contributions
-    assert name == "process reward 'halves'" and process.abs().max() > 0
+    assert name == "process reward 'halves'"
     torch.testing.assert_close(record.contributions[name].double(), 0.5 * process * record.mask / std)
     assert record.steps[name] == [[end for _, end in steps] for steps in step_lists]
     page = credit_heatmap_html(record, tiny_tokenizer, trainer.reward_func_names)
     assert f"process reward &#x27;halves&#x27;: {len(step_lists[0])} steps, added after the cap" in page
+    assert any("process reward 'halves' blames" in line for line in trainer._logs["extra"]["mrtpo_credit"])
+    assert "mrtpo/term/process/halves" in trainer.state.log_history[0]
 
 
 def first_character(prompt, completion, row, score):
