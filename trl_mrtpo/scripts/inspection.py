@@ -16,7 +16,9 @@ import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -419,14 +421,7 @@ def inspect_credit(
     MRTPOConfig, or the research room's config, adds to GRPOConfig), reward weights and temperature;
     ``temperature`` and ``beta`` given here win, and default to the recipe's (else 1.0 and 0.5).
     """
-    import tempfile
-    import warnings
-    from pathlib import Path
-
-    from datasets import Dataset
-
-    from ..outputs import distinct_outputs, page_is_ours, writable_file, write_output
-    from ..trainer import MRTPOTrainer
+    from ..outputs import distinct_outputs, page_is_ours, writable_file
     from .policy import load_policy
 
     distinct_outputs(output=output, report=report)  # the page, then the CSV over it
@@ -442,6 +437,52 @@ def inspect_credit(
 
         is_text = "{%" in chat_template or "{{" in chat_template
         tokenizer.chat_template = chat_template if is_text else named_template(chat_template)
+    inspected = inspected_responses(
+        task, reward_funcs, info_blocks, dataset, completions, num_prompts, num_generations, max_new_tokens, seed,
+        environment_factory, trainer_class, policy, tokenizer,
+    )  # fmt: skip
+    credit = recipe_credit_settings(recipe_args) if recipe_args is not None else {}
+    if temperature is not None or "temperature" not in credit:
+        credit["temperature"] = 1.0 if temperature is None else temperature
+    if beta is not None or "credit_beta" not in credit:
+        credit["credit_beta"] = 0.5 if beta is None else beta
+    config_class = type(recipe_args) if recipe_args is not None else MRTPOConfig
+    record, names, leaks = sampled_record(policy, tokenizer, inspected, config_class, credit, process_rewards, seed)
+    rows, kit, group = inspected.rows, inspected.kit, inspected.num_generations
+    located = localisation_report(record, tokenizer, rows, kit, names, group) if kit else []
+    verdicts = reward_verdicts(record, tokenizer, names, group, reward_strength_floor, leaks, bool(completions))
+    write_inspection(record, tokenizer, names, located, verdicts, inspected.label, output, report, verbose)
+    return (record, located, verdicts) if return_verdicts else (record, located)
+
+
+@dataclass
+class InspectedResponses:
+    """What an inspection replays: the task's rewards and blocks (and its kit, for the localisation report's spans),
+    the rows, how many responses per row, and how they arrive (sampled; served by ``rollout``; or recorded tool
+    trajectories served by ``trainer_class``, checked against ``recorded`` after)."""
+
+    label: str
+    kit: Kit | None
+    reward_funcs: list
+    info_blocks: list
+    rows: list[dict]
+    num_generations: int
+    max_new_tokens: int
+    trainer_class: type
+    environment_factory: Callable | None = None
+    rollout: Callable | None = None
+    recorded: tuple = ()  # (trajectories, replayed, served, lines) for check_as_recorded
+
+
+def inspected_responses(
+    task: str, reward_funcs, info_blocks, dataset, completions: str | None, num_prompts: int, num_generations: int,
+    max_new_tokens: int, seed: int, environment_factory, trainer_class: type | None, policy, tokenizer,
+) -> InspectedResponses:  # fmt: skip
+    """What reads the task: a kit's (``task``) or your own rewards, blocks and ``dataset``; the rows sampled from, or
+    the responses of a ``completions`` file (strings served by a fixed rollout, or recorded tool trajectories
+    served through TRL's tool loop, which ``environment_factory`` runs again). Loads nothing but the file."""
+    from ..trainer import MRTPOTrainer
+
     if reward_funcs is None:
         kit = get_kit(task)
         reward_funcs, info_blocks = kit.rewards, kit.info_blocks
@@ -454,32 +495,48 @@ def inspect_credit(
         info_blocks = info_blocks if info_blocks is not None else [None] * len(reward_funcs)
         if dataset is None and not completions:
             raise ValueError("inspect_credit with your own reward_funcs needs a dataset (rows with a 'prompt').")
-    rollout, trainer_class, recorded = None, trainer_class or MRTPOTrainer, []
-    if completions:
-        rows, texts, num_generations, lines = load_completions(completions)
-        recorded = [text for text in texts if isinstance(text, list)]
-        if recorded and (len(recorded) < len(texts) or environment_factory is None):
-            raise ValueError(
-                f"{completions}: recorded tool trajectories are replayed through TRL's tool loop, all of them (not "
-                "mixed with strings) and with the task's environment (a kit's, or environment_factory=)."
-            )
-        if recorded:  # the recorded turns served in place of sampling; the environment runs the calls again
-            trainer_class, replayed, served = replaying_class(trainer_class, recorded, tokenizer)
-            # as long as the model reads: a recorded trajectory is scored whole, or refused (check_as_recorded)
-            max_new_tokens = max(max_new_tokens, getattr(policy.config, "max_position_embeddings", 0))
-        else:
-            rollout = fixed_rollout(texts)
+    inspected = InspectedResponses(
+        task, kit, list(reward_funcs), list(info_blocks), [], num_generations, max_new_tokens,
+        trainer_class or MRTPOTrainer, environment_factory,
+    )  # fmt: skip
+    if not completions:
+        inspected.rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
+        return inspected
+    inspected.rows, texts, inspected.num_generations, lines = load_completions(completions)
+    recorded = [text for text in texts if isinstance(text, list)]
+    if recorded and (len(recorded) < len(texts) or environment_factory is None):
+        raise ValueError(
+            f"{completions}: recorded tool trajectories are replayed through TRL's tool loop, all of them (not "
+            "mixed with strings) and with the task's environment (a kit's, or environment_factory=)."
+        )
+    if recorded:  # the recorded turns served in place of sampling; the environment runs the calls again
+        inspected.trainer_class, replayed, served = replaying_class(inspected.trainer_class, recorded, tokenizer)
+        inspected.recorded = (recorded, replayed, served, lines)
+        # as long as the model reads: a recorded trajectory is scored whole, or refused (check_as_recorded)
+        inspected.max_new_tokens = max(max_new_tokens, getattr(policy.config, "max_position_embeddings", 0))
     else:
-        rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
-    credit = recipe_credit_settings(recipe_args) if recipe_args is not None else {}
-    if temperature is not None or "temperature" not in credit:
-        credit["temperature"] = 1.0 if temperature is None else temperature
-    if beta is not None or "credit_beta" not in credit:
-        credit["credit_beta"] = 0.5 if beta is None else beta
+        inspected.rollout = fixed_rollout(texts)
+    return inspected
+
+
+def sampled_record(
+    policy, tokenizer, inspected: InspectedResponses, config_class: type, credit: dict, process_rewards, seed: int
+) -> tuple[CreditRecord, list[str], dict[str, str]]:
+    """What samples: the responses scored and replayed exactly as training does (``credit``: the recipe's settings),
+    then the control (an irrelevant sentence appended to the training prompt) on the same responses. Returns the
+    record with the control last, the names (the control's last) and the blocks whose text survives their removal."""
+    import tempfile
+    import warnings
+
+    from datasets import Dataset
+
+    from ..trainer import MRTPOTrainer
+
+    rows, group = inspected.rows, inspected.num_generations
     inspecting = {
-        "per_device_train_batch_size": len(rows) * num_generations,  # one generation batch holds them all
-        "num_generations": num_generations,
-        "max_completion_length": max_new_tokens,
+        "per_device_train_batch_size": len(rows) * group,  # one generation batch holds them all
+        "num_generations": group,
+        "max_completion_length": inspected.max_new_tokens,
         "credit_warmup_steps": 0,
         "replay_only_varying": False,  # show q for every reward with a block, varying or not
         "use_cpu": not torch.cuda.is_available(),
@@ -487,28 +544,27 @@ def inspect_credit(
         "report_to": "none",
         "seed": seed,
     }
-    what = "Replaying the given" if completions else "Sampling, scoring and replaying"
+    served = inspected.rollout is not None or inspected.recorded
+    what = "Replaying the given" if served else "Sampling, scoring and replaying"
+    environment = {"environment_factory": inspected.environment_factory} if inspected.environment_factory else {}
     with tempfile.TemporaryDirectory(prefix="trl-mrtpo-inspect-") as scratch, warnings.catch_warnings():
         # TRL calls rollout_func experimental; here it only serves responses already sampled
         warnings.filterwarnings("ignore", message=".*rollout_func.*")
-        config = (type(recipe_args) if recipe_args is not None else MRTPOConfig)(
-            **{**credit, **inspecting, "output_dir": scratch}
-        )
-        trainer = trainer_class(
+        trainer = inspected.trainer_class(
             model=policy,
-            reward_funcs=list(reward_funcs),
-            info_blocks=list(info_blocks),
-            args=config,
+            reward_funcs=inspected.reward_funcs,
+            info_blocks=inspected.info_blocks,
+            args=config_class(**{**credit, **inspecting, "output_dir": scratch}),
             train_dataset=Dataset.from_list(rows),
             processing_class=tokenizer,
-            rollout_func=rollout,
+            rollout_func=inspected.rollout,
             process_rewards=process_rewards or None,
-            **({"environment_factory": environment_factory} if environment_factory is not None else {}),
+            **environment,
         )
-        print(f"{what} {len(rows) * num_generations} responses to {len(rows)} prompts (nothing is trained)...")
-        record = sample_credit(trainer, rows, num_generations)
-        if recorded:
-            check_as_recorded(recorded, replayed, served, lines, trainer.args)
+        print(f"{what} {len(rows) * group} responses to {len(rows)} prompts (nothing is trained)...")
+        record = sample_credit(trainer, rows, group)
+        if inspected.recorded:
+            check_as_recorded(*inspected.recorded, trainer.args)
         # the control: the same responses, the training prompt against it with an irrelevant sentence appended
         control_config = MRTPOConfig(  # the recipe's context: its prompt rendering and its blocks' separator
             **{name: credit[name] for name in ("temperature", "credit_beta", *CONTEXT_FIELDS) if name in credit},
@@ -525,26 +581,29 @@ def inspect_credit(
             processing_class=tokenizer,
             rollout_func=fixed_rollout(model_token_ids(record)),
         )
-        record = with_control(record, sample_credit(control, rows, num_generations))
-    names = [*trainer.reward_func_names, CONTROL_NAME]
-    located = localisation_report(record, tokenizer, rows, kit, names, num_generations) if kit else []
-    verdicts = reward_verdicts(
-        record, tokenizer, names, num_generations, reward_strength_floor, trainer.information_leaks, bool(completions)
-    )
+        record = with_control(record, sample_credit(control, rows, group))
+    return record, [*trainer.reward_func_names, CONTROL_NAME], trainer.information_leaks
+
+
+def write_inspection(
+    record: CreditRecord, tokenizer, names: list[str], located: list, verdicts: list, label: str,
+    output: str | None, report: str | None, verbose: bool,
+) -> None:  # fmt: skip
+    """What writes: the verdicts and the report printed (``verbose``), the heatmap page (``output``) and the report
+    as CSV (``report``), each where given."""
+    from ..outputs import write_output
+
     if verbose:
         print(format_report(located) if located else NO_REPORT)
         print(format_verdicts(verdicts))
     if output:
         from ..observability.viz import credit_heatmap_html
 
-        write_output(output, credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {task} task"))
+        write_output(output, credit_heatmap_html(record, tokenizer, names, title=f"MRTPO token credit: {label} task"))
         print(f"Heatmap written to {output}")
     if report:
         write_report(located, report)
         print(f"Localisation report written to {report}")
-    if return_verdicts:
-        return record, located, verdicts
-    return record, located
 
 
 NO_REPORT = (
