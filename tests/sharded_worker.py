@@ -115,16 +115,16 @@ def main(report_dir: str, model_dir: str, use_peft: str) -> None:
         torch.save(generations[-1], Path(report_dir, f"rank{rank}_generation{len(generations) - 1}.pt"))
         return output
 
-    import trl_mrtpo.trainer
+    from trl_mrtpo import diagnostics
 
-    means = trl_mrtpo.trainer.process_means
+    means = diagnostics.process_means
     metrics = []
 
     def recording_means(gathered):
         metrics.append({"gathered": gathered, "logged": means(gathered)})
         return metrics[-1]["logged"]
 
-    trl_mrtpo.trainer.process_means = recording_means
+    diagnostics.process_means = recording_means
     from trl_mrtpo import replay
 
     hidden, packed_rows = replay._Decoder.hidden, []
