@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers import CharTokenizer, record_for
-from trl_mrtpo.kits import get_kit
+from trl_mrtpo.kits import KIT_NAMES, get_kit
 from trl_mrtpo.observability.viz import credit_heatmap_html
 from trl_mrtpo.scripts.inspection import (
     CONTROL_NAME,
@@ -794,3 +794,38 @@ def test_inspect_on_a_math_task_reads_pairs_and_shows_the_step_credit(tmp_path):
                                     "of response 2, '3 * 4 = 13'"), steps  # fmt: skip
     assert "process reward &#x27;math_equations&#x27;: 1 steps, added after the cap" in page.read_text()
     assert record.contributions["process reward 'math_equations'"][2].min() < -0.5
+
+
+@pytest.mark.parametrize("kit", [name for name in KIT_NAMES if get_kit(name).examples])
+def test_each_kit_example_gives_every_reward_a_pair_that_passes_and_fails(kit):
+    """`inspect --completions example` runs the pair test on the kit's hand-written responses: every reward that
+    applies to them is scored differently on two responses whose tokens (the embedded model's) align on at least half
+    of the longer one, so each reward is judged by the pair test, not by q/control (a reward without a block is
+    never replayed: its credit stays uniform, nothing to judge)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from trl_mrtpo.scripts.embedded import embedded_model_path
+    from trl_mrtpo.scripts.inspection import deciding_pairs, load_completions
+
+    rows, texts, group, _ = load_completions(get_kit(kit).examples_path)
+    rows = [row for row in rows for _ in range(group)]
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "completion"}
+    completions = [[{"role": "assistant", "content": text}] for text in texts]
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    length = max(map(len, ids))
+    completion_ids = torch.tensor([row + [0] * (length - len(row)) for row in ids])
+    positions = [torch.arange(len(row)) for row in ids]
+    for reward, block in zip(get_kit(kit).rewards, get_kit(kit).info_blocks, strict=True):
+        if block is None:
+            continue
+        scores = reward(prompts=columns["prompt"], completions=completions, **columns)
+        if all(score is None for score in scores):
+            continue  # an instruction-following slot the example's prompt does not fill
+        record = SimpleNamespace(
+            rewards=torch.tensor([[math.nan if s is None else s] for s in scores]), completion_ids=completion_ids
+        )
+        pairs = deciding_pairs(record, 0, group, positions)
+        assert pairs, f"{kit}: {reward.__name__} has no pair of responses that it scores differently and that align"

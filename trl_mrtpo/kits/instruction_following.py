@@ -336,4 +336,5 @@ KIT = Kit(
     spans=if_spans,
     report_label="if_constraint_*",
     loaders={"hir": _load_hir},
+    examples="if.jsonl",
 )

@@ -403,4 +403,5 @@ KIT = Kit(
     spans=tool_spans,
     loaders={"rlla": _load_rlla},
     failure_boundaries=[None, tool_call_boundary],
+    examples="tools.jsonl",
 )
