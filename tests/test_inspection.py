@@ -739,6 +739,20 @@ def test_verdicts_on_pairs_that_pass_and_fail():
     assert "1/1" in table and process in table
 
 
+def test_a_feedback_block_on_failures_only_is_told_why_it_has_no_pair_test():
+    """A block only failing responses get (an error message) is replayed on one side of each pair: the verdict says
+    the pair test cannot read it, and does not ask for pairs the file already holds."""
+    texts = ["3 + 4 = 7", "3 + 4 = 8"]
+    names = ["executes", CONTROL_NAME]
+    relevance = torch.tensor([[[0.01] * 9, [0.2] + [0.01] * 8], [[0.3] + [0.01] * 8, [0.2] + [0.01] * 8]])
+    record = pair_record(texts, [[1, 0], [0, 0]], relevance)
+    record.replayed[0, 0] = False  # the passing response has no error to show
+    (verdict,) = reward_verdicts(record, CharTokenizer(), names, 2, None, completions_given=True)
+    assert verdict.pairs == 0
+    assert "its block applies to at most one response of each of its 1 pairs" in verdict.verdict
+    assert "add to the --completions file" not in verdict.verdict
+
+
 def math_text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
@@ -801,16 +815,18 @@ def test_each_kit_example_gives_every_reward_a_pair_that_passes_and_fails(kit):
     """`inspect --completions example` runs the pair test on the kit's hand-written responses: every reward that
     applies to them is scored differently on two responses whose tokens (the embedded model's) align on at least half
     of the longer one, so each reward is judged by the pair test, not by q/control (a reward without a block is
-    never replayed: its credit stays uniform, nothing to judge)."""
+    never replayed: its credit stays uniform, nothing to judge; one whose block only failing responses get, an error
+    message, cannot have a pair and is told so). A row takes what it leaves out (the SQL database's path on this
+    machine) from the kit's own row with its prompt."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
 
     from trl_mrtpo.scripts.embedded import embedded_model_path
-    from trl_mrtpo.scripts.inspection import deciding_pairs, load_completions
+    from trl_mrtpo.scripts.inspection import deciding_pairs, load_completions, with_task_fields
 
     rows, texts, group, _ = load_completions(get_kit(kit).examples_path)
-    rows = [row for row in rows for _ in range(group)]
+    rows = [row for row in with_task_fields(rows, get_kit(kit).dataset(4, 0, None)) for _ in range(group)]
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "completion"}
     completions = [[{"role": "assistant", "content": text}] for text in texts]
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_path())
@@ -827,5 +843,14 @@ def test_each_kit_example_gives_every_reward_a_pair_that_passes_and_fails(kit):
         record = SimpleNamespace(
             rewards=torch.tensor([[math.nan if s is None else s] for s in scores]), completion_ids=completion_ids
         )
-        pairs = deciding_pairs(record, 0, group, positions)
-        assert pairs, f"{kit}: {reward.__name__} has no pair of responses that it scores differently and that align"
+        blocks = [
+            block(prompt=row["prompt"], completion=completion, row=row, score=score)
+            for row, completion, score in zip(rows, completions, scores, strict=True)
+        ]
+        pairs = [p for p in deciding_pairs(record, 0, group, positions) if blocks[p[0]] and blocks[p[1]]]
+        if not pairs:  # a feedback block (a failure's error message) is replayed on failing responses only
+            best = max(s for s in scores if s is not None)
+            assert not any(b for b, s in zip(blocks, scores) if s == best), (
+                f"{kit}: {reward.__name__} has no pair of responses that it scores differently, that align and that "
+                "its block applies to"
+            )

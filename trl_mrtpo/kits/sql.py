@@ -433,4 +433,5 @@ KIT = Kit(
     spans=sql_spans,
     loaders={"spider": _published_loader("spider"), "bird": _published_loader("bird")},
     failure_boundaries=[None, sql_error_boundary, None],
+    examples="sql.jsonl",
 )

@@ -177,9 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--completions",
         default=None,
         help="replay existing responses instead of sampling: JSONL, one line per response with prompt, completion "
-        "and the row fields the task reads (the same number of responses per prompt); a completion is a string, or "
-        "a recorded tool trajectory (the messages TRL's tool loop produces), replayed through TRL's tool loop; "
-        "'example': the task kit's pass/fail pairs (the pair test)",
+        "and the row fields the task reads (those left out: the task's own row with that prompt; the same number "
+        "of responses per prompt); a completion is a string, or a recorded tool trajectory (the messages TRL's "
+        "tool loop produces), replayed through TRL's tool loop; 'example': the task kit's pass/fail pairs",
     )
     inspect.add_argument("--num-prompts", type=positive, default=4, help="prompts to sample (default 4)")
     inspect.add_argument("--num-generations", type=counting(2), default=4, help="responses per prompt (default 4)")

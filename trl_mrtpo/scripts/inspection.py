@@ -137,6 +137,14 @@ def load_completions(path: str) -> tuple[list[dict], list[str | list[dict]], int
     return rows, completions, sizes.pop(), [line for group in groups.values() for _, line in group]
 
 
+def with_task_fields(rows: list[dict], dataset) -> list[dict]:
+    """Rows of a completions file given the fields they leave out from the task's own row with the same prompt (a
+    task's built-in prompt: the file need not copy its columns, nor a path that only holds on the machine that
+    wrote it, such as a database's). A field the file gives is kept."""
+    own = {json.dumps(row["prompt"], sort_keys=True): row for row in dataset}
+    return [{**own.get(json.dumps(row["prompt"], sort_keys=True), {}), **row} for row in rows]
+
+
 def recorded_turns(tokenizer, trajectories: list[list[dict]]):
     """A ``_generate_single_turn`` for a trainer class that serves recorded tool trajectories instead of sampling:
     each call answers every sequence TRL asks about with its trajectory's next assistant turn, rendered by the chat
@@ -503,6 +511,8 @@ def inspected_responses(
         inspected.rows = [dict(dataset[i]) for i in range(min(num_prompts, len(dataset)))]
         return inspected
     inspected.rows, texts, inspected.num_generations, lines = load_completions(completions)
+    if dataset is not None:
+        inspected.rows = with_task_fields(inspected.rows, dataset)
     recorded = [text for text in texts if isinstance(text, list)]
     if recorded and (len(recorded) < len(texts) or environment_factory is None):
         raise ValueError(
@@ -698,11 +708,10 @@ def reward_verdicts(
         )[:3]
         tokens = [token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for _, j, t in peaks]
         strength = strengths[task.index(k)].item()
-        pairs = [
-            p
-            for p in deciding_pairs(record, k, num_generations, positions)
-            if all(record.replayed[j, c] for j in p[:2] for c in (k, control))
-        ]
+        aligned = deciding_pairs(record, k, num_generations, positions)
+        pairs = [p for p in aligned if all(record.replayed[j, c] for j in p[:2] for c in (k, control))]
+        # a feedback block (a failure's error message) is replayed on one side of each pair only: no pair test
+        unpaired = ONE_SIDED.format(len(aligned)) if aligned and not pairs else NO_PAIRS
         (hits, share, pair_peaks), (control_hits, *_) = (pair_test(record, c, pairs, positions) for c in (k, control))
         shown = [(j, t) for j, t, hit in pair_peaks if hit == (2 * hits >= len(pairs))]  # the peaks the verdict names
         pair_tokens = list(
@@ -736,12 +745,12 @@ def reward_verdicts(
             text = pair_verdict(hits, control_hits, len(pairs), share, pair_tokens)
         elif ratio >= VERDICT_RATIO:
             text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}"
-            text += f"{NO_PAIRS}."
+            text += f"{unpaired}."
         else:
-            action = UNDER_TWICE_ACTION["given" if completions_given else tool_rollouts]
+            action = UNDER_TWICE_ACTION["one-sided" if aligned else "given" if completions_given else tool_rollouts]
             text = (
                 f"q is under twice the control's: its credit still moves to where its q peaks "
-                f"({', '.join(map(repr, tokens))}); {action} (note below){NO_PAIRS}."
+                f"({', '.join(map(repr, tokens))}); {action} (note below){unpaired}."
             )
         peaks_apart = sum(apart) / len(apart) if apart else math.nan
         verdicts.append(
@@ -858,8 +867,13 @@ UNDER_TWICE_ACTION = {
     True: "compare its q on trajectories whose calls pass and fail; check that its block carries the tools' feedback",
     "given": "add to the --completions file two responses to one prompt that differ only where this reward decides, "
     "one passing and one failing, for the pair test",
+    "one-sided": "read its q on the failing responses in the heatmap, against what their feedback names",
 }
 NO_PAIRS = " (judged by q/control: no two responses to one prompt that it scores differently differ in a few tokens)"
+ONE_SIDED = (
+    " (judged by q/control: its block applies to at most one response of each of its {} pairs, as feedback on a "
+    "failure does, and the pair test reads q on both)"
+)
 UNDER_TWICE_NOTE = (
     "Note: q under twice the control's (an irrelevant sentence appended) has two causes this batch cannot tell "
     "apart: the model does not read the block at this size, or the block lacks what decides the reward. If q lands on "
