@@ -3,7 +3,9 @@
 For the agent gym's supervised policy (32 sampled trajectories, as `tests/test_agent_gym.py` inspects them) and the
 credit gym's (8 prompts x 4 responses, default task), per reward: how often its q peaks on its deciding token (the
 call's entity, the answer's value; a constraint's relevant positions), the verdict's figures (q against the control,
-the share of responses whose q peaks on another token than the control's) and its verdict. Run it under each CPU
+the share of responses whose q peaks on another token than the control's), the pair test's (pairs hit, the
+control's hits, the pairs another reward scores differently too, the share of q on the pairs' deciding tokens and
+the share of their tokens those are) and its verdict. Run it under each CPU
 float path (the supervised policies differ with it):
 
     OMP_NUM_THREADS=1 python benchmarks/verdict_gyms.py
@@ -72,16 +74,38 @@ def credit_gym(tmp: Path) -> list[tuple[str, int, int, object]]:
     return out
 
 
+PAIR_OUTCOMES = (
+    "no more than an even spread would",
+    "lands where it is decided",
+    "but so does the control's",
+    "peaks outside the tokens they differ in",
+)
+
+
+def verdict_label(text: str) -> str:
+    """The verdict's rule: the pair test's outcome, or the sentence's opening."""
+    outcome = next((o for o in PAIR_OUTCOMES if o in text), None)
+    return f"pair test: {outcome}" if text.startswith("pair test") and outcome else text.split(":")[0]
+
+
+def deciding_q(v) -> str:
+    """The share of its q on the pairs' deciding tokens, and the share of their tokens those are ('-': no pair)."""
+    return f"{v.deciding_share:.0%} on {v.deciding_tokens:.0%}" if v.pairs else "-"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     path = os.environ.get("ATEN_CPU_CAPABILITY", torch.backends.cpu.get_cpu_capability().lower())
-    print("| path | gym | reward | q peaks on its deciding token | q / control | peak apart | verdict |")
-    print("|---|---|---|---|---|---|---|")
+    columns = ["path", "gym", "reward", "q peaks on its deciding token", "q / control", "peak apart"]
+    print(f"| {' | '.join(columns)} | pairs hit (control) | pairs another reward decides | q on their deciding tokens "
+          "| verdict |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for gym, hits, total, v in [*agent_gym(Path(tmp)), *credit_gym(Path(tmp))]:
             print(
                 f"| {path} | {gym} | {v.reward} | {hits}/{total} | {v.q_over_control:.2f}x | {v.peaks_apart:.0%} "
-                f"| {v.verdict.split(':')[0]} |",
+                f"| {v.pair_hits}/{v.pairs} ({v.control_hits}) | {v.mixed_pairs} | {deciding_q(v)} "
+                f"| {verdict_label(v.verdict)} |",
                 flush=True,
             )
 

@@ -719,6 +719,11 @@ def test_verdicts_on_pairs_that_pass_and_fail():
         and "lands where it is decided ('7')" in correct.verdict
     )
     assert math.isclose(correct.deciding_share, 1.8 / (2 * (0.9 + 8 * 0.01)), rel_tol=1e-5)
+    # 'primed' scores the pair differently too: the differing tokens may decide it, and the verdict says so
+    assert correct.mixed_pairs == 1 and "1 of the 1 pairs differ in another reward's score too" in correct.verdict
+    alone = pair_record(texts, [[1, 1, 0], [0, 1, 0]], relevance[:, [0, 2, 3]])
+    (only, _) = reward_verdicts(alone, CharTokenizer(), ["correct", "same", CONTROL_NAME], 2, None)
+    assert "lands where it is decided ('7')." in only.verdict and "another reward" not in only.verdict
     assert (primed.pairs, primed.pair_hits) == (1, 0)
     assert "peaks outside the tokens they differ in (on '+'" in primed.verdict
     assert same.pairs == 0 and same.verdict.startswith("never varies")
@@ -737,6 +742,22 @@ def test_verdicts_on_pairs_that_pass_and_fail():
     assert "but so does the control's (1)" in control_too.verdict and "lands where" not in control_too.verdict
     table = format_verdicts(list(verdicts.values()))
     assert "1/1" in table and process in table
+
+
+def test_a_peak_on_pairs_that_differ_in_much_is_not_called_where_the_reward_decides():
+    """Its q peaks on a token where the two responses differ, but holds no more of its q on those tokens than an even
+    spread would: responses that differ in much (sampled ones) say nothing of what decides the reward."""
+    texts = ["3 + 4 = 7", "3 + 5 = 8"]  # 4 of the 18 characters differ
+    names = ["diffuse", CONTROL_NAME]
+    diffuse = [0.1, 0.1, 0.1, 0.1, 0.0, 0.1, 0.1, 0.1, 0.15]  # peaks on the last character, 18% of q on the four
+    record = pair_record(texts, [[1, 0], [0, 0]], torch.tensor([[diffuse, [0.01] * 8 + [0.02]]] * 2))
+    (verdict,) = reward_verdicts(record, CharTokenizer(), names, 2, None, completions_given=True)
+    assert (verdict.pairs, verdict.pair_hits) == (1, 1)
+    assert math.isclose(verdict.deciding_tokens, 4 / 18) and math.isclose(
+        verdict.deciding_share, 0.3 / 1.7, rel_tol=1e-6
+    )
+    assert "but those are 22% of their tokens and hold 18% of its q, no more than an even spread" in verdict.verdict
+    assert "lands where it is decided" not in verdict.verdict
 
 
 def test_a_feedback_block_on_failures_only_is_told_why_it_has_no_pair_test():

@@ -645,6 +645,8 @@ class Verdict:
     pair_hits: int = 0  # of those, the pairs where its q peaks on the tokens they differ in
     control_hits: int = 0  # the same for the control's q, on the same pairs
     deciding_share: float = math.nan  # the share of its q on those tokens, over its pairs
+    deciding_tokens: float = math.nan  # the share of the pairs' tokens they are (q spread evenly would put there)
+    mixed_pairs: int = 0  # its pairs that another reward scores differently too
 
 
 def reward_verdicts(
@@ -712,7 +714,11 @@ def reward_verdicts(
         pairs = [p for p in aligned if all(record.replayed[j, c] for j in p[:2] for c in (k, control))]
         # a feedback block (a failure's error message) is replayed on one side of each pair only: no pair test
         unpaired = ONE_SIDED.format(len(aligned)) if aligned and not pairs else NO_PAIRS
-        (hits, share, pair_peaks), (control_hits, *_) = (pair_test(record, c, pairs, positions) for c in (k, control))
+        others = [c for c in task if c != k]
+        mixed = sum(any(differ(record.rewards[[a, b], c]) for c in others) for a, b, *_ in pairs)
+        (hits, share, even, pair_peaks), (control_hits, *_) = (
+            pair_test(record, c, pairs, positions) for c in (k, control)
+        )
         shown = [(j, t) for j, t, hit in pair_peaks if hit == (2 * hits >= len(pairs))]  # the peaks the verdict names
         pair_tokens = list(
             dict.fromkeys(token_strings(tokenizer, [record.completion_ids[j, t].item()])[0] for j, t in shown)
@@ -742,7 +748,7 @@ def reward_verdicts(
                 "verifier checks would set it apart."
             )
         elif pairs:
-            text = pair_verdict(hits, control_hits, len(pairs), share, pair_tokens)
+            text = pair_verdict(hits, control_hits, len(pairs), share, even, pair_tokens, mixed)
         elif ratio >= VERDICT_RATIO:
             text = f"token credit will move this reward's credit onto these tokens: {', '.join(map(repr, tokens))}"
             text += f"{unpaired}."
@@ -767,12 +773,19 @@ def reward_verdicts(
                 hits,
                 control_hits,
                 share,
+                even,
+                mixed,
             )  # fmt: skip
         )
     return verdicts + [contribution_verdict(record, name, tokenizer, positions) for name in record.contributions]
 
 
 PAIR_OVERLAP = 0.5  # a pair's token alignment keeps at least this share of the longer response
+
+
+def differ(scores: torch.Tensor) -> bool:
+    """Whether a reward scores two responses differently (None, read as NaN, differs from nothing)."""
+    return not scores.isnan().any().item() and scores[0].item() != scores[1].item()
 
 
 def deciding_pairs(
@@ -788,8 +801,7 @@ def deciding_pairs(
     pairs = []
     for start in range(0, len(positions), num_generations):
         for a, b in itertools.combinations(range(start, min(start + num_generations, len(positions))), 2):
-            scores = record.rewards[a, k].item(), record.rewards[b, k].item()
-            if math.isnan(scores[0]) or math.isnan(scores[1]) or scores[0] == scores[1]:
+            if not differ(record.rewards[[a, b], k]):
                 continue
             ids = [record.completion_ids[j, positions[j]].tolist() for j in (a, b)]
             blocks = difflib.SequenceMatcher(None, *ids, autojunk=False).get_matching_blocks()
@@ -804,10 +816,11 @@ def deciding_pairs(
 
 def pair_test(
     record: CreditRecord, column: int, pairs: list, positions: list[torch.Tensor]
-) -> tuple[int, float, list[tuple[int, int, bool]]]:
+) -> tuple[int, float, float, list[tuple[int, int, bool]]]:
     """In how many ``pairs`` the q of ``column`` (a reward, or the control) peaks on a deciding token (over both
-    responses' tokens), the share of its q mass on them, and each pair's peak: ``(response, token, deciding)``."""
-    hits, inside, total, peaks = 0, 0.0, 0.0, []
+    responses' tokens), the share of its q mass on them, the share of the pairs' tokens they are (what an even
+    spread of q would put there), and each pair's peak: ``(response, token, deciding)``."""
+    hits, inside, total, peaks, decisive, tokens = 0, 0.0, 0.0, [], 0, 0
     for a, b, deciding_a, deciding_b in pairs:
         q = [record.relevance[j, column, positions[j]].double() for j in (a, b)]
         both = torch.cat(q)
@@ -819,16 +832,33 @@ def pair_test(
         hit = bool(both.max() > 0) and bool(deciding[peak])
         hits, peaks = hits + hit, [*peaks, (j, positions[j][t].item(), hit)]
         inside, total = inside + both[deciding].sum().item(), total + both.sum().item()
-    return hits, inside / total if total > 0 else math.nan, peaks
+        decisive, tokens = decisive + int(deciding.sum()), tokens + len(both)
+    return hits, inside / total if total > 0 else math.nan, decisive / max(tokens, 1), peaks
 
 
-def pair_verdict(hits: int, control: int, count: int, share: float, tokens: list[str]) -> str:
-    """The verdict the pair test gives (docs/inspect.md, "The pair test")."""
+def pair_verdict(
+    hits: int, control: int, count: int, share: float, even: float, tokens: list[str], mixed: int = 0
+) -> str:
+    """The verdict the pair test gives (docs/inspect.md, "The pair test"); ``even``: the share of the pairs' tokens
+    that decide them, which q spread evenly would put there; ``mixed``: the pairs another reward scores differently
+    too, whose deciding tokens may be that reward's."""
     peaks = ", ".join(map(repr, tokens))
     found = f"in {hits} of {count} pairs of responses it scores differently its q peaks on the tokens they differ in"
+    if 2 * hits >= count and not share > even:
+        return (
+            f"pair test: {found} ({peaks}), but those are {even:.0%} of their tokens and hold {share:.0%} of its q, "
+            "no more than an even spread would: the pairs differ in too much to show what decides it; responses that "
+            "differ only where it decides would."
+        )
     if 2 * hits >= count and hits > control:
-        there = f"{share:.0%} of its q there; the control: {control}"
-        return f"pair test: {found} ({there}): its credit lands where it is decided ({peaks})."
+        there = f"{share:.0%} of its q there, on {even:.0%} of their tokens; the control: {control}"
+        caveat = (
+            f" {mixed} of the {count} pairs differ in another reward's score too: a peak on their differing tokens "
+            "may be on what decides that reward."
+            if mixed
+            else ""
+        )
+        return f"pair test: {found} ({there}): its credit lands where it is decided ({peaks}).{caveat}"
     if 2 * hits >= count:
         return (
             f"pair test: {found}, so its credit moves onto them ({peaks}), but so does the control's ({control}): any "
