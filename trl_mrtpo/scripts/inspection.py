@@ -833,12 +833,10 @@ def pair_test(
         hits, peaks = hits + hit, [*peaks, (j, positions[j][t].item(), hit)]
         inside, total = inside + both[deciding].sum().item(), total + both.sum().item()
         decisive, tokens = decisive + int(deciding.sum()), tokens + len(both)
-    return hits, inside / total if total > 0 else math.nan, decisive / max(tokens, 1), peaks
+    return hits, inside / total if total > 0 else math.nan, decisive / tokens if tokens else math.nan, peaks
 
 
-def pair_verdict(
-    hits: int, control: int, count: int, share: float, even: float, tokens: list[str], mixed: int = 0
-) -> str:
+def pair_verdict(hits: int, control: int, count: int, share: float, even: float, tokens: list[str], mixed: int) -> str:
     """The verdict the pair test gives (docs/inspect.md, "The pair test"); ``even``: the share of the pairs' tokens
     that decide them, which q spread evenly would put there; ``mixed``: the pairs another reward scores differently
     too, whose deciding tokens may be that reward's."""
